@@ -1,0 +1,5 @@
+import sys
+
+from gemctl.cli import main
+
+sys.exit(main())

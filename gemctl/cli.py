@@ -1,0 +1,156 @@
+"""`gemctl` verbs. Thin: parse, compose, validate, hand over.
+
+    gemctl train [--recipe NAME|FILE] [overrides...]
+    gemctl config show|validate [--recipe NAME|FILE] [overrides...]
+    gemctl recipes list | show NAME | cp NAME DEST
+
+Overrides are Hydra's: ``model=small train.steps=100 data.max_len=500``.
+A bad config or bad input prints one line naming the field and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from gemctl.errors import UserError
+
+
+def _compose(args):
+    from gemctl.config.compose import compose
+    from gemctl.config.validate import validate
+
+    cfg = compose(args.overrides, recipe=args.recipe)
+    validate(cfg)
+    return cfg
+
+
+def cmd_train(args, console: Console) -> int:
+    cfg = _compose(args)
+    from gemctl.train.trainer import train
+
+    result = train(cfg, console=console)
+    console.print(summary_table(cfg, result))
+    console.print(f"results: {result.run_dir}/summary.json, metrics: {result.run_dir}/metrics.jsonl")
+    return 0
+
+
+def summary_table(cfg, result) -> Table:
+    table = Table(title=f"gemctl train: {cfg.run.name} ({cfg.model.name}, {cfg.data.name})", show_header=True)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    ev, perf = result.eval, result.perf
+    for task, m in ((k, v) for k, v in ev.items() if isinstance(v, dict)):
+        table.add_row(f"eval NE ({task})", f"{m['ne']:.4f}")
+        table.add_row(f"eval AUC ({task})", f"{m['auc']:.4f}")
+    for name, base in result.baselines.items():
+        table.add_row(f"baseline {name} NE / AUC", f"{base['ne']:.4f} / {base['auc']:.4f}")
+    table.add_row("eval samples", f"{ev.get('samples', 0):,}")
+    table.add_row("final train loss", f"{sum(result.losses[-10:]) / max(1, len(result.losses[-10:])):.4f}")
+    table.add_row("QPS (samples/s)", f"{perf['qps']:,.1f}")
+    table.add_row("tokens/s", f"{perf['tokens_per_s']:,.0f}")
+    table.add_row("step time", f"{perf['step_time_ms']:.1f} ms")
+    table.add_row("model TFLOP/s", f"{perf['model_tflops']:.3f}")
+    table.add_row("Local MFU", f"{100 * perf['local_mfu']:.2f}%")
+    table.add_row("peak used", perf["peak"])
+    table.add_row("attention share of FLOPs", f"{100 * perf['attention_flop_share']:.1f}%")
+    table.add_row("data wait per step", f"{perf['data_wait_ms_per_step']:.2f} ms ({100 * perf['data_wait_fraction']:.1f}%)")
+    if "peak_memory_gib" in perf:
+        table.add_row("peak GPU memory", f"{perf['peak_memory_gib']:.1f} GiB")
+    table.add_row("timed steps / train wall", f"{perf['timed_steps']} / {perf['train_wall_s']:.1f} s")
+    return table
+
+
+def cmd_config(args, console: Console) -> int:
+    from omegaconf import OmegaConf
+
+    cfg = _compose(args)
+    if args.action == "show":
+        print(OmegaConf.to_yaml(cfg), end="")
+    else:
+        console.print("config is valid")
+    return 0
+
+
+def cmd_recipes(args, console: Console) -> int:
+    from gemctl.config.compose import list_recipes, resolve_recipe
+
+    if args.action == "list":
+        table = Table(title="recipes")
+        table.add_column("name")
+        table.add_column("command / description")
+        for name, path in list_recipes().items():
+            header = [ln[1:].strip() for ln in path.read_text().splitlines() if ln.startswith("#") and "@package" not in ln]
+            table.add_row(name, "\n".join(header[:2]))
+        console.print(table)
+        return 0
+    if not args.name:
+        raise UserError(f"gemctl recipes {args.action}: give a recipe name")
+    path = resolve_recipe(args.name)
+    if args.action == "show":
+        print(path.read_text(), end="")
+        return 0
+    dest = Path(args.dest or f"{path.stem}.yaml")
+    if dest.is_dir():
+        dest = dest / path.name
+    if dest.exists():
+        raise UserError(f"gemctl recipes cp: {dest} exists; choose another destination")
+    shutil.copyfile(path, dest)
+    console.print(f"copied {path.name} -> {dest} (run it with: gemctl train --recipe {dest})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gemctl", description="Train GEM-like recommendation models.")
+    sub = parser.add_subparsers(dest="verb", required=True)
+
+    def with_overrides(p):
+        p.add_argument("--recipe", help="a recipe name (gemctl recipes list) or a YAML file")
+        p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=small train.steps=100")
+
+    p = sub.add_parser("train", help="train a model")
+    with_overrides(p)
+    p.set_defaults(func=cmd_train)
+    p = sub.add_parser("config", help="show or validate the composed config")
+    p.add_argument("action", choices=["show", "validate"])
+    with_overrides(p)
+    p.set_defaults(func=cmd_config)
+    p = sub.add_parser("recipes", help="list, show or copy recipes")
+    p.add_argument("action", choices=["list", "show", "cp"])
+    p.add_argument("name", nargs="?")
+    p.add_argument("dest", nargs="?")
+    p.set_defaults(func=cmd_recipes)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console(stderr=False)
+    try:
+        return args.func(args, console)
+    except UserError as exc:
+        print(f"gemctl: error: {first_line(exc)}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("gemctl: interrupted", file=sys.stderr)
+        return 130
+
+
+def first_line(exc: BaseException) -> str:
+    """The actionable line of an error. An error raised in a DataLoader worker arrives wrapped
+    in the worker's traceback; its last line holds the original message."""
+    lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+    if not lines:
+        return type(exc).__name__
+    if "Original Traceback" in lines[0] or lines[0].startswith("Caught "):
+        return lines[-1].split(": ", 1)[-1]
+    return lines[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""Compose a run config: configs/ groups + an optional recipe + command-line overrides.
+
+Hydra's compose API does the merging; errors from Hydra and OmegaConf are turned into one line
+that names the field and what is allowed (:class:`gemctl.errors.ConfigError`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from gemctl.errors import ConfigError, UserError
+
+PRIMARY = "gemctl"
+
+
+def _resource_dir(name: str) -> Path:
+    """configs/ or recipes/ in a source checkout, else the copy bundled into the wheel."""
+    src = Path(__file__).resolve().parents[2] / name
+    if src.is_dir():
+        return src
+    import importlib.resources
+
+    return Path(str(importlib.resources.files(f"gemctl._{name}")))
+
+
+def configs_dir() -> Path:
+    return _resource_dir("configs")
+
+
+def recipes_dir() -> Path:
+    return _resource_dir("recipes")
+
+
+def list_recipes() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(recipes_dir().rglob("*.yaml"))}
+
+
+def resolve_recipe(recipe: str) -> Path:
+    """A recipe by name (recipes/NAME.yaml) or by path to a YAML file."""
+    path = Path(recipe)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return path.resolve()
+    recipes = list_recipes()
+    if recipe in recipes:
+        return recipes[recipe]
+    hint = difflib.get_close_matches(recipe, recipes, n=1)
+    more = f" (did you mean '{hint[0]}'?)" if hint else ""
+    raise ConfigError("recipe", f"no recipe '{recipe}'{more}; available: {', '.join(recipes)}")
+
+
+def compose(overrides: list[str] | None = None, recipe: str | None = None) -> DictConfig:
+    """Compose and type-check the config; raises ConfigError with one actionable line."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from gemctl.config.schema import register
+
+    register()
+    overrides = list(overrides or [])
+    with tempfile.TemporaryDirectory(prefix="gemctl-recipe-") as tmp:
+        if recipe is not None:
+            # A recipe is a `# @package _global_` config of the group "recipes" (Hydra's
+            # experiment pattern: it may override groups of the base defaults list). The group
+            # is reached through a search-path entry holding only this recipe, so a user's
+            # copied recipe anywhere on disk works the same as a bundled one.
+            path = resolve_recipe(recipe)
+            (Path(tmp) / "recipes").mkdir()
+            shutil.copyfile(path, Path(tmp) / "recipes" / path.name)
+            overrides = [f"hydra.searchpath=[file://{tmp}]", f"+recipes={path.stem}", *overrides]
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=str(configs_dir()), version_base="1.3"):
+                cfg = hydra_compose(config_name=PRIMARY, overrides=overrides)
+        except Exception as exc:  # Hydra wraps the OmegaConf error; unwrap it into one line
+            raise _to_config_error(exc, overrides) from None
+        finally:
+            GlobalHydra.instance().clear()
+        try:
+            # Re-merge into the schema: catches keys forced in with '+key=value' and keys inside
+            # list elements (precision.rules[0].fmt) that Hydra lets through.
+            from gemctl.config.schema import GemConfig
+
+            _check_known_keys(OmegaConf.to_container(cfg), GemConfig, "")
+            typed = OmegaConf.merge(OmegaConf.structured(GemConfig), cfg)
+        except Exception as exc:
+            raise _to_config_error(exc, overrides) from None
+    OmegaConf.set_readonly(typed, False)
+    return typed
+
+
+def _check_known_keys(node, schema_type, path: str) -> None:
+    """Every key must be a field of the schema dataclass (recursing into nested dataclasses)."""
+    import dataclasses
+    import typing
+
+    fields = {f.name: f for f in dataclasses.fields(schema_type)}
+    hints = typing.get_type_hints(schema_type)
+    for key, value in node.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in fields:
+            hint = difflib.get_close_matches(str(key), fields, n=1)
+            more = f" (did you mean '{hint[0]}'?)" if hint else ""
+            raise ConfigError(where, f"unknown key{more}; allowed: {', '.join(fields)}")
+        typ = hints[key]
+        args = typing.get_args(typ)
+        if dataclasses.is_dataclass(typ) and isinstance(value, dict):
+            _check_known_keys(value, typ, where)
+        elif args and dataclasses.is_dataclass(args[0]) and isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, dict):
+                    _check_known_keys(item, args[0], f"{where}[{i}]")
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return exc
+
+
+def _allowed_keys(full_key: str) -> list[str]:
+    from gemctl.config.schema import GemConfig
+
+    node = OmegaConf.structured(GemConfig)
+    parent = full_key.rsplit(".", 1)[0] if "." in full_key else ""
+    try:
+        sub = OmegaConf.select(node, parent) if parent else node
+        return list(sub.keys()) if isinstance(sub, DictConfig) else []
+    except Exception:
+        return []
+
+
+def _to_config_error(exc: Exception, overrides: list[str]) -> UserError:
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+    if isinstance(exc, UserError):
+        return exc
+    cause = _root_cause(exc)
+    text = str(cause).strip()
+    first = text.splitlines()[0] if text else type(cause).__name__
+    full_key = getattr(cause, "full_key", None)
+
+    missing = re.search(r"Could not find '([^']+)/([^']+)'", text)
+    if missing:
+        group, option = missing.groups()
+        options = sorted(re.findall(r"^\t(\S+)$", text, flags=re.M))
+        if not options:
+            options = sorted(p.stem for p in (configs_dir() / group).glob("*.yaml"))
+        hint = difflib.get_close_matches(option, options, n=1)
+        more = f" (did you mean '{hint[0]}'?)" if hint else ""
+        return ConfigError(group, f"no config '{option}'{more}; allowed: {', '.join(options)}")
+    unknown = re.search(r"Key '([^']+)' not in '(\w+)'", first)
+    if unknown or (isinstance(cause, ConfigKeyError) and full_key):
+        full_key = full_key or unknown.group(1)
+        allowed = _allowed_keys(full_key)
+        if unknown:
+            import dataclasses
+
+            from gemctl.config import schema
+
+            owner = getattr(schema, unknown.group(2), None)
+            if dataclasses.is_dataclass(owner):
+                allowed = [f.name for f in dataclasses.fields(owner)]
+                if "." not in full_key and owner is not schema.GemConfig:
+                    full_key = f"{unknown.group(2)}.{full_key}"
+        leaf = full_key.rsplit(".", 1)[-1]
+        hint = difflib.get_close_matches(leaf, allowed, n=1)
+        more = f" (did you mean '{hint[0]}'?)" if hint else ""
+        return ConfigError(full_key, f"unknown key{more}; allowed: {', '.join(allowed)}")
+    if isinstance(cause, ValidationError) and full_key:
+        return ConfigError(full_key, first)
+    if isinstance(cause, OmegaConfBaseException) and full_key:
+        return ConfigError(full_key, first)
+    if "Could not override" in text or "Key '" in text:
+        key = re.search(r"Key '([^']+)'", text)
+        field = key.group(1) if key else "overrides"
+        return ConfigError(field, first)
+    return ConfigError("config", first)

@@ -1,0 +1,167 @@
+"""Typed config schema, registered in Hydra's ConfigStore.
+
+Each component gets its own dataclass and is handed only its own slice. The YAML files under
+``configs/`` merge into these nodes, so an unknown key or a value of the wrong type is an error at
+compose time, never a silent default. Cross-field checks live in :mod:`gemctl.config.validate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    embedding_dim: int = 32  # width of every embedding table
+    d_model: int = 64  # width of the token stream in the towers
+    num_heads: int = 2
+    head_dim: int = 32
+    num_layers: int = 2
+    mlp_ratio: int = 4
+    # Attention kind per sequence-tower layer: "full" or "block:<block_size>". One entry applies
+    # to every layer; otherwise one entry per layer.
+    attention: List[str] = field(default_factory=lambda: ["full"])
+    causal: bool = True
+    # Relative-position bias of the sequence tower: a learned [num_heads, relpos_buckets] table,
+    # log-bucketed distances (0 turns it off).
+    relpos_buckets: int = 32
+    relpos_max_distance: int = 128
+    pma_queries: int = 4  # learned queries pooling the history (PMA)
+    gdpa_activation: str = "gelu"  # activation of PMA / cross-attention (GDPA)
+    interaction_layers: int = 2  # low-rank cross layers over the pooled tokens
+    interaction_rank: int = 64
+    head_hidden: int = 128  # hidden width of each task head
+
+
+@dataclass
+class PrecisionRule:
+    """Assigns a compute format to the modules whose dotted path matches ``match`` (fnmatch).
+
+    ``last_n_layers`` restricts a rule to the last N sequence-tower layers (e.g. keep the late,
+    numerically sensitive layers in higher precision). Later rules win over earlier ones.
+    """
+
+    match: str = "*"
+    format: str = "bf16"
+    last_n_layers: Optional[int] = None
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "bf16"
+    compute_dtype: str = "bf16"  # autocast dtype on CUDA: bf16 | fp32 (CPU always runs fp32)
+    rules: List[PrecisionRule] = field(default_factory=list)
+
+
+@dataclass
+class ParallelConfig:
+    name: str = "single"
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    ep: int = 1
+
+
+@dataclass
+class SyntheticDataConfig:
+    num_items: int = 20000
+    num_actions: int = 8
+    num_users: int = 5000
+    num_ads: int = 2000
+    num_contexts: int = 64
+    context_hotness: int = 3  # context ids per sample (multi-hot bag)
+    length_sigma: float = 0.8  # log-normal sigma of history lengths
+    zero_length_fraction: float = 0.02
+    zipf_alpha: float = 1.1
+    teacher_scale: float = 2.0  # strength of the teacher's signal (logit scale)
+    base_ctr: float = 0.2
+    eval_samples: int = 4096
+
+
+@dataclass
+class MovieLensDataConfig:
+    positive_rating: int = 4  # label = rating >= this
+    eval_fraction: float = 0.2  # latest fraction of interactions (by time) held out
+    min_history: int = 0  # drop training targets with fewer earlier interactions than this
+
+
+@dataclass
+class DataConfig:
+    name: str = "synthetic"
+    source: str = "synthetic"  # synthetic | movielens100k
+    batch_size: int = 128
+    eval_batch_size: int = 512
+    max_len: int = 64
+    seed: int = 1234
+    num_workers: int = 0  # background loader processes; 0 loads in a thread of the trainer
+    prefetch: int = 2  # batches kept ready ahead of the step
+    validate: bool = True  # check every batch (ids in range, offsets, labels)
+    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+    movielens: MovieLensDataConfig = field(default_factory=MovieLensDataConfig)
+
+
+@dataclass
+class ShuffleConfig:
+    name: str = "none"
+    kind: str = "none"
+
+
+@dataclass
+class LauncherConfig:
+    name: str = "local"
+    kind: str = "local"
+    nproc_per_node: int = 1
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    lr: float = 3e-3  # AdamW, dense parameters
+    weight_decay: float = 0.01
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.98])
+    warmup_steps: int = 20
+    grad_clip: float = 1.0  # 0 disables clipping
+    embedding_optimizer: str = "rowwise_adagrad"  # rowwise_adagrad | adam
+    embedding_lr: float = 0.05
+    eval_every: int = 0  # 0: evaluate once at the end
+    eval_batches: int = 0  # 0: the whole held-out split
+    log_every: int = 10
+    warmup_timing_steps: int = 5  # steps left out of the throughput averages (compilation, caches)
+    deterministic: bool = True  # deterministic algorithms on CPU
+
+
+@dataclass
+class MetricsConfig:
+    # Peak dense TFLOP/s used for MFU; null: look the device up in the peak table, or measure
+    # a calibration GEMM when it is not there (labelled as measured).
+    peak_tflops: Optional[float] = None
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"
+    output_dir: str = "runs"  # run directories are created under this
+    progress: bool = True  # rich progress bar
+
+
+@dataclass
+class GemConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    shuffle: ShuffleConfig = field(default_factory=ShuffleConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+def register() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="gemctl_schema", node=GemConfig)

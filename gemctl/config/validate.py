@@ -1,0 +1,120 @@
+"""Cross-field validation: runs after compose, before anything is built or written.
+
+Each failure is a ConfigError naming the field to change and what is allowed.
+"""
+
+from __future__ import annotations
+
+import re
+
+from gemctl.errors import ConfigError
+
+ATTENTION_KINDS = "full | block:<block_size>"
+PRECISION_FORMATS = ("bf16", "fp32")
+COMPUTE_DTYPES = ("bf16", "fp32")
+DEVICES = ("auto", "cpu", "cuda")
+EMBEDDING_OPTIMIZERS = ("rowwise_adagrad", "adam")
+SHUFFLES = ("none",)
+LAUNCHERS = ("local",)
+SOURCES = ("synthetic", "movielens100k")
+GDPA_ACTIVATIONS = ("gelu", "silu")
+
+
+def _positive(cfg, path: str, allow_zero: bool = False) -> None:
+    value = cfg
+    for part in path.split("."):
+        value = getattr(value, part)
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(path, f"must be {bound}, got {value}")
+
+
+def _one_of(value, allowed, path: str) -> None:
+    if value not in allowed:
+        raise ConfigError(path, f"'{value}' is not allowed; allowed: {', '.join(map(str, allowed))}")
+
+
+def validate(cfg) -> None:
+    m, d, t, p = cfg.model, cfg.data, cfg.train, cfg.precision
+    for f in ("embedding_dim", "d_model", "num_heads", "head_dim", "num_layers", "mlp_ratio",
+              "pma_queries", "interaction_rank", "head_hidden"):
+        _positive(cfg, f"model.{f}")
+    _positive(cfg, "model.interaction_layers", allow_zero=True)
+    _positive(cfg, "model.relpos_buckets", allow_zero=True)
+    if m.relpos_buckets and m.relpos_max_distance < 1:
+        raise ConfigError("model.relpos_max_distance", f"must be >= 1, got {m.relpos_max_distance}")
+    if m.head_dim % 8:
+        raise ConfigError("model.head_dim", f"must be a multiple of 8 (kernels tile it), got {m.head_dim}")
+    _one_of(m.gdpa_activation, GDPA_ACTIVATIONS, "model.gdpa_activation")
+    kinds = list(m.attention)
+    if len(kinds) not in (1, m.num_layers):
+        raise ConfigError(
+            "model.attention",
+            f"has {len(kinds)} entries; give 1 (all layers) or model.num_layers={m.num_layers}",
+        )
+    for i, kind in enumerate(kinds):
+        match = re.fullmatch(r"full|block:(\d+)", kind)
+        if not match or (match.group(1) is not None and int(match.group(1)) < 1):
+            raise ConfigError(f"model.attention[{i}]", f"'{kind}' is not allowed; allowed: {ATTENTION_KINDS}")
+
+    _one_of(p.compute_dtype, COMPUTE_DTYPES, "precision.compute_dtype")
+    for i, rule in enumerate(p.rules):
+        _one_of(rule.format, PRECISION_FORMATS, f"precision.rules[{i}].format")
+        if rule.last_n_layers is not None and not 1 <= rule.last_n_layers <= m.num_layers:
+            raise ConfigError(
+                f"precision.rules[{i}].last_n_layers",
+                f"must be in [1, model.num_layers={m.num_layers}], got {rule.last_n_layers}",
+            )
+
+    _one_of(d.source, SOURCES, "data.source")
+    for f in ("batch_size", "eval_batch_size", "max_len", "prefetch"):
+        _positive(cfg, f"data.{f}")
+    _positive(cfg, "data.num_workers", allow_zero=True)
+    s = d.synthetic
+    for f in ("num_items", "num_actions", "num_users", "num_ads", "num_contexts", "context_hotness", "eval_samples"):
+        _positive(cfg, f"data.synthetic.{f}")
+    if not 0 <= s.zero_length_fraction < 1:
+        raise ConfigError("data.synthetic.zero_length_fraction", f"must be in [0, 1), got {s.zero_length_fraction}")
+    if not 0 < s.base_ctr < 1:
+        raise ConfigError("data.synthetic.base_ctr", f"must be in (0, 1), got {s.base_ctr}")
+    if s.length_sigma < 0:
+        raise ConfigError("data.synthetic.length_sigma", f"must be >= 0, got {s.length_sigma}")
+    if s.zipf_alpha <= 0:
+        raise ConfigError("data.synthetic.zipf_alpha", f"must be > 0, got {s.zipf_alpha}")
+    if not 0 < d.movielens.eval_fraction < 1:
+        raise ConfigError("data.movielens.eval_fraction", f"must be in (0, 1), got {d.movielens.eval_fraction}")
+
+    _one_of(cfg.shuffle.kind, SHUFFLES, "shuffle.kind")
+    _one_of(cfg.launcher.kind, LAUNCHERS, "launcher.kind")
+    world = cfg.parallel.dp_replicate * cfg.parallel.dp_shard
+    for f in ("dp_replicate", "dp_shard", "ep"):
+        _positive(cfg, f"parallel.{f}")
+    if cfg.launcher.kind == "local":
+        if cfg.launcher.nproc_per_node != 1:
+            raise ConfigError("launcher.nproc_per_node", "launcher=local runs one process; allowed: 1")
+        if world != 1 or cfg.parallel.ep != 1:
+            raise ConfigError(
+                "parallel",
+                f"layout '{cfg.parallel.name}' needs {world} ranks but launcher=local runs 1; use parallel=single",
+            )
+
+    _one_of(t.device, DEVICES, "train.device")
+    if t.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device", "'cuda' requested but no CUDA device is visible; allowed here: auto, cpu")
+    _one_of(t.embedding_optimizer, EMBEDDING_OPTIMIZERS, "train.embedding_optimizer")
+    for f in ("steps", "lr", "embedding_lr", "log_every"):
+        _positive(cfg, f"train.{f}")
+    for f in ("warmup_steps", "grad_clip", "eval_every", "eval_batches", "weight_decay", "warmup_timing_steps"):
+        _positive(cfg, f"train.{f}", allow_zero=True)
+    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
+        raise ConfigError("train.betas", f"must be two numbers in [0, 1), got {list(t.betas)}")
+    if t.warmup_timing_steps >= t.steps:
+        raise ConfigError(
+            "train.warmup_timing_steps",
+            f"must be < train.steps={t.steps} (steps left out of throughput averages)",
+        )
+    if cfg.metrics.peak_tflops is not None and cfg.metrics.peak_tflops <= 0:
+        raise ConfigError("metrics.peak_tflops", f"must be > 0 or null, got {cfg.metrics.peak_tflops}")

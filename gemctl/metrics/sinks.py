@@ -1,0 +1,47 @@
+"""Where results go: a run directory with the resolved config, a JSONL metrics log, a summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class RunDir:
+    path: Path
+
+    @classmethod
+    def create(cls, root: str | os.PathLike, name: str) -> "RunDir":
+        """runs/<name>/<timestamp>[-k]: a fresh directory per run."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        base = Path(root) / name / stamp
+        path, k = base, 1
+        while True:
+            try:
+                path.mkdir(parents=True, exist_ok=False)
+                return cls(path)
+            except FileExistsError:
+                k += 1
+                path = base.with_name(f"{stamp}-{k}")
+
+    def write_text(self, name: str, text: str) -> Path:
+        """Write atomically (temporary file, then rename)."""
+        target = self.path / name
+        tmp = target.with_suffix(target.suffix + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, target)
+        return target
+
+
+class JsonlSink:
+    def __init__(self, path: Path):
+        self._f = open(path, "a", buffering=1)
+
+    def write(self, record: dict) -> None:
+        self._f.write(json.dumps(record, default=float) + "\n")
+
+    def close(self) -> None:
+        self._f.close()

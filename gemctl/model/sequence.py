@@ -1,0 +1,52 @@
+"""Sequence tower: N pre-norm layers of [RMSNorm -> attention -> RMSNorm -> MLP] on jagged tokens."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from gemctl.model.attention import JaggedSelfAttention
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.up = nn.Linear(d_model, hidden, bias=False)
+        self.act = nn.SiLU()
+        self.down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x):
+        return self.down(self.act(self.up(x)))
+
+
+class SequenceLayer(nn.Module):
+    def __init__(self, cfg, kind: str):
+        super().__init__()
+        d = cfg.d_model
+        self.attn_norm = nn.RMSNorm(d)
+        self.attn = JaggedSelfAttention(
+            d, cfg.num_heads, cfg.head_dim, kind=kind, causal=cfg.causal,
+            relpos_buckets=cfg.relpos_buckets, relpos_max_distance=cfg.relpos_max_distance,
+        )
+        self.mlp_norm = nn.RMSNorm(d)
+        self.mlp = MLP(d, cfg.mlp_ratio * d)
+
+    def forward(self, x, offsets, max_len, backend):
+        x = x + self.attn(self.attn_norm(x), offsets, max_len, backend)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def layer_kinds(cfg) -> list[str]:
+    kinds = list(cfg.attention)
+    return kinds * cfg.num_layers if len(kinds) == 1 else kinds
+
+
+class SequenceTower(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.layers = nn.ModuleList(SequenceLayer(cfg, kind) for kind in layer_kinds(cfg))
+        self.norm = nn.RMSNorm(cfg.d_model)
+
+    def forward(self, x, offsets, max_len, backend="auto"):
+        for layer in self.layers:
+            x = layer(x, offsets, max_len, backend)
+        return self.norm(x)

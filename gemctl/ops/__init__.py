@@ -1,0 +1,95 @@
+"""Public kernel API of gemctl.
+
+Every op takes jagged tensors ``[total_tokens, heads, head_dim]`` with int64 offsets ``[B+1]`` and
+Python-int maximum lengths (computed once on the host). ``backend`` selects the implementation:
+``"torch"`` is the plain PyTorch reference (any device, float32/float64-capable, autograd),
+``"triton"`` the bundled Triton kernel, ``"auto"`` Triton on CUDA and the reference elsewhere.
+When ``"auto"`` wants a Triton kernel that is not available it falls back to the reference and
+says so once per op.
+
+This package imports nothing from the rest of gemctl.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from gemctl.ops.bias import RelativePositionBias, relative_position_bucket
+from gemctl.ops.reference.attention import jagged_attention_reference
+from gemctl.ops.reference.block import apply_rope, block_attention_reference
+from gemctl.ops.reference.gdpa import gdpa_reference
+
+__all__ = [
+    "RelativePositionBias",
+    "relative_position_bucket",
+    "jagged_attention",
+    "gdpa",
+    "block_attention",
+    "apply_rope",
+    "triton_kernels",
+]
+
+BACKENDS = ("auto", "torch", "triton")
+
+# Triton implementations register here as they land: op name -> callable with the public signature.
+triton_kernels: dict[str, object] = {}
+_warned: set[str] = set()
+
+
+def _pick(op: str, backend: str, device: torch.device):
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return None
+    kernel = triton_kernels.get(op)
+    if backend == "triton":
+        if kernel is None:
+            raise NotImplementedError(f"{op}: no Triton kernel is bundled in this version; use backend='torch'")
+        return kernel
+    if device.type != "cuda":
+        return None
+    if kernel is None and op not in _warned:
+        _warned.add(op)
+        print(
+            f"gemctl.ops: no Triton {op} kernel available; using the PyTorch reference on CUDA",
+            file=sys.stderr,
+        )
+    return kernel
+
+
+def jagged_attention(
+    q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, bias=None, causal=False, scale=None, backend="auto"
+):
+    """Softmax attention per sequence over jagged q ``[Nq, H, D]`` and k/v ``[Nk, H, D]``.
+
+    K/V lengths may differ from Q lengths; ``causal`` aligns the last query with the last key;
+    ``bias`` is a :class:`RelativePositionBias` (learned ``[H, n_buckets]`` table, with gradient).
+    A query with no key outputs zeros.
+    """
+    kernel = _pick("jagged_attention", backend, q.device)
+    fn = kernel or jagged_attention_reference
+    return fn(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias=bias, causal=causal, scale=scale)
+
+
+def gdpa(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, activation="gelu", scale=None, backend="auto"):
+    """Generalized dot-product attention: ``out_i = sum_j act(scale * q_i . k_j) v_j`` per sequence.
+
+    No softmax and no normalization (callers scale). Covers self-attention (jagged Q = K/V),
+    PMA (a fixed number of queries per sample over jagged K/V) and cross-attention (jagged Q over
+    a few K/V tokens per sample): fixed-length sides are expressed through offsets.
+    """
+    kernel = _pick("gdpa", backend, q.device)
+    fn = kernel or gdpa_reference
+    return fn(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, activation=activation, scale=scale)
+
+
+def block_attention(q, k, v, offsets, max_len, *, block_size=64, rope=None, backend="auto"):
+    """Softmax attention inside consecutive ``block_size`` chunks of each sequence.
+
+    ``rope=(cos, sin)`` tables ``[>= max_len, D // 2]`` rotate q and k by position first.
+    """
+    kernel = _pick("block_attention", backend, q.device)
+    fn = kernel or block_attention_reference
+    return fn(q, k, v, offsets, max_len, block_size=block_size, rope=rope)

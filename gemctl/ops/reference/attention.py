@@ -1,0 +1,60 @@
+"""PyTorch reference of jagged softmax attention (padded, any float dtype, autograd).
+
+out_i = sum_j softmax_j(scale * q_i . k_j + bias_ij) v_j over the keys j of the same sequence,
+with keys after the query excluded when causal (the last query is aligned with the last key).
+A query row with no valid key (an empty key sequence, or causal with Lq > Lk) outputs zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gemctl.ops.bias import RelativePositionBias, relative_position_bucket
+from gemctl.ops.reference.jagged import pad, unpad
+
+
+def _relative_distance(q_offsets, k_offsets, max_q_len, max_k_len):
+    """Distance d = (i + Lk_b - Lq_b) - j (last query aligned with last key): [B, Lq, Lk], or
+    [1, Lq, Lk] for self-attention (same offsets object), where it does not depend on b."""
+    i = torch.arange(max_q_len, device=q_offsets.device)[None, :, None]
+    j = torch.arange(max_k_len, device=q_offsets.device)[None, None, :]
+    if q_offsets is k_offsets:
+        return i - j
+    lq = (q_offsets[1:] - q_offsets[:-1])[:, None, None]
+    lk = (k_offsets[1:] - k_offsets[:-1])[:, None, None]
+    return i + lk - lq - j
+
+
+def jagged_attention_reference(
+    q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, bias=None, causal=False, scale=None
+):
+    n_q, heads, dim = q.shape
+    scale = dim**-0.5 if scale is None else scale
+    if n_q == 0 or max_q_len == 0:
+        return q * 0.0  # nothing to attend: zeros, still part of the graph
+    max_k_len = max(max_k_len, 1)
+    if q.is_cuda:  # SDPA's memory-efficient kernel wants the mask's last dim 16-aligned
+        max_q_len, max_k_len = -(-max_q_len // 16) * 16, -(-max_k_len // 16) * 16
+    qp, q_valid = pad(q, q_offsets, max_q_len)  # (B, Lq, H, D)
+    kp, k_valid = pad(k, k_offsets, max_k_len)  # (B, Lk, H, D)
+    vp, _ = pad(v, k_offsets, max_k_len)
+    dist = _relative_distance(q_offsets, k_offsets, max_q_len, max_k_len)  # (B, Lq, Lk)
+    allowed = q_valid[:, :, None] & k_valid[:, None, :]
+    if causal:
+        allowed &= dist >= 0
+    has_key = allowed.any(-1)  # (B, Lq)
+    # Rows without any key attend to everything (finite softmax) and are zeroed afterwards.
+    allowed |= ~has_key[:, :, None]
+    mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+    mask = mask.masked_fill(~allowed, float("-inf"))[:, None]  # (B, 1, Lq, Lk)
+    if bias is not None:
+        if not isinstance(bias, RelativePositionBias):
+            raise TypeError("bias must be a gemctl.ops.RelativePositionBias")
+        bucket = relative_position_bucket(dist, bias.num_buckets, bias.max_distance)
+        mask = mask + bias.table.to(q.dtype)[:, bucket].transpose(0, 1)  # (B or 1, H, Lq, Lk) -> (B, H, Lq, Lk)
+    out = F.scaled_dot_product_attention(
+        qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=mask, scale=scale
+    ).transpose(1, 2)  # (B, Lq, H, D)
+    out = out * has_key[:, :, None, None].to(out.dtype)
+    return unpad(out, q_valid)

@@ -1,0 +1,46 @@
+"""PyTorch reference of block attention: each sequence is cut into consecutive ``block_size``
+chunks and query chunk i attends (softmax, non-causal) only to key/value chunk i of the same
+sequence; the last chunk may be partial. ``rope=(cos, sin)``, each ``[max_len, head_dim // 2]``,
+rotates q and k by their position from the sequence start (rotate-half convention) first."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gemctl.ops.reference.jagged import pad, unpad
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (..., L, H, D) rotated by position: [x1, x2] -> [x1 c - x2 s, x2 c + x1 s]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def block_attention_reference(q, k, v, offsets, max_len, *, block_size=64, rope=None, scale=None):
+    n, heads, dim = q.shape
+    scale = dim**-0.5 if scale is None else scale
+    if n == 0 or max_len == 0:
+        return q * 0.0  # nothing to attend: zeros, still part of the graph
+    n_blocks = -(-max_len // block_size)
+    length = n_blocks * block_size
+    qp, valid = pad(q, offsets, length)  # (B, nb*bs, H, D)
+    kp, _ = pad(k, offsets, length)
+    vp, _ = pad(v, offsets, length)
+    if rope is not None:
+        cos, sin = rope
+        qp = apply_rope(qp, cos[:length], sin[:length])
+        kp = apply_rope(kp, cos[:length], sin[:length])
+    b = qp.shape[0]
+
+    def blocks(x):  # (B, nb*bs, H, D) -> (B*nb, H, bs, D)
+        return x.view(b * n_blocks, block_size, heads, dim).transpose(1, 2)
+
+    kv_valid = valid.view(b * n_blocks, 1, 1, block_size)
+    has_key = kv_valid.any(-1, keepdim=True)
+    mask = (kv_valid | ~has_key).expand(-1, 1, block_size, block_size)
+    out = F.scaled_dot_product_attention(blocks(qp), blocks(kp), blocks(vp), attn_mask=mask, scale=scale)
+    out = out.transpose(1, 2).reshape(b, length, heads, dim)
+    return unpad(out, valid)

@@ -1,0 +1,62 @@
+"""Per-layer precision rules.
+
+A recipe is an ordered list of rules ``{match, format, last_n_layers}``; for every module path of
+the model (``tower.layers.3.mlp.up``) the last rule whose fnmatch pattern matches, and whose
+``last_n_layers`` (if set) covers the module's sequence-tower layer, decides its format. A
+module with no matching rule inherits its parent's format; the root runs in the recipe's
+``compute_dtype``. Formats today: ``bf16`` (autocast on CUDA) and ``fp32`` (autocast turned off
+inside the module, inputs upcast). Low-precision formats (MXFP8) plug into the same rules.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import re
+
+import torch
+from torch import nn
+
+_LAYER = re.compile(r"^tower\.layers\.(\d+)(\.|$)")
+
+
+def _rule_applies(rule, path: str, num_layers: int) -> bool:
+    if not fnmatch.fnmatchcase(path, rule.match):
+        return False
+    if rule.last_n_layers is None:
+        return True
+    m = _LAYER.match(path)
+    return bool(m) and int(m.group(1)) >= num_layers - rule.last_n_layers
+
+
+def resolve_formats(model: nn.Module, precision_cfg, num_layers: int) -> dict[str, str]:
+    """Module path -> format for every module ('' is the root)."""
+    formats: dict[str, str] = {}
+    for path, _ in model.named_modules():
+        parent = path.rsplit(".", 1)[0] if "." in path else ""
+        fmt = formats.get(parent, precision_cfg.compute_dtype) if path else precision_cfg.compute_dtype
+        for rule in precision_cfg.rules:
+            if path and _rule_applies(rule, path, num_layers):
+                fmt = rule.format
+        formats[path] = fmt
+    return formats
+
+
+def _fp32_forward(forward, device_type: str):
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        args = [a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+        with torch.autocast(device_type=device_type, enabled=False):
+            return forward(*args, **kwargs)
+
+    return run
+
+
+def apply_precision(model: nn.Module, precision_cfg, num_layers: int, device_type: str) -> dict[str, str]:
+    """Make the top-most fp32 modules run outside autocast; returns the resolved formats."""
+    formats = resolve_formats(model, precision_cfg, num_layers)
+    for path, module in model.named_modules():
+        parent = path.rsplit(".", 1)[0] if "." in path else ""
+        if path and formats[path] == "fp32" and formats.get(parent) != "fp32":
+            module.forward = _fp32_forward(module.forward, device_type)
+    return formats

@@ -1,0 +1,66 @@
+"""Optimizers: AdamW for dense parameters, row-wise Adagrad (or Adam) for embedding tables."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class RowWiseAdagrad(torch.optim.Optimizer):
+    """Adagrad with one accumulator per embedding row (the mean of the row's squared gradient).
+
+    The state is ``[rows, 1]`` instead of a full table copy, as FBGEMM's fused TBE optimizer
+    keeps it. Rows without a gradient this step are left untouched (their update is exactly 0).
+    torchrec.optim.RowWiseAdagrad computes the same update for lr_decay=0 but reads its step
+    counter with ``.item()``, a device sync per table per step; this one never syncs.
+    """
+
+    def __init__(self, params, lr: float = 0.05, eps: float = 1e-8, initial_accumulator_value: float = 0.0):
+        super().__init__(params, dict(lr=lr, eps=eps, initial_accumulator_value=initial_accumulator_value))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                state = self.state[p]
+                if not state:
+                    state["sum"] = torch.full(
+                        (p.shape[0], 1), group["initial_accumulator_value"], dtype=torch.float32, device=p.device
+                    )
+                row_sq = grad.float().pow(2).mean(dim=1, keepdim=True)
+                state["sum"].add_(row_sq)
+                p.addcdiv_(grad, state["sum"].sqrt().add_(group["eps"]).to(p.dtype), value=-group["lr"])
+        return loss
+
+
+def build_optimizers(model, train_cfg, device: torch.device):
+    dense = torch.optim.AdamW(
+        model.dense_parameters(),
+        lr=train_cfg.lr,
+        betas=tuple(train_cfg.betas),
+        weight_decay=train_cfg.weight_decay,
+        fused=device.type == "cuda",
+    )
+    if train_cfg.embedding_optimizer == "rowwise_adagrad":
+        sparse = RowWiseAdagrad(model.sparse_parameters(), lr=train_cfg.embedding_lr)
+    else:
+        sparse = torch.optim.Adam(model.sparse_parameters(), lr=train_cfg.embedding_lr, fused=device.type == "cuda")
+    return dense, sparse
+
+
+def lr_lambda(train_cfg):
+    """Linear warm-up, then cosine decay to 10% of the peak at the last step."""
+    warm, total = train_cfg.warmup_steps, train_cfg.steps
+
+    def f(step: int) -> float:
+        if warm and step < warm:
+            return (step + 1) / warm
+        progress = (step - warm) / max(1, total - warm)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return f

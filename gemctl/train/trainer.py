@@ -1,0 +1,258 @@
+"""The one trainer: build from a validated config, train, evaluate, report.
+
+    setup    device, seeds, data source, model, precision rules, optimizers, peak FLOP/s
+    train    step = forward, loss, backward, clip, optimizer; metrics every log_every steps
+    eval     NE and AUC per task on the held-out split (+ the source's baselines)
+    report   rich summary table, metrics.jsonl and summary.json in the run directory
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from gemctl.data.loader import TrainLoader, eval_batches
+from gemctl.data.source import build_source
+from gemctl.metrics import mfu as mfu_lib
+from gemctl.metrics.flops import gem_flops
+from gemctl.metrics.quality import auc, log_loss, normalized_entropy
+from gemctl.metrics.sinks import JsonlSink, RunDir
+from gemctl.model import build_model
+from gemctl.precision import apply_precision
+from gemctl.train.optim import build_optimizers, lr_lambda
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path | None
+    losses: list[float] = field(default_factory=list)
+    eval: dict = field(default_factory=dict)
+    baselines: dict = field(default_factory=dict)
+    perf: dict = field(default_factory=dict)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def seed_everything(seed: int, deterministic: bool, device: torch.device) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic and device.type == "cpu":
+        torch.use_deterministic_algorithms(True)
+
+
+def autocast_context(device: torch.device, precision_cfg):
+    if device.type == "cuda" and precision_cfg.compute_dtype == "bf16":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def compute_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum over tasks of the mean binary cross-entropy (float32 logits)."""
+    return F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="none").mean(0).sum()
+
+
+class Trainer:
+    def __init__(self, cfg, console=None, run_root: str | None = None):
+        self.cfg = cfg
+        self.console = console
+        self.device = resolve_device(cfg.train.device)
+        seed_everything(cfg.train.seed, cfg.train.deterministic, self.device)
+        self.source = build_source(cfg.data)
+        self.spec = self.source.spec
+        self.model = build_model(cfg.model, self.spec, device=self.device)
+        self.formats = apply_precision(self.model, cfg.precision, cfg.model.num_layers, self.device.type)
+        self.dense_opt, self.sparse_opt = build_optimizers(self.model, cfg.train, self.device)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.dense_opt, lr_lambda(cfg.train))
+        self.peak = mfu_lib.resolve_peak(self.device, cfg.metrics.peak_tflops)
+        self.run_root = run_root
+
+    # ------------------------------------------------------------------------------------------
+    def _say(self, text: str) -> None:
+        if self.console is not None:
+            self.console.print(text)
+
+    def train_step(self, batch) -> torch.Tensor:
+        self.model.train()
+        with autocast_context(self.device, self.cfg.precision):
+            logits = self.model(batch)
+        loss = compute_loss(logits, batch.labels)
+        self.dense_opt.zero_grad(set_to_none=True)
+        self.sparse_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.cfg.train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.dense_parameters(), self.cfg.train.grad_clip)
+        self.dense_opt.step()
+        self.sparse_opt.step()
+        self.schedule.step()
+        return loss.detach()
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        self.model.eval()
+        preds, labels = [], []
+        for batch in eval_batches(self.source, self.cfg.data, self.device, self.cfg.train.eval_batches):
+            with autocast_context(self.device, self.cfg.precision):
+                logits = self.model(batch)
+            preds.append(torch.sigmoid(logits.float()).cpu())
+            labels.append(batch.labels.cpu())
+        p, y = torch.cat(preds), torch.cat(labels)
+        out = {"samples": int(p.shape[0])}
+        for t, task in enumerate(self.spec.tasks):
+            out[task] = {
+                "ne": normalized_entropy(p[:, t], y[:, t]),
+                "auc": auc(p[:, t], y[:, t]),
+                "log_loss": log_loss(p[:, t], y[:, t]),
+                "label_mean": float(y[:, t].mean()),
+            }
+        return out
+
+    # ------------------------------------------------------------------------------------------
+    def fit(self) -> TrainResult:
+        cfg, tcfg = self.cfg, self.cfg.train
+        run = RunDir.create(self.run_root or cfg.run.output_dir, cfg.run.name)
+        run.write_text("config.yaml", OmegaConf.to_yaml(cfg))
+        sink = JsonlSink(run.path / "metrics.jsonl")
+        self._say(f"run directory: {run.path}")
+        self._say(f"device: {mfu_lib.device_name(self.device)}; peak for MFU: {self.peak.describe()}")
+        n_dense = sum(p.numel() for p in self.model.dense_parameters())
+        n_sparse = sum(p.numel() for p in self.model.sparse_parameters())
+        self._say(f"model '{cfg.model.name}': {n_dense / 1e6:.2f}M dense, {n_sparse / 1e6:.2f}M embedding parameters")
+
+        result = TrainResult(run_dir=run.path)
+        loader = TrainLoader(self.source, cfg.data, self.device)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        from gemctl.train.progress import TrainProgress
+
+        window = _Window()
+        totals = _Window()
+        pending: list[torch.Tensor] = []
+        t_start = time.perf_counter()
+        t_window = t_start
+        with TrainProgress(tcfg.steps, enabled=cfg.run.progress and self.console is not None, console=self.console) as progress:
+            try:
+                for step in range(tcfg.steps):
+                    batch = next(loader)
+                    window.data_wait += loader.last_wait_s
+                    flops = gem_flops(cfg.model, self.spec, batch.seq_lengths_cpu())
+                    window.add(batch.batch_size, batch.num_tokens, flops.train_total, flops.attention_total * 3)
+                    pending.append(self.train_step(batch))
+                    last = step + 1 == tcfg.steps
+                    if (step + 1) % tcfg.log_every == 0 or last or step + 1 == tcfg.warmup_timing_steps:
+                        if cuda:
+                            torch.cuda.synchronize(self.device)
+                        now = time.perf_counter()
+                        losses = torch.stack(pending).float().cpu().tolist()
+                        pending.clear()
+                        if any(not math.isfinite(x) for x in losses):
+                            raise FloatingPointError(f"non-finite training loss at step {step + 1}: {losses[-1]}")
+                        result.losses.extend(losses)
+                        elapsed = now - t_window
+                        rec = window.record(step + 1, elapsed, self.peak)
+                        rec["loss"] = sum(losses) / len(losses)
+                        rec["lr"] = self.schedule.get_last_lr()[0]
+                        sink.write({"kind": "train", **rec})
+                        if step + 1 > tcfg.warmup_timing_steps:
+                            totals.merge(window, elapsed)
+                        progress.update(step + 1, loss=rec["loss"], qps=rec["qps"], mfu=rec["local_mfu"])
+                        window = _Window()
+                        t_window = time.perf_counter()
+                    else:
+                        progress.advance(step + 1)
+                    if tcfg.eval_every and (step + 1) % tcfg.eval_every == 0 and not last:
+                        ev = self.evaluate()
+                        sink.write({"kind": "eval", "step": step + 1, **ev})
+                        t_window = time.perf_counter()  # keep eval time out of throughput
+            finally:
+                loader.close()
+        train_wall = time.perf_counter() - t_start
+
+        result.eval = self.evaluate()
+        sink.write({"kind": "eval", "step": tcfg.steps, **result.eval})
+        result.baselines = self.source.baselines()
+        perf = totals.record(tcfg.steps, totals.seconds, self.peak)
+        perf.update(
+            train_wall_s=train_wall,
+            timed_steps=totals.steps,
+            peak=self.peak.describe(),
+            peak_tflops=self.peak.tflops,
+            device=mfu_lib.device_name(self.device),
+        )
+        if cuda:
+            perf["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        result.perf = perf
+        summary = {"eval": result.eval, "baselines": result.baselines, "perf": perf, "losses": result.losses}
+        sink.write({"kind": "summary", **{k: v for k, v in summary.items() if k != "losses"}})
+        run.write_text("summary.json", json.dumps(summary, indent=2))
+        sink.close()
+        return result
+
+
+@dataclass
+class _Window:
+    """Throughput accumulators over a span of steps."""
+
+    steps: int = 0
+    samples: int = 0
+    tokens: int = 0
+    flops: int = 0
+    attention_flops: int = 0
+    data_wait: float = 0.0
+    seconds: float = 0.0
+
+    def add(self, samples: int, tokens: int, flops: int, attention_flops: int) -> None:
+        self.steps += 1
+        self.samples += samples
+        self.tokens += tokens
+        self.flops += flops
+        self.attention_flops += attention_flops
+
+    def merge(self, other: "_Window", seconds: float) -> None:
+        self.steps += other.steps
+        self.samples += other.samples
+        self.tokens += other.tokens
+        self.flops += other.flops
+        self.attention_flops += other.attention_flops
+        self.data_wait += other.data_wait
+        self.seconds += seconds
+
+    def record(self, step: int, seconds: float, peak) -> dict:
+        seconds = max(seconds, 1e-9)
+        compute = max(seconds - self.data_wait, 1e-9)  # Local MFU counts the time spent computing
+        steps = max(self.steps, 1)
+        return {
+            "step": step,
+            "steps": self.steps,
+            "step_time_ms": 1e3 * seconds / steps,
+            "qps": self.samples / seconds,
+            "tokens_per_s": self.tokens / seconds,
+            "model_tflops": self.flops / seconds / 1e12,
+            "local_mfu": mfu_lib.mfu(self.flops, compute, peak),
+            "wall_mfu": mfu_lib.mfu(self.flops, seconds, peak),
+            "attention_flop_share": self.attention_flops / self.flops if self.flops else 0.0,
+            "data_wait_ms_per_step": 1e3 * self.data_wait / steps,
+            "data_wait_fraction": self.data_wait / seconds,
+        }
+
+
+def train(cfg, console=None, run_root: str | None = None) -> TrainResult:
+    """Build everything from a validated config and run it."""
+    torch.set_float32_matmul_precision("high")
+    if os.environ.get("GEMCTL_THREADS"):
+        torch.set_num_threads(int(os.environ["GEMCTL_THREADS"]))
+    return Trainer(cfg, console=console, run_root=run_root).fit()

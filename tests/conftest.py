@@ -1,0 +1,22 @@
+import os
+
+import pytest
+import torch
+
+# Tests import the package from the checkout; keep CPU runs reproducible and small.
+os.environ.setdefault("GEMCTL_THREADS", "2")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run with -m gpu on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def pytest_configure(config):
+    import logging
+
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)

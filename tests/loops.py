@@ -1,0 +1,74 @@
+"""Independent float64 references, one sequence at a time (no padding, no masks)."""
+
+import math
+
+import torch
+
+from gemctl.ops.bias import relative_position_bucket
+
+
+def attention_loop(q, k, v, q_offsets, k_offsets, *, causal=False, scale=None, bias=None):
+    q, k, v = q.double(), k.double(), v.double()
+    h, d = q.shape[1], q.shape[2]
+    scale = d**-0.5 if scale is None else scale
+    out = q * 0  # zeros that stay in the graph (empty rows get zero gradients)
+    for b in range(q_offsets.numel() - 1):
+        qs, qe = int(q_offsets[b]), int(q_offsets[b + 1])
+        ks, ke = int(k_offsets[b]), int(k_offsets[b + 1])
+        lq, lk = qe - qs, ke - ks
+        if lq == 0 or lk == 0:
+            continue
+        s = torch.einsum("ihd,jhd->hij", q[qs:qe], k[ks:ke]) * scale  # (H, Lq, Lk)
+        i = torch.arange(lq)[:, None]
+        j = torch.arange(lk)[None, :]
+        dist = i + lk - lq - j
+        if bias is not None:
+            bucket = relative_position_bucket(dist, bias.table.shape[1], bias.max_distance)
+            s = s + bias.table.double()[:, bucket]
+        allowed = (dist >= 0) if causal else torch.ones(lq, lk, dtype=torch.bool)
+        has_key = allowed.any(-1)
+        s = s.masked_fill(~allowed[None], float("-inf")).masked_fill(~has_key[None, :, None], 0.0)
+        p = torch.softmax(s, dim=-1) * has_key[None, :, None]  # rows with no key -> zeros
+        out[qs:qe] = torch.einsum("hij,jhd->ihd", p, v[ks:ke])
+    return out
+
+
+def gdpa_loop(q, k, v, q_offsets, k_offsets, *, activation="gelu", scale=None):
+    q, k, v = q.double(), k.double(), v.double()
+    d = q.shape[2]
+    scale = d**-0.5 if scale is None else scale
+    act = {"gelu": lambda x: 0.5 * x * (1 + torch.erf(x / math.sqrt(2))), "silu": lambda x: x * torch.sigmoid(x)}[activation]
+    out = q * 0  # zeros that stay in the graph (empty rows get zero gradients)
+    for b in range(q_offsets.numel() - 1):
+        qs, qe = int(q_offsets[b]), int(q_offsets[b + 1])
+        ks, ke = int(k_offsets[b]), int(k_offsets[b + 1])
+        if qe == qs or ke == ks:
+            continue
+        s = torch.einsum("ihd,jhd->hij", q[qs:qe], k[ks:ke]) * scale
+        out[qs:qe] = torch.einsum("hij,jhd->ihd", act(s), v[ks:ke])
+    return out
+
+
+def block_loop(q, k, v, offsets, block_size, rope=None):
+    q, k, v = q.double(), k.double(), v.double()
+    d = q.shape[2]
+    out = q * 0  # zeros that stay in the graph (empty rows get zero gradients)
+    for b in range(offsets.numel() - 1):
+        s0, e0 = int(offsets[b]), int(offsets[b + 1])
+        qb, kb = q[s0:e0], k[s0:e0]
+        if rope is not None:
+            cos, sin = (t.double()[: e0 - s0, None, :] for t in rope)
+            half = d // 2
+            qb = torch.cat([qb[..., :half] * cos - qb[..., half:] * sin, qb[..., half:] * cos + qb[..., :half] * sin], -1)
+            kb = torch.cat([kb[..., :half] * cos - kb[..., half:] * sin, kb[..., half:] * cos + kb[..., :half] * sin], -1)
+        for start in range(0, e0 - s0, block_size):
+            end = min(start + block_size, e0 - s0)
+            s = torch.einsum("ihd,jhd->hij", qb[start:end], kb[start:end]) * d**-0.5
+            out[s0 + start : s0 + end] = torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), v[s0 + start : s0 + end])
+    return out
+
+
+def offsets(lengths, device="cpu"):
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    out[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+    return out.to(device)

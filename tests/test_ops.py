@@ -1,0 +1,196 @@
+"""Ops against independent float64 loops over hostile jagged lengths, outputs and gradients.
+
+CPU tier: float32 inputs, tight tolerance. GPU tier (marked gpu): bf16 inputs on CUDA, error
+relative to the float64 loop within the bf16 band.
+"""
+
+import pytest
+import torch
+
+from gemctl import ops
+from loops import attention_loop, block_loop, gdpa_loop, offsets
+
+CASES_SELF = [
+    [0, 1, 15, 16, 17, 63, 64, 65, 3, 0],
+    [200, 1, 2, 3, 0, 5],  # one long among short
+    [1],
+    [0, 0],
+]
+CASES_CROSS = [  # (q lengths, k lengths): asymmetric, zeros on either side
+    ([3, 0, 5, 40, 1, 7], [7, 4, 0, 3, 64, 1]),
+    ([65, 64, 63], [1, 2, 128]),
+]
+
+DEVICES = [
+    pytest.param("cpu", torch.float32, 2e-5, id="cpu-fp32"),
+    pytest.param("cuda", torch.bfloat16, 2e-2, id="cuda-bf16", marks=pytest.mark.gpu),
+]
+
+
+def rel_err(a, b):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    if a.numel() == 0:
+        return 0.0
+    denom = b.norm()
+    return float((a - b).norm() / denom) if denom > 0 else float((a - b).abs().max())
+
+
+def make(n, heads, dim, device, dtype, gen):
+    x = torch.randn(n, heads, dim, generator=gen, dtype=torch.float64)
+    return x.to(device=device, dtype=dtype).requires_grad_(True)
+
+
+def grads_of(out, inputs, gen):
+    grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.device, out.dtype)
+    return torch.autograd.grad(out, inputs, grad_out, allow_unused=True), grad_out
+
+
+def compare(fn_test, fn_ref, inputs, tol, gen):
+    out = fn_test(*inputs)
+    assert torch.isfinite(out).all()
+    ref_inputs = [x.detach().double().cpu().requires_grad_(True) for x in inputs]
+    ref = fn_ref(*ref_inputs)
+    assert rel_err(out, ref) < tol, f"output rel err {rel_err(out, ref):.2e}"
+    g_test, grad_out = grads_of(out, inputs, gen)
+    g_ref = torch.autograd.grad(ref, ref_inputs, grad_out.double().cpu(), allow_unused=True)
+    for i, (a, b) in enumerate(zip(g_test, g_ref)):
+        if b is None:
+            continue
+        a = torch.zeros_like(b) if a is None else a
+        assert torch.isfinite(a).all()
+        assert rel_err(a, b) < tol * 2, f"grad {i} rel err {rel_err(a, b):.2e}"
+
+
+@pytest.mark.parametrize("device,dtype,tol", DEVICES)
+@pytest.mark.parametrize("lengths", CASES_SELF)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_jagged_attention_self(device, dtype, tol, lengths, causal, with_bias):
+    gen = torch.Generator().manual_seed(sum(lengths) + causal)
+    h, d = 2, 32
+    off = offsets(lengths, device)
+    n, max_len = int(off[-1]), max(lengths)
+    q, k, v = (make(n, h, d, device, dtype, gen) for _ in range(3))
+    table = (torch.randn(h, 8, generator=gen, dtype=torch.float64)).to(device, torch.float32).requires_grad_(True)
+    inputs = [q, k, v] + ([table] if with_bias else [])
+
+    def run(q, k, v, *t, loop=False):
+        bias = ops.RelativePositionBias(t[0], max_distance=32) if t else None
+        if loop:
+            return attention_loop(q, k, v, off.cpu(), off.cpu(), causal=causal, bias=bias)
+        return ops.jagged_attention(q, k, v, off, off, max_len, max_len, bias=bias, causal=causal, backend="torch")
+
+    compare(run, lambda *a: run(*a, loop=True), inputs, tol, gen)
+
+
+@pytest.mark.parametrize("device,dtype,tol", DEVICES)
+@pytest.mark.parametrize("q_lengths,k_lengths", CASES_CROSS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_jagged_attention_cross(device, dtype, tol, q_lengths, k_lengths, causal):
+    gen = torch.Generator().manual_seed(7)
+    h, d = 2, 64
+    qo, ko = offsets(q_lengths, device), offsets(k_lengths, device)
+    q = make(int(qo[-1]), h, d, device, dtype, gen)
+    k, v = (make(int(ko[-1]), h, d, device, dtype, gen) for _ in range(2))
+
+    def run(q, k, v, loop=False):
+        if loop:
+            return attention_loop(q, k, v, qo.cpu(), ko.cpu(), causal=causal)
+        return ops.jagged_attention(q, k, v, qo, ko, max(q_lengths), max(k_lengths), causal=causal, backend="torch")
+
+    compare(run, lambda *a: run(*a, loop=True), [q, k, v], tol, gen)
+
+
+@pytest.mark.parametrize("device,dtype,tol", DEVICES[:1])
+def test_jagged_attention_large_negative_bias_is_finite(device, dtype, tol):
+    """Every valid logit far below 0 (exp underflows): the softmax must stay exact, not cancel
+    to NaN/inf. fp32 only: the logits' own rounding at |x| ~ 300 is ~3e-5, hence 10x the tolerance."""
+    tol = 10 * tol
+    gen = torch.Generator().manual_seed(3)
+    lengths = [5, 0, 17, 1]
+    off = offsets(lengths, device)
+    q, k, v = (make(int(off[-1]), 2, 32, device, dtype, gen) for _ in range(3))
+    table = torch.full((2, 8), -300.0, device=device)
+    bias = ops.RelativePositionBias(table, 32)
+    out = ops.jagged_attention(q, k, v, off, off, 17, 17, bias=bias, causal=True, backend="torch")
+    ref = attention_loop(q, k, v, off.cpu(), off.cpu(), causal=True, bias=ops.RelativePositionBias(table.cpu(), 32))
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < tol
+
+
+@pytest.mark.parametrize("device,dtype,tol", DEVICES)
+def test_no_keys_yields_zeros(device, dtype, tol):
+    gen = torch.Generator().manual_seed(4)
+    qo, ko = offsets([3, 2], device), offsets([0, 0], device)
+    q = make(5, 2, 32, device, dtype, gen)
+    k = make(0, 2, 32, device, dtype, gen)
+    v = make(0, 2, 32, device, dtype, gen)
+    out = ops.jagged_attention(q, k, v, qo, ko, 3, 0, backend="torch")
+    assert torch.equal(out, torch.zeros_like(out))
+    g = ops.gdpa(q, k, v, qo, ko, 3, 0, backend="torch")
+    assert torch.equal(g, torch.zeros_like(g))
+
+
+GDPA_SHAPES = {
+    # name: (q lengths, k lengths)
+    "pma": ([4] * 6, [0, 1, 31, 32, 33, 100]),
+    "cross": ([0, 1, 31, 32, 33, 100], [1, 2, 16, 64, 128, 256]),
+    "self": ([0, 1, 31, 32, 33, 100], [0, 1, 31, 32, 33, 100]),
+}
+
+
+@pytest.mark.parametrize("device,dtype,tol", DEVICES)
+@pytest.mark.parametrize("shape", list(GDPA_SHAPES))
+@pytest.mark.parametrize("activation", ["gelu", "silu"])
+def test_gdpa(device, dtype, tol, shape, activation):
+    gen = torch.Generator().manual_seed(11)
+    ql, kl = GDPA_SHAPES[shape]
+    qo, ko = offsets(ql, device), offsets(kl, device)
+    h, d = 2, 64
+    q = make(int(qo[-1]), h, d, device, dtype, gen)
+    k, v = (make(int(ko[-1]), h, d, device, dtype, gen) for _ in range(2))
+
+    def run(q, k, v, loop=False):
+        if loop:
+            return gdpa_loop(q, k, v, qo.cpu(), ko.cpu(), activation=activation)
+        return ops.gdpa(q, k, v, qo, ko, max(ql), max(kl), activation=activation, backend="torch")
+
+    compare(run, lambda *a: run(*a, loop=True), [q, k, v], tol, gen)
+
+
+@pytest.mark.parametrize("device,dtype,tol", DEVICES)
+@pytest.mark.parametrize("block_size", [32, 64])
+@pytest.mark.parametrize("use_rope", [False, True])
+def test_block_attention(device, dtype, tol, block_size, use_rope):
+    gen = torch.Generator().manual_seed(5)
+    lengths = [0, 1, 63, 64, 65, 130, 31]
+    off = offsets(lengths, device)
+    h, d = 2, 64
+    q, k, v = (make(int(off[-1]), h, d, device, dtype, gen) for _ in range(3))
+    rope = None
+    if use_rope:
+        pos = torch.arange(256, dtype=torch.float64)[:, None]
+        freq = 10000 ** (-torch.arange(d // 2, dtype=torch.float64) / (d // 2))
+        rope = (torch.cos(pos * freq).to(device), torch.sin(pos * freq).to(device))
+
+    def run(q, k, v, loop=False):
+        if loop:
+            return block_loop(q, k, v, off.cpu(), block_size, rope=None if rope is None else tuple(t.cpu() for t in rope))
+        return ops.block_attention(q, k, v, off, max(lengths), block_size=block_size, rope=rope, backend="torch")
+
+    compare(run, lambda *a: run(*a, loop=True), [q, k, v], tol, gen)
+
+
+def test_relative_position_bucket():
+    d = torch.arange(0, 300)
+    b = ops.relative_position_bucket(d, 16, 128)
+    assert torch.equal(b[:8], torch.arange(8))  # exact buckets below n_buckets // 2
+    assert int(b.max()) == 15 and bool((b[1:] >= b[:-1]).all())  # monotone, capped
+    assert torch.equal(ops.relative_position_bucket(-d, 16, 128), b)  # symmetric
+
+
+def test_backend_errors():
+    x = torch.zeros(1, 1, 8)
+    off = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="backend"):
+        ops.jagged_attention(x, x, x, off, off, 1, 1, backend="cuda")
