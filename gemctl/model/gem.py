@@ -1,4 +1,4 @@
-"""The GEM-like model, top level.
+r"""The GEM-like model, top level.
 
     sparse ids --torchrec--> history embeddings [N, n_seq*E] --proj--> tokens [N, d]
                         \--> pooled non-sequence embeddings [B, n_sparse, E] + dense [B, F]
