@@ -129,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    # torchrec's KeyedJaggedTensor asks torch.fx whether it is tracing; torch logs a deprecation
+    # note about that at WARNING on every run. Nothing a user can act on.
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     args = build_parser().parse_args(argv)
     console = Console(stderr=False)
     try:

@@ -64,6 +64,7 @@ def compose(overrides: list[str] | None = None, recipe: str | None = None) -> Di
 
     register()
     overrides = list(overrides or [])
+    path = None
     with tempfile.TemporaryDirectory(prefix="gemctl-recipe-") as tmp:
         if recipe is not None:
             # A recipe is a `# @package _global_` config of the group "recipes" (Hydra's
@@ -79,7 +80,7 @@ def compose(overrides: list[str] | None = None, recipe: str | None = None) -> Di
             with initialize_config_dir(config_dir=str(configs_dir()), version_base="1.3"):
                 cfg = hydra_compose(config_name=PRIMARY, overrides=overrides)
         except Exception as exc:  # Hydra wraps the OmegaConf error; unwrap it into one line
-            raise _to_config_error(exc, overrides) from None
+            raise _to_config_error(exc, overrides, recipe_path=path) from None
         finally:
             GlobalHydra.instance().clear()
         try:
@@ -118,6 +119,39 @@ def _check_known_keys(node, schema_type, path: str) -> None:
                     _check_known_keys(item, args[0], f"{where}[{i}]")
 
 
+def _locate_unknown_key(overrides: list[str], recipe_path: Path | None) -> ConfigError | None:
+    """Hydra reports an unknown key inside a list element (``precision.rules[1].fmt``) or in a
+    recipe without its dotted path; find it by checking the recipe and the overrides' values
+    against the schema."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from gemctl.config.schema import GemConfig
+
+    try:
+        nodes = []
+        if recipe_path is not None:
+            node = OmegaConf.to_container(OmegaConf.load(recipe_path))
+            if isinstance(node, dict):
+                node.pop("defaults", None)
+                nodes.append(node)
+        for ov in OverridesParser.create().parse_overrides(overrides):
+            key = ov.key_or_group
+            if key.split(".")[0] in ("hydra", "recipes") or ov.is_delete() or ov.is_sweep_override():
+                continue
+            value = ov.value()
+            if isinstance(value, (dict, list)):
+                for part in reversed(key.split(".")):
+                    value = {part: value}
+                nodes.append(value)
+        for node in nodes:
+            _check_known_keys(node, GemConfig, "")
+    except ConfigError as exc:
+        return exc
+    except Exception:
+        return None
+    return None
+
+
 def _root_cause(exc: BaseException) -> BaseException:
     while exc.__cause__ is not None:
         exc = exc.__cause__
@@ -136,15 +170,27 @@ def _allowed_keys(full_key: str) -> list[str]:
         return []
 
 
-def _to_config_error(exc: Exception, overrides: list[str]) -> UserError:
+def _to_config_error(exc: Exception, overrides: list[str], recipe_path: Path | None = None) -> UserError:
     from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
     if isinstance(exc, UserError):
         return exc
     cause = _root_cause(exc)
     text = str(cause).strip()
+    if re.search(r"Key '[^']+' not in '\w+'", text):
+        located = _locate_unknown_key(overrides, recipe_path)
+        if located is not None:
+            return located
+    # An error inside a recipe arrives as Hydra's text: "In 'recipes/x': ValidationError raised
+    # while composing config:\n<message>\n    full_key: train.steps ..."; take both from the text.
+    wrapped = re.match(r"In '[^']+': \w+ raised while composing config:\s*\n", text)
+    if wrapped:
+        text = text[wrapped.end():].strip()
     first = text.splitlines()[0] if text else type(cause).__name__
     full_key = getattr(cause, "full_key", None)
+    if wrapped and not full_key:
+        key = re.search(r"^\s*full_key: (\S+)\s*$", text, flags=re.M)
+        full_key = key.group(1) if key else None
 
     missing = re.search(r"Could not find '([^']+)/([^']+)'", text)
     if missing:
@@ -175,7 +221,7 @@ def _to_config_error(exc: Exception, overrides: list[str]) -> UserError:
         return ConfigError(full_key, f"unknown key{more}; allowed: {', '.join(allowed)}")
     if isinstance(cause, ValidationError) and full_key:
         return ConfigError(full_key, first)
-    if isinstance(cause, OmegaConfBaseException) and full_key:
+    if (isinstance(cause, OmegaConfBaseException) or wrapped) and full_key:
         return ConfigError(full_key, first)
     if "Could not override" in text or "Key '" in text:
         key = re.search(r"Key '([^']+)'", text)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from gemctl.model.attention import GDPAttention
+from gemctl.model.norm import RMSNorm
 
 
 class FeatureTokens(nn.Module):
@@ -16,7 +17,7 @@ class FeatureTokens(nn.Module):
         super().__init__()
         self.sparse = nn.ModuleList(nn.Linear(embedding_dim, d_model) for _ in range(n_sparse))
         self.dense = nn.Linear(num_dense, d_model)
-        self.norm = nn.RMSNorm(d_model)
+        self.norm = RMSNorm(d_model)
 
     @property
     def num_tokens(self) -> int:
@@ -33,7 +34,7 @@ class CrossAttention(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.norm = nn.RMSNorm(cfg.d_model)
+        self.norm = RMSNorm(cfg.d_model)
         self.attn = GDPAttention(cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.gdpa_activation)
 
     def forward(self, x, offsets, max_len, ns_tokens, backend="auto"):
@@ -51,7 +52,7 @@ class PMA(nn.Module):
         self.num_queries = cfg.pma_queries
         self.queries = nn.Parameter(torch.randn(cfg.pma_queries, cfg.d_model) * cfg.d_model**-0.5)
         self.attn = GDPAttention(cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.gdpa_activation)
-        self.norm = nn.RMSNorm(cfg.d_model)
+        self.norm = RMSNorm(cfg.d_model)
 
     def forward(self, x, offsets, max_len, backend="auto"):
         b = offsets.numel() - 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from gemctl.model.attention import JaggedSelfAttention
+from gemctl.model.norm import RMSNorm
 
 
 class MLP(nn.Module):
@@ -22,12 +23,12 @@ class SequenceLayer(nn.Module):
     def __init__(self, cfg, kind: str):
         super().__init__()
         d = cfg.d_model
-        self.attn_norm = nn.RMSNorm(d)
+        self.attn_norm = RMSNorm(d)
         self.attn = JaggedSelfAttention(
             d, cfg.num_heads, cfg.head_dim, kind=kind, causal=cfg.causal,
             relpos_buckets=cfg.relpos_buckets, relpos_max_distance=cfg.relpos_max_distance,
         )
-        self.mlp_norm = nn.RMSNorm(d)
+        self.mlp_norm = RMSNorm(d)
         self.mlp = MLP(d, cfg.mlp_ratio * d)
 
     def forward(self, x, offsets, max_len, backend):
@@ -44,7 +45,7 @@ class SequenceTower(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.layers = nn.ModuleList(SequenceLayer(cfg, kind) for kind in layer_kinds(cfg))
-        self.norm = nn.RMSNorm(cfg.d_model)
+        self.norm = RMSNorm(cfg.d_model)
 
     def forward(self, x, offsets, max_len, backend="auto"):
         for layer in self.layers:

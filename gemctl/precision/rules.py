@@ -55,8 +55,14 @@ def _fp32_forward(forward, device_type: str):
 def apply_precision(model: nn.Module, precision_cfg, num_layers: int, device_type: str) -> dict[str, str]:
     """Make the top-most fp32 modules run outside autocast; returns the resolved formats."""
     formats = resolve_formats(model, precision_cfg, num_layers)
+    covered: set[str] = set()  # modules that already run inside a wrapped fp32 forward
     for path, module in model.named_modules():
         parent = path.rsplit(".", 1)[0] if "." in path else ""
-        if path and formats[path] == "fp32" and formats.get(parent) != "fp32":
+        if path and parent in covered:
+            covered.add(path)
+        elif path and formats[path] == "fp32" and not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            # ModuleList / ModuleDict containers are indexed, never called: wrapping their
+            # forward would do nothing, so their children are wrapped instead.
             module.forward = _fp32_forward(module.forward, device_type)
+            covered.add(path)
     return formats
