@@ -59,39 +59,29 @@ class JaggedBatch:
     def seq_lengths_cpu(self) -> torch.Tensor:
         return self.seq_offsets_cpu[1:] - self.seq_offsets_cpu[:-1]
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "JaggedBatch":
-        """Move every tensor except the host offsets to ``device``."""
+    def map_tensors(self, fn) -> "JaggedBatch":
+        """A copy with ``fn`` applied to every tensor except the host offsets."""
 
-        def mv(t):
-            return None if t is None else t.to(device, non_blocking=non_blocking)
+        def f(t):
+            return None if t is None else fn(t)
 
         return dataclasses.replace(
             self,
-            seq_ids={k: mv(v) for k, v in self.seq_ids.items()},
-            seq_offsets=mv(self.seq_offsets),
-            sparse_ids={k: mv(v) for k, v in self.sparse_ids.items()},
-            sparse_offsets={k: mv(v) for k, v in self.sparse_offsets.items()},
-            dense=mv(self.dense),
-            labels=mv(self.labels),
-            sample_ids=mv(self.sample_ids),
-            weights=mv(self.weights),
+            seq_ids={k: f(v) for k, v in self.seq_ids.items()},
+            seq_offsets=f(self.seq_offsets),
+            sparse_ids={k: f(v) for k, v in self.sparse_ids.items()},
+            sparse_offsets={k: f(v) for k, v in self.sparse_offsets.items()},
+            dense=f(self.dense),
+            labels=f(self.labels),
+            sample_ids=f(self.sample_ids),
+            weights=f(self.weights),
         )
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "JaggedBatch":
+        return self.map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> "JaggedBatch":
-        def pin(t):
-            return None if t is None else t.pin_memory()
-
-        return dataclasses.replace(
-            self,
-            seq_ids={k: pin(v) for k, v in self.seq_ids.items()},
-            seq_offsets=pin(self.seq_offsets),
-            sparse_ids={k: pin(v) for k, v in self.sparse_ids.items()},
-            sparse_offsets={k: pin(v) for k, v in self.sparse_offsets.items()},
-            dense=pin(self.dense),
-            labels=pin(self.labels),
-            sample_ids=pin(self.sample_ids),
-            weights=pin(self.weights),
-        )
+        return self.map_tensors(torch.Tensor.pin_memory)
 
     def seq_kjt(self):
         """Sequence ids as a KeyedJaggedTensor (all keys share the sequence offsets)."""

@@ -132,6 +132,12 @@ class TrainLoader:
     def close(self):
         if self._producer is not None:
             self._producer.close()
+        else:
+            # Stop the worker processes now: after an error the iterator stays referenced by the
+            # traceback, and workers left to interpreter exit can stall it for seconds.
+            shutdown = getattr(self._it, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
 
 
 def eval_batches(source, data_cfg, device: torch.device, limit: int = 0) -> Iterator[JaggedBatch]:

@@ -22,12 +22,13 @@ _EPS = 1e-12
 
 
 def _prep(preds, labels, weights):
-    preds = torch.as_tensor(preds).detach().to(torch.float64).flatten().cpu()
-    labels = torch.as_tensor(labels).detach().to(torch.float64).flatten().cpu()
+    # dtype=float64 in as_tensor: Python floats must not pass through float32 on the way.
+    preds = torch.as_tensor(preds, dtype=torch.float64).detach().flatten().cpu()
+    labels = torch.as_tensor(labels, dtype=torch.float64).detach().flatten().cpu()
     if weights is None:
         weights = torch.ones_like(labels)
     else:
-        weights = torch.as_tensor(weights).detach().to(torch.float64).flatten().cpu()
+        weights = torch.as_tensor(weights, dtype=torch.float64).detach().flatten().cpu()
     if not (preds.shape == labels.shape == weights.shape):
         raise ValueError("preds, labels and weights must have the same number of elements")
     return preds, labels, weights

@@ -128,6 +128,8 @@ class Trainer:
         sink = JsonlSink(run.path / "metrics.jsonl")
         self._say(f"run directory: {run.path}")
         self._say(f"device: {mfu_lib.device_name(self.device)}; peak for MFU: {self.peak.describe()}")
+        if self.device.type != "cuda" and cfg.precision.compute_dtype != "fp32":
+            self._say(f"precision '{cfg.precision.name}': autocast applies on CUDA only; this run computes in fp32")
         n_dense = sum(p.numel() for p in self.model.dense_parameters())
         n_sparse = sum(p.numel() for p in self.model.sparse_parameters())
         self._say(f"model '{cfg.model.name}': {n_dense / 1e6:.2f}M dense, {n_sparse / 1e6:.2f}M embedding parameters")
