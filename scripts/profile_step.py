@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 from gemctl.config.compose import compose
 from gemctl.config.validate import validate
@@ -24,7 +28,7 @@ def main() -> None:
     ap.add_argument("--recipe")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default="runs/profile", help="folder for the Chrome trace")
     ap.add_argument("--rows", type=int, default=30)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
@@ -48,7 +52,9 @@ def main() -> None:
     print(f"{args.steps} profiled steps: {(time.perf_counter() - t0) / args.steps * 1e3:.1f} ms/step (profiler on)")
     sort = "cuda_time_total" if cuda else "cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=args.rows, max_name_column_width=60))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(f"{args.out}/trace.json")
+    print(f"Chrome trace: {args.out}/trace.json")
     loader.close()
 
 
