@@ -5,6 +5,11 @@ import torch
 
 # Tests import the package from the checkout; keep CPU runs reproducible and small.
 os.environ.setdefault("GEMCTL_THREADS", "2")
+# Without a GPU, Triton kernels run under the interpreter (set before any kernel is defined).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Correctness tests run the first kernel config of each list instead of timing every candidate.
+os.environ.setdefault("GEMCTL_AUTOTUNE", "0")
 
 
 def pytest_collection_modifyitems(config, items):

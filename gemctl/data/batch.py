@@ -78,7 +78,12 @@ class JaggedBatch:
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "JaggedBatch":
-        return self.map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
+        from gemctl.ops import host
+
+        moved = self.map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
+        # Kernels plan their grids from the host copy: link it to the device offsets.
+        host.register(moved.seq_offsets, self.seq_offsets_cpu)
+        return moved
 
     def pin_memory(self) -> "JaggedBatch":
         return self.map_tensors(torch.Tensor.pin_memory)

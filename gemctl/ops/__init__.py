@@ -33,9 +33,25 @@ __all__ = [
 
 BACKENDS = ("auto", "torch", "triton")
 
-# Triton implementations register here as they land: op name -> callable with the public signature.
-triton_kernels: dict[str, object] = {}
+# Triton implementations: op name -> module (imported on first use) and function name.
+_TRITON_IMPLS = {
+    "jagged_attention": ("gemctl.ops.triton.jagged_attention", "jagged_attention_triton"),
+}
+triton_kernels: dict[str, object] = {}  # loaded implementations
 _warned: set[str] = set()
+
+
+def _load_triton(op: str):
+    if op not in triton_kernels and op in _TRITON_IMPLS:
+        import importlib
+
+        module, name = _TRITON_IMPLS[op]
+        try:
+            triton_kernels[op] = getattr(importlib.import_module(module), name)
+        except ImportError as exc:  # no triton installed: the reference serves, said once
+            triton_kernels[op] = None
+            print(f"gemctl.ops: Triton {op} unavailable ({exc}); using the PyTorch reference", file=sys.stderr)
+    return triton_kernels.get(op)
 
 
 def _pick(op: str, backend: str, device: torch.device):
@@ -43,13 +59,13 @@ def _pick(op: str, backend: str, device: torch.device):
         raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
         return None
-    kernel = triton_kernels.get(op)
+    if backend == "auto" and device.type != "cuda":
+        return None
+    kernel = _load_triton(op)
     if backend == "triton":
         if kernel is None:
             raise NotImplementedError(f"{op}: no Triton kernel is bundled in this version; use backend='torch'")
         return kernel
-    if device.type != "cuda":
-        return None
     if kernel is None and op not in _warned:
         _warned.add(op)
         print(

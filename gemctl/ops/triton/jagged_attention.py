@@ -1,0 +1,511 @@
+"""Jagged flash attention in Triton: softmax attention on unpadded sequences, forward and backward.
+
+Math, per sequence b (Lq = Lq_b query rows, Lk = Lk_b key rows, shift = Lk - Lq):
+    s_ij = scale * q_i . k_j + bias_h(|i + shift - j|)          (i < Lq, j < Lk)
+    causal: key j is visible to query i iff j <= i + shift       (last query sees the last key)
+    o_i  = sum_j softmax_j(s_ij) v_j ;  a query with no visible key gets o_i = 0
+Supported: q [Nq, H, D], k/v [Nk, H, D] (K/V lengths independent of Q: cross-attention), int64
+offsets [B+1]; D in {16, 32, 64, 128, 256}; fp16 and bf16 on CUDA, fp32 everywhere (the CPU tier
+runs under TRITON_INTERPRET=1); optional relative-position bias (gemctl.ops.RelativePositionBias)
+with its gradient.
+
+Scheduling: work is a host-built list of (sequence, tile) pairs (only valid tiles: a sequence of
+length L gets ceil(L / BLOCK) programs, an empty one none), sorted longest first so the long
+sequences start early and short ones fill the tail. The host list comes from the offsets' host copy
+(gemctl.ops.host), built once per batch and shared by every layer, forward and backward.
+
+Masking: tiles fully inside the sequence (and, when causal, fully below the diagonal) run without
+any mask; only the last key tile of a row block and the diagonal tiles apply one. A masked score
+is -inf, never 0: with a zeroed score, a row whose valid logits all sit far below 0 (a large
+negative bias) would lose them to exp(0 - m) terms and cancel catastrophically when the surplus
+is subtracted, so this kernel keeps the exact max over valid entries instead.
+
+Backward: dK/dV per key tile looping over the query tiles that see it; dQ (and the bias gradient)
+in a separate pass per query tile looping over key tiles. No atomics: the bias gradient is
+accumulated per program in registers and summed over programs in a fixed order, so gradients are
+bitwise identical for identical inputs.
+
+Measured on one H200 (2026-11-29): see docs/benchmarks.md ("jagged_attention").
+Known limits: no TMA descriptors, warp specialization or persistent scheduling yet (Triton 3.6).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from gemctl.ops import host
+from gemctl.ops.bias import RelativePositionBias, relative_position_bucket
+
+LOG2E = 1.4426950408889634
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# ----------------------------------------------------------------------------------------------
+# Configs. (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per head dim; the first call per
+# (head dim, dtype, causal, bias, bucketed max length) times each and keeps the fastest
+# (see _pick_config). Under the interpreter one small config runs: speed is meaningless there and
+# every config compiles the same code.
+_FWD_CANDIDATES = {
+    "small": [(64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3)],
+    "large": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3)],
+}
+_BWD_CANDIDATES = [(64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2), (128, 64, 8, 2)]
+_INTERPRET_CONFIG = (16, 16, 1, 1)
+_config_cache: dict = {}
+
+
+def _bucket_len(n: int) -> int:
+    """Autotune key of a length: the next power of two (no re-tune for every new batch)."""
+    return 1 << max(0, int(n - 1).bit_length())
+
+
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _bias_tile(BIAS, h, dist, stride_bias_h, bias_max):
+    # BIAS: per-distance bias [H, bias_max + 1] (fp32, already in log2 units); dist: int32 tile.
+    ad = tl.minimum(tl.abs(dist), bias_max)
+    return tl.load(BIAS + h * stride_bias_h + ad)
+
+
+@triton.jit
+def _fwd_tile(
+    acc, m_i, l_i, q, K, V, BIAS, h, k_start, start_n, k_len, shift,
+    offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh, stride_bias_h, bias_max, qk_scale,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, MASK: tl.constexpr,
+):
+    cols = start_n + offs_n  # key positions of this tile within the sequence
+    kmask = cols < k_len
+    k = tl.load(K + (k_start + cols)[None, :] * stride_kn + h * stride_kh + offs_d[:, None], mask=kmask[None, :], other=0.0)  # (D, BN)
+    v = tl.load(V + (k_start + cols)[:, None] * stride_vn + h * stride_vh + offs_d[None, :], mask=kmask[:, None], other=0.0)  # (BN, D)
+    s = tl.dot(q, k) * qk_scale  # (BM, BN), log2 units
+    dist = offs_m[:, None] + shift - cols[None, :]
+    if HAS_BIAS:
+        s += _bias_tile(BIAS, h, dist, stride_bias_h, bias_max)
+    if MASK:
+        valid = kmask[None, :]
+        if CAUSAL:
+            valid = valid & (dist >= 0)
+        s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _row_block_range(m0, q_len, k_len, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Key range of query rows [m0, m0 + BLOCK_M): [0, full_end) needs no mask, [full_end, hi) does."""
+    if CAUSAL:
+        hi = tl.minimum(k_len, m0 + BLOCK_M + shift)  # keys visible to the tile's last row
+        full_end = tl.minimum(k_len, m0 + shift + 1)  # keys visible to its first row
+    else:
+        hi = k_len
+        full_end = k_len
+    hi = tl.maximum(hi, 0)
+    full_end = (tl.maximum(full_end, 0) // BLOCK_N) * BLOCK_N
+    return full_end, hi
+
+
+@triton.jit
+def _jagged_attn_fwd(
+    Q, K, V, O, LSE, Q_OFFSETS, K_OFFSETS, WORK, BIAS,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
+    stride_bias_h, bias_max, num_heads, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    # Q/K/V/O: [N, H, D] jagged values; LSE: [Nq, H] fp32 log2-sum-exp2 per row (for backward);
+    # Q_OFFSETS/K_OFFSETS: int64 [B+1]; WORK: int32 [n_work, 2] = (sequence, query tile).
+    # Program (pid, h) computes BLOCK_M query rows of one sequence for head h.
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.load(WORK + 2 * pid)
+    m0 = tl.load(WORK + 2 * pid + 1) * BLOCK_M
+    q_start = tl.load(Q_OFFSETS + b).to(tl.int32)
+    q_len = tl.load(Q_OFFSETS + b + 1).to(tl.int32) - q_start
+    k_start = tl.load(K_OFFSETS + b).to(tl.int32)
+    k_len = tl.load(K_OFFSETS + b + 1).to(tl.int32) - k_start
+    shift = k_len - q_len
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < q_len
+    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qn + h * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    full_end, hi = _row_block_range(m0, q_len, k_len, shift, BLOCK_M, BLOCK_N, CAUSAL)
+    for start_n in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, BIAS, h, k_start, start_n, k_len, shift,
+                                  offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh,
+                                  stride_bias_h, bias_max, qk_scale, CAUSAL, HAS_BIAS, False)
+    for start_n in range(full_end, hi, BLOCK_N):
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, BIAS, h, k_start, start_n, k_len, shift,
+                                  offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh,
+                                  stride_bias_h, bias_max, qk_scale, CAUSAL, HAS_BIAS, True)
+    has_key = l_i > 0.0
+    l_safe = tl.where(has_key, l_i, 1.0)
+    out = acc / l_safe[:, None]  # rows with no visible key: acc = 0 -> zeros
+    lse = tl.where(has_key, m_i + tl.math.log2(l_safe), float("inf"))  # +inf: p = 0 in backward
+    tl.store(O + (q_start + offs_m)[:, None] * stride_on + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(LSE + (q_start + offs_m) * num_heads + h, lse, mask=row_ok)
+
+
+@triton.jit
+def _bwd_scores(q, k, BIAS, h, dist, lse, stride_bias_h, bias_max, qk_scale, valid,
+                HAS_BIAS: tl.constexpr, MASK: tl.constexpr):
+    """Recompute p = softmax probabilities of a (BM, BN) tile from q, k and the saved LSE."""
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if HAS_BIAS:
+        s += _bias_tile(BIAS, h, dist, stride_bias_h, bias_max)
+    p = tl.math.exp2(s - lse[:, None])
+    if MASK:
+        p = tl.where(valid, p, 0.0)
+    return p
+
+
+@triton.jit
+def _jagged_attn_bwd_dkdv(
+    Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFFSETS, K_OFFSETS, WORK, BIAS,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_don, stride_doh, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
+    stride_bias_h, bias_max, num_heads, qk_scale, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    # WORK: int32 [n_work, 2] = (sequence, key tile). Program (pid, h) owns BLOCK_N keys of one
+    # sequence and loops over the query tiles that see them: dK, dV written once, no atomics.
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.load(WORK + 2 * pid)
+    n0 = tl.load(WORK + 2 * pid + 1) * BLOCK_N
+    q_start = tl.load(Q_OFFSETS + b).to(tl.int32)
+    q_len = tl.load(Q_OFFSETS + b + 1).to(tl.int32) - q_start
+    k_start = tl.load(K_OFFSETS + b).to(tl.int32)
+    k_len = tl.load(K_OFFSETS + b + 1).to(tl.int32) - k_start
+    shift = k_len - q_len
+
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kmask = offs_n < k_len
+    k = tl.load(K + (k_start + offs_n)[:, None] * stride_kn + h * stride_kh + offs_d[None, :], mask=kmask[:, None], other=0.0)
+    v = tl.load(V + (k_start + offs_n)[:, None] * stride_vn + h * stride_vh + offs_d[None, :], mask=kmask[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+
+    # Query rows that see a key of this tile start at n0 - shift (causal); rows from
+    # n0 + BLOCK_N - 1 - shift on see all of them. A partial key tile is masked everywhere.
+    if CAUSAL:
+        lo = (tl.maximum(n0 - shift, 0) // BLOCK_M) * BLOCK_M
+        full_start = tl.maximum(n0 + BLOCK_N - 1 - shift, 0)
+        full_start = ((full_start + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    else:
+        lo = 0
+        full_start = 0
+    if n0 + BLOCK_N > k_len:
+        full_start = q_len + BLOCK_M  # every query tile masked
+    full_start = tl.maximum(tl.minimum(full_start, q_len), lo)
+
+    for phase in tl.static_range(2):
+        if phase == 0:
+            start, stop = lo, full_start
+        else:
+            start, stop = full_start, q_len
+        for start_m in range(start, stop, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < q_len
+            q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qn + h * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            do = tl.load(DO + (q_start + offs_m)[:, None] * stride_don + h * stride_doh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            lse = tl.load(LSE + (q_start + offs_m) * num_heads + h, mask=row_ok, other=float("inf"))
+            delta = tl.load(DELTA + (q_start + offs_m) * num_heads + h, mask=row_ok, other=0.0)
+            dist = offs_m[:, None] + shift - offs_n[None, :]
+            valid = kmask[None, :]
+            if CAUSAL:
+                valid = valid & (dist >= 0)
+            p = _bwd_scores(q, k, BIAS, h, dist, lse, stride_bias_h, bias_max, qk_scale, valid, HAS_BIAS, phase == 0)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    tl.store(DK + (k_start + offs_n)[:, None] * stride_dkn + h * stride_dkh + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=kmask[:, None])
+    tl.store(DV + (k_start + offs_n)[:, None] * stride_dvn + h * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kmask[:, None])
+
+
+@triton.jit
+def _jagged_attn_bwd_dq(
+    Q, K, V, DO, LSE, DELTA, DQ, DBIAS, Q_OFFSETS, K_OFFSETS, WORK, BIAS, BUCKETS,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_don, stride_doh, stride_dqn, stride_dqh,
+    stride_bias_h, bias_max, num_heads, qk_scale, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_BUCKETS: tl.constexpr,
+):
+    # WORK: (sequence, query tile) as in the forward. DBIAS: fp32 [n_work, H, NUM_BUCKETS]
+    # partial bias gradients, one row per program (summed on the host side in a fixed order).
+    # BUCKETS: int32 [bias_max + 1] bucket of each |distance|.
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.load(WORK + 2 * pid)
+    m0 = tl.load(WORK + 2 * pid + 1) * BLOCK_M
+    q_start = tl.load(Q_OFFSETS + b).to(tl.int32)
+    q_len = tl.load(Q_OFFSETS + b + 1).to(tl.int32) - q_start
+    k_start = tl.load(K_OFFSETS + b).to(tl.int32)
+    k_len = tl.load(K_OFFSETS + b + 1).to(tl.int32) - k_start
+    shift = k_len - q_len
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < q_len
+    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qn + h * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + (q_start + offs_m)[:, None] * stride_don + h * stride_doh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    lse = tl.load(LSE + (q_start + offs_m) * num_heads + h, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + (q_start + offs_m) * num_heads + h, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    bucket_ids = tl.arange(0, NUM_BUCKETS)
+    dbias = tl.zeros([NUM_BUCKETS], dtype=tl.float32)
+
+    full_end, hi = _row_block_range(m0, q_len, k_len, shift, BLOCK_M, BLOCK_N, CAUSAL)
+    for phase in tl.static_range(2):
+        if phase == 0:
+            start, stop = 0, full_end
+        else:
+            start, stop = full_end, hi
+        for start_n in range(start, stop, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            kmask = offs_n < k_len
+            k = tl.load(K + (k_start + offs_n)[:, None] * stride_kn + h * stride_kh + offs_d[None, :], mask=kmask[:, None], other=0.0)
+            v = tl.load(V + (k_start + offs_n)[:, None] * stride_vn + h * stride_vh + offs_d[None, :], mask=kmask[:, None], other=0.0)
+            dist = offs_m[:, None] + shift - offs_n[None, :]
+            valid = kmask[None, :]
+            if CAUSAL:
+                valid = valid & (dist >= 0)
+            p = _bwd_scores(q, k, BIAS, h, dist, lse, stride_bias_h, bias_max, qk_scale, valid, HAS_BIAS, phase == 1)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])  # gradient of the natural-units score s_ij
+            dq += tl.dot(ds.to(k.dtype), k)
+            if HAS_BIAS:
+                # |distance| spans a contiguous range in a tile, so its buckets do too: reduce ds
+                # once per bucket present (1-2 far from the diagonal, <= NUM_BUCKETS near it).
+                d_lo = m0 + shift - (start_n + BLOCK_N - 1)
+                d_hi = m0 + BLOCK_M - 1 + shift - start_n
+                ad_lo = tl.where((d_lo <= 0) & (d_hi >= 0), 0, tl.minimum(tl.abs(d_lo), tl.abs(d_hi)))
+                ad_hi = tl.maximum(tl.abs(d_lo), tl.abs(d_hi))
+                b_lo = tl.load(BUCKETS + tl.minimum(ad_lo, bias_max))
+                b_hi = tl.load(BUCKETS + tl.minimum(ad_hi, bias_max))
+                tile_bucket = tl.load(BUCKETS + tl.minimum(tl.abs(dist), bias_max))
+                ds_rows = tl.where(row_ok[:, None], ds, 0.0)
+                for bkt in range(b_lo, b_hi + 1):
+                    part = tl.sum(tl.sum(tl.where(tile_bucket == bkt, ds_rows, 0.0), 1), 0)
+                    dbias += tl.where(bucket_ids == bkt, part, 0.0)
+    tl.store(DQ + (q_start + offs_m)[:, None] * stride_dqn + h * stride_dqh + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    if HAS_BIAS:
+        tl.store(DBIAS + (pid * num_heads + h) * NUM_BUCKETS + bucket_ids, dbias)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side: work lists, configs, launchers.
+
+
+def _tile_work(tile_lengths: torch.Tensor, costs_of, block: int) -> torch.Tensor:
+    """int32 [n, 2] (sequence, tile) pairs of every valid tile, most expensive first."""
+    n_tiles = (tile_lengths + block - 1) // block
+    seq = torch.repeat_interleave(torch.arange(tile_lengths.numel()), n_tiles)
+    first = torch.cumsum(n_tiles, 0) - n_tiles
+    tile = torch.arange(int(n_tiles.sum())) - torch.repeat_interleave(first, n_tiles)
+    cost = costs_of(seq, tile)
+    order = torch.argsort(cost, descending=True, stable=True)
+    return torch.stack([seq[order], tile[order]], 1).to(torch.int32)
+
+
+def _lengths(offsets: torch.Tensor) -> torch.Tensor:
+    host_offsets = host.host_of(offsets)
+    return (host_offsets[1:] - host_offsets[:-1]).to(torch.int64)
+
+
+def _query_work(q_offsets, k_offsets, block_m: int, causal: bool, device) -> torch.Tensor:
+    def build():
+        lq, lk = _lengths(q_offsets), _lengths(k_offsets)
+
+        def cost(seq, tile):
+            if causal:  # keys visible to the tile's last row
+                return torch.clamp(torch.minimum(lk[seq], (tile + 1) * block_m + lk[seq] - lq[seq]), min=0)
+            return lk[seq]
+
+        # Every query tile gets a program, also where there is no key: it writes the zeros.
+        return _tile_work(lq, cost, block_m).to(device, non_blocking=True)
+
+    return host.cached_plan(q_offsets, ("q", _identity(k_offsets), block_m, causal), build)
+
+
+def _key_work(q_offsets, k_offsets, block_n: int, causal: bool, device) -> torch.Tensor:
+    def build():
+        lq, lk = _lengths(q_offsets), _lengths(k_offsets)
+        lk_eff = torch.where(lq > 0, lk, torch.zeros_like(lk))
+
+        def cost(seq, tile):
+            if causal:  # query rows that see the tile's first key
+                return torch.clamp(lq[seq] - torch.clamp(tile * block_n - (lk[seq] - lq[seq]), min=0), min=0)
+            return lq[seq]
+
+        return _tile_work(lk_eff, cost, block_n).to(device, non_blocking=True)
+
+    return host.cached_plan(k_offsets, ("k", _identity(q_offsets), block_n, causal), build)
+
+
+def _identity(offsets: torch.Tensor):
+    """Cache key of the other side's layout: its host offsets' bytes (ids can be reused)."""
+    return host.host_of(offsets).numpy().tobytes()
+
+
+def _bias_tables(bias: RelativePositionBias | None, num_heads: int, device):
+    """Per-|distance| bias in log2 units [H, max_distance + 1] and the bucket of each |distance|."""
+    if bias is None:
+        dummy = torch.zeros(1, 1, device=device, dtype=torch.float32)
+        return dummy, torch.zeros(1, device=device, dtype=torch.int32), 0, 1
+    max_d = int(bias.max_distance)
+    dist = torch.arange(max_d + 1, device=device)
+    buckets = relative_position_bucket(dist, bias.num_buckets, max_d)
+    per_distance = (bias.table.detach().float()[:, buckets] * LOG2E).contiguous()
+    return per_distance, buckets.to(torch.int32).contiguous(), max_d, bias.num_buckets
+
+
+def _time(fn, reps: int = 3) -> float:
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def _pick_config(key, candidates, run):
+    """The fastest candidate for this key, timed once on the first call (not under the interpreter;
+    GEMCTL_AUTOTUNE=0 takes the first candidate, e.g. for correctness tests)."""
+    if INTERPRET:
+        return _INTERPRET_CONFIG
+    if os.environ.get("GEMCTL_AUTOTUNE", "1") == "0":
+        return candidates[0]
+    if key not in _config_cache:
+        best, best_t = None, float("inf")
+        for cfg in candidates:
+            try:
+                t = _time(lambda: run(cfg))
+            except Exception:  # a config may not fit this head dim's shared memory
+                continue
+            if t < best_t:
+                best, best_t = cfg, t
+        if best is None:
+            raise RuntimeError(f"jagged_attention: no kernel config runs for {key}")
+        _config_cache[key] = best
+    return _config_cache[key]
+
+
+def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale):
+    n_q, heads, dim = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(n_q, heads, device=q.device, dtype=torch.float32)
+    bias_d, _, bias_max, _ = _bias_tables(bias, heads, q.device)
+    qk_scale = scale * LOG2E
+
+    def run(cfg):
+        bm, bn, warps, stages = cfg
+        work = _query_work(q_offsets, k_offsets, bm, causal, q.device)
+        if work.shape[0] == 0:
+            return
+        _jagged_attn_fwd[(work.shape[0], heads)](
+            q, k, v, out, lse, q_offsets, k_offsets, work, bias_d,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+            bias_d.stride(0), bias_max, heads, qk_scale,
+            HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias is not None,
+            num_warps=warps, num_stages=stages,
+        )
+
+    size = "large" if dim >= 128 else "small"
+    key = ("fwd", dim, q.dtype, causal, bias is not None, _bucket_len(max_q_len), _bucket_len(max_k_len))
+    run(_pick_config(key, _FWD_CANDIDATES[size], run))
+    return out, lse
+
+
+def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale):
+    n_q, heads, dim = q.shape
+    do = do.contiguous()
+    delta = (out.float() * do.float()).sum(-1).contiguous()  # (Nq, H) rowsum(dO * O)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    bias_d, buckets, bias_max, n_buckets = _bias_tables(bias, heads, q.device)
+    nb_pad = max(16, triton.next_power_of_2(n_buckets))
+    qk_scale = scale * LOG2E
+    has_bias = bias is not None
+    state = {}
+
+    def run(cfg):
+        bm, bn, warps, stages = cfg
+        kwork = _key_work(q_offsets, k_offsets, bn, causal, q.device)
+        qwork = _query_work(q_offsets, k_offsets, bm, causal, q.device)
+        if kwork.shape[0]:
+            _jagged_attn_bwd_dkdv[(kwork.shape[0], heads)](
+                q, k, v, do, lse, delta, dk, dv, q_offsets, k_offsets, kwork, bias_d,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+                bias_d.stride(0), bias_max, heads, qk_scale, scale,
+                HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=has_bias,
+                num_warps=warps, num_stages=stages,
+            )
+        dbias = torch.zeros(max(qwork.shape[0], 1), heads, nb_pad, device=q.device, dtype=torch.float32)
+        if qwork.shape[0]:
+            _jagged_attn_bwd_dq[(qwork.shape[0], heads)](
+                q, k, v, do, lse, delta, dq, dbias, q_offsets, k_offsets, qwork, bias_d, buckets,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
+                bias_d.stride(0), bias_max, heads, qk_scale, scale,
+                HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=has_bias, NUM_BUCKETS=nb_pad,
+                num_warps=warps, num_stages=stages,
+            )
+        state["dbias"] = dbias
+
+    key = ("bwd", dim, q.dtype, causal, has_bias, _bucket_len(max_q_len), _bucket_len(max_k_len))
+    run(_pick_config(key, _BWD_CANDIDATES, run))
+    dtable = None
+    if has_bias:
+        dtable = state["dbias"].sum(0)[:, :n_buckets].to(bias.table.dtype)  # fixed-order reduction
+    return dq, dk, dv, dtable
+
+
+class JaggedAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, table, q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale):
+        bias = None if table is None else RelativePositionBias(table, max_distance)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse = _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse, table if table is not None else torch.empty(0))
+        ctx.args = (q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale, table is not None)
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, out, lse, table = ctx.saved_tensors
+        q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale, has_table = ctx.args
+        bias = RelativePositionBias(table, max_distance) if has_table else None
+        dq, dk, dv, dtable = _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale)
+        return dq, dk, dv, dtable, None, None, None, None, None, None, None
+
+
+def jagged_attention_triton(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, bias=None, causal=False, scale=None):
+    """Triton implementation of :func:`gemctl.ops.jagged_attention` (same signature, minus backend)."""
+    dim = q.shape[-1]
+    if dim not in (16, 32, 64, 128, 256):
+        raise ValueError(f"jagged_attention (triton): head_dim must be one of 16, 32, 64, 128, 256; got {dim}")
+    scale = dim**-0.5 if scale is None else float(scale)
+    table = None if bias is None else bias.table
+    max_distance = 0 if bias is None else int(bias.max_distance)
+    return JaggedAttentionFunction.apply(q, k, v, table, q_offsets, k_offsets, int(max_q_len), int(max_k_len), max_distance, bool(causal), scale)

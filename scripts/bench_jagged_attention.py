@@ -1,0 +1,209 @@
+"""Benchmark gemctl's Triton jagged attention against FA2 varlen (aten), flex_attention with a
+document mask (compiled) and padded SDPA, on the GEM-like workloads, in one process.
+
+    python scripts/bench_jagged_attention.py [--out results.json] [--quick]
+
+Effective TFLOP/s count useful FLOPs only (gemctl.metrics.flops): forward 4*H*D*pairs with pairs
+= sum_i Lq_i*Lk_i (non-causal) or the exact causal pair count; backward 2.5x forward (dQ, dK, dV
+and the recomputed QK^T, as FlashAttention counts it). Timing: triton.testing.do_bench(warmup=25,
+rep=200, median) after a warm-up that includes compilation and config selection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gemctl import ops  # noqa: E402
+from gemctl.metrics.flops import attention, attention_pairs  # noqa: E402
+from gemctl.ops import host  # noqa: E402
+from workloads import attention_workloads, offsets_of  # noqa: E402
+
+
+def bench(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
+
+
+def make_inputs(w, device="cuda", dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    qo_h, ko_h = offsets_of(w.q_lengths), offsets_of(w.k_lengths)
+    nq, nk = int(qo_h[-1]), int(ko_h[-1])
+
+    def rnd(n):
+        return torch.randn(n, w.heads, w.head_dim, generator=gen).to(device, dtype).requires_grad_(True)
+
+    q, k, v = rnd(nq), rnd(nk), rnd(nk)
+    qo = host.register(qo_h.to(device), qo_h)
+    ko = qo if w.q_lengths.equal(w.k_lengths) else host.register(ko_h.to(device), ko_h)
+    grad = torch.randn(nq, w.heads, w.head_dim, generator=gen).to(device, dtype)
+    return q, k, v, qo, ko, qo_h, ko_h, grad
+
+
+def run_ours(w, causal, with_bias):
+    q, k, v, qo, ko, _, _, grad = make_inputs(w)
+    mq, mk = int(w.q_lengths.max()), int(w.k_lengths.max())
+    bias = None
+    if with_bias:
+        table = torch.randn(w.heads, 32, device="cuda", requires_grad=True)
+        bias = ops.RelativePositionBias(table, 1024)
+
+    def fwd():
+        return ops.jagged_attention(q, k, v, qo, ko, mq, mk, bias=bias, causal=causal, backend="triton")
+
+    out = fwd()
+    out.backward(grad, retain_graph=True)
+    ms_f = bench(fwd)
+    ms_b = bench(lambda: out.backward(grad, retain_graph=True))
+    return ms_f, ms_b
+
+
+def run_fa2(w, causal):
+    q, k, v, _, _, qo_h, ko_h, grad = make_inputs(w)
+    cq = qo_h.to("cuda", torch.int32)
+    ck = ko_h.to("cuda", torch.int32)
+    mq, mk = int(w.q_lengths.max()), int(w.k_lengths.max())
+    scale = w.head_dim**-0.5
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+
+    def fwd():
+        return torch.ops.aten._flash_attention_forward(qd, kd, vd, cq, ck, mq, mk, 0.0, causal, False, scale=scale)
+
+    out, lse, rng, unused, _ = fwd()
+
+    def bwd():
+        return torch.ops.aten._flash_attention_backward(grad, qd, kd, vd, out, lse, cq, ck, mq, mk, 0.0, causal, rng, unused, scale=scale)
+
+    bwd()
+    return bench(fwd), bench(bwd)
+
+
+def run_flex(w, causal):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q, k, v, _, _, qo_h, ko_h, grad = make_inputs(w)
+    nq, nk = q.shape[0], k.shape[0]
+    doc_q = torch.repeat_interleave(torch.arange(w.batch), w.q_lengths).cuda()
+    doc_k = torch.repeat_interleave(torch.arange(w.batch), w.k_lengths).cuda()
+    pos_q = (torch.arange(nq) - torch.repeat_interleave(qo_h[:-1], w.q_lengths)).cuda()
+    pos_k = (torch.arange(nk) - torch.repeat_interleave(ko_h[:-1], w.k_lengths)).cuda()
+    shift = (w.k_lengths - w.q_lengths).cuda()
+
+    def mask_mod(b, h, qi, ki):
+        same = doc_q[qi] == doc_k[ki]
+        if causal:
+            return same & (pos_k[ki] <= pos_q[qi] + shift[doc_q[qi]])
+        return same
+
+    block_mask = create_block_mask(mask_mod, 1, 1, nq, nk, device="cuda")
+    flex = torch.compile(flex_attention)
+    q4, k4, v4 = (t.detach().transpose(0, 1)[None].requires_grad_(True) for t in (q, k, v))
+    g4 = grad.transpose(0, 1)[None]
+
+    def fwd():
+        return flex(q4, k4, v4, block_mask=block_mask)
+
+    out = fwd()
+    out.backward(g4, retain_graph=True)
+    ms_f = bench(fwd)
+
+    def fwd_bwd():
+        o = flex(q4, k4, v4, block_mask=block_mask)
+        o.backward(g4)
+
+    return ms_f, bench(fwd_bwd)
+
+
+def run_padded_sdpa(w, causal):
+    """Padded batch through SDPA's flash backend (no mask: padding computed and discarded)."""
+    b, h, d = w.batch, w.heads, w.head_dim
+    mq, mk = int(w.q_lengths.max()), int(w.k_lengths.max())
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q = torch.randn(b, h, mq, d, generator=gen).to("cuda", torch.bfloat16).requires_grad_(True)
+    k = torch.randn(b, h, mk, d, generator=gen).to("cuda", torch.bfloat16).requires_grad_(True)
+    v = torch.randn(b, h, mk, d, generator=gen).to("cuda", torch.bfloat16).requires_grad_(True)
+    g = torch.randn(b, h, mq, d, generator=gen).to("cuda", torch.bfloat16)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        def fwd():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal and mq == mk)
+
+        out = fwd()
+        out.backward(g, retain_graph=True)
+        return bench(fwd), bench(lambda: out.backward(g, retain_graph=True))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_jagged_attention.json")
+    ap.add_argument("--quick", action="store_true", help="self-* heavy-tailed workloads only, no flex")
+    ap.add_argument("--causal", action="store_true", help="also run causal variants")
+    args = ap.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": props.name,
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+    }
+    print(meta)
+    results = []
+    workloads = attention_workloads(uniform_variant=not args.quick)
+    if args.quick:
+        workloads = [w for w in workloads if w.name.startswith("self")]
+    for causal in ([False, True] if args.causal else [False]):
+        for w in workloads:
+            pairs = attention_pairs(w.q_lengths, w.k_lengths, causal)
+            f_flops = attention(w.heads, w.head_dim, pairs)
+            row = {"workload": w.name, "causal": causal, "pairs": pairs}
+            impls = {
+                "ours": lambda: run_ours(w, causal, False),
+                "ours+bias": lambda: run_ours(w, causal, True),
+                "fa2_varlen": lambda: run_fa2(w, causal),
+                "padded_sdpa": lambda: run_padded_sdpa(w, causal),
+            }
+            if not args.quick and w.name.startswith("self") and "uniform" not in w.name:
+                impls["flex_docmask"] = lambda: run_flex(w, causal)  # compiled per shape: slow to set up
+            for name, fn in impls.items():
+                try:
+                    ms_f, ms_b = fn()
+                    if name == "flex_docmask":  # measured fwd and fwd+bwd
+                        row[name] = {"fwd_ms": ms_f, "fwd_tflops": tflops(f_flops, ms_f),
+                                     "fwdbwd_ms": ms_b, "fwdbwd_tflops": tflops(3.5 * f_flops, ms_b)}
+                    else:
+                        row[name] = {"fwd_ms": ms_f, "fwd_tflops": tflops(f_flops, ms_f),
+                                     "bwd_ms": ms_b, "bwd_tflops": tflops(2.5 * f_flops, ms_b)}
+                except Exception as exc:  # report, keep going
+                    row[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+                torch.cuda.empty_cache()
+            results.append(row)
+            cells = []
+            for name in impls:
+                r = row[name]
+                if "error" in r:
+                    cells.append(f"{name}: {r['error'][:60]}")
+                elif "bwd_tflops" in r:
+                    cells.append(f"{name} {r['fwd_tflops']:.0f}/{r['bwd_tflops']:.0f}")
+                else:
+                    cells.append(f"{name} {r['fwd_tflops']:.0f}/{r['fwdbwd_tflops']:.0f}(f+b)")
+            print(f"{w.name:>18} causal={int(causal)} | " + " | ".join(cells), flush=True)
+    Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

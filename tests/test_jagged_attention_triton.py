@@ -1,0 +1,155 @@
+"""Triton jagged attention against the float64 per-sequence loop: outputs and dq, dk, dv, dbias.
+
+CPU tier: the interpreter (TRITON_INTERPRET=1, 16x16 tiles), fp32, small hostile shapes.
+GPU tier (marked gpu): bf16 on the H200; the error must stay within 2x the error of the bf16
+PyTorch reference path on the same inputs (plus a small floor), and gradients are bitwise
+identical across runs.
+"""
+
+import pytest
+import torch
+
+from gemctl import ops
+from loops import attention_loop, offsets
+
+pytest.importorskip("triton")
+
+# Interpreter tiles are 16: lengths around 16/32 are the tile edges there; GPU tiles are 32-128.
+SELF_CPU = [[0, 1, 15, 16, 17, 33, 3], [70, 1, 2, 0, 5], [1], [0, 0, 4]]
+CROSS_CPU = [([3, 0, 17, 40, 1], [20, 4, 0, 3, 16]), ([33, 16, 15], [1, 2, 50])]
+SELF_GPU = [[0, 1, 63, 64, 65, 127, 128, 129, 7], [1000] + [3, 17, 0, 64] * 8, [200] * 16]
+CROSS_GPU = [([5, 0, 130, 64, 1000], [300, 7, 0, 64, 32]), ([64, 65, 1], [1, 2, 900])]
+
+
+def rel_err(a, b):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    if a.numel() == 0:
+        return 0.0
+    n = b.norm()
+    return float((a - b).norm() / n) if n > 0 else float((a - b).abs().max())
+
+
+def _inputs(q_lengths, k_lengths, heads, dim, device, dtype, seed, with_bias):
+    gen = torch.Generator().manual_seed(seed)
+    qo, ko = offsets(q_lengths, device), offsets(k_lengths, device)
+    def make(n):
+        return torch.randn(n, heads, dim, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_(True)
+    q, k, v = make(int(qo[-1])), make(int(ko[-1])), make(int(ko[-1]))
+    table = (torch.randn(heads, 16, generator=gen, dtype=torch.float64) * 0.5).to(device, torch.float32).requires_grad_(True) if with_bias else None
+    grad_out = torch.randn(int(qo[-1]), heads, dim, generator=gen, dtype=torch.float64).to(device, dtype)
+    return qo, ko, q, k, v, table, grad_out
+
+
+def _run(backend, q, k, v, table, qo, ko, mq, mk, causal):
+    bias = None if table is None else ops.RelativePositionBias(table, 40)
+    out = ops.jagged_attention(q, k, v, qo, ko, mq, mk, bias=bias, causal=causal, backend=backend)
+    return out
+
+
+def _grads(out, tensors, grad_out):
+    wanted = [t for t in tensors if t is not None]
+    return torch.autograd.grad(out, wanted, grad_out, allow_unused=True)
+
+
+def _check(q_lengths, k_lengths, causal, with_bias, device, dtype, heads=2, dim=32, seed=0, factor=None, tol=None):
+    qo, ko, q, k, v, table, grad_out = _inputs(q_lengths, k_lengths, heads, dim, device, dtype, seed, with_bias)
+    mq, mk = max(q_lengths), max(k_lengths)
+    out = _run("triton", q, k, v, table, qo, ko, mq, mk, causal)
+    assert torch.isfinite(out).all()
+    grads = _grads(out, [q, k, v, table], grad_out)
+
+    ref_in = [t.detach().double().cpu().requires_grad_(True) if t is not None else None for t in (q, k, v, table)]
+    ref_bias = None if table is None else ops.RelativePositionBias(ref_in[3], 40)
+    ref = attention_loop(ref_in[0], ref_in[1], ref_in[2], qo.cpu(), ko.cpu(), causal=causal, bias=ref_bias)
+    ref_grads = _grads(ref, ref_in, grad_out.double().cpu())
+
+    if factor is not None:  # bound by the low-precision PyTorch path's own error
+        base = _run("torch", q, k, v, table, qo, ko, mq, mk, causal)
+        base_grads = _grads(base, [q, k, v, table], grad_out)
+    names = ["out", "dq", "dk", "dv", "dbias"]
+    pairs = [(out, ref, base if factor else None)] + [
+        (g, r, bg if factor else None) for g, r, bg in zip(grads, ref_grads, base_grads if factor else [None] * 4)
+    ]
+    for name, (got, want, baseline) in zip(names, pairs):
+        if want is None:
+            continue
+        got = torch.zeros_like(want) if got is None else got
+        assert torch.isfinite(got).all(), name
+        err = rel_err(got, want)
+        if factor is None:
+            assert err < tol, f"{name}: rel err {err:.2e}"
+        else:
+            bound = factor * rel_err(baseline, want) + 1e-3
+            assert err <= bound, f"{name}: rel err {err:.2e} > {bound:.2e} (torch {dtype} path {rel_err(baseline, want):.2e})"
+
+
+@pytest.mark.parametrize("lengths", SELF_CPU)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_self_cpu(lengths, causal, with_bias):
+    _check(lengths, lengths, causal, with_bias, "cpu", torch.float32, tol=2e-5)
+
+
+@pytest.mark.parametrize("q_lengths,k_lengths", CROSS_CPU)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_cross_cpu(q_lengths, k_lengths, causal, with_bias):
+    _check(q_lengths, k_lengths, causal, with_bias, "cpu", torch.float32, tol=2e-5)
+
+
+def test_large_negative_bias_rows_cpu():
+    """All valid logits far below 0: exact (no cancellation), finite, zeros for keyless rows."""
+    lengths = [5, 0, 20, 1]
+    qo = offsets(lengths)
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(26, 2, 32, generator=gen) for _ in range(3))
+    table = torch.full((2, 16), -300.0)
+    bias = ops.RelativePositionBias(table, 40)
+    out = ops.jagged_attention(q, k, v, qo, qo, 20, 20, bias=bias, causal=True, backend="triton")
+    ref = attention_loop(q, k, v, qo, qo, causal=True, bias=bias)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 2e-4
+
+
+def test_no_keys_gives_zeros_cpu():
+    qo, ko = offsets([3, 2]), offsets([0, 0])
+    q = torch.randn(5, 2, 32, requires_grad=True)
+    k = torch.randn(0, 2, 32, requires_grad=True)
+    v = torch.randn(0, 2, 32, requires_grad=True)
+    out = ops.jagged_attention(q, k, v, qo, ko, 3, 0, backend="triton")
+    assert torch.equal(out, torch.zeros_like(out))
+    out.sum().backward()
+    assert torch.equal(q.grad, torch.zeros_like(q))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", SELF_GPU)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_self_gpu(lengths, causal, with_bias, dim):
+    _check(lengths, lengths, causal, with_bias, "cuda", torch.bfloat16, heads=4, dim=dim, factor=2.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_lengths,k_lengths", CROSS_GPU)
+@pytest.mark.parametrize("causal", [False, True])
+def test_cross_gpu(q_lengths, k_lengths, causal):
+    _check(q_lengths, k_lengths, causal, True, "cuda", torch.bfloat16, heads=4, dim=128, factor=2.0)
+
+
+@pytest.mark.gpu
+def test_fp16_gpu():
+    _check([0, 1, 64, 65, 300], [0, 1, 64, 65, 300], True, True, "cuda", torch.float16, heads=2, dim=64, factor=2.0)
+
+
+@pytest.mark.gpu
+def test_backward_is_deterministic_gpu():
+    lengths = [1000] + [3, 17, 0, 64, 129] * 10
+    qo, ko, q, k, v, table, grad_out = _inputs(lengths, lengths, 4, 128, "cuda", torch.bfloat16, 3, True)
+    runs = []
+    for _ in range(2):
+        out = _run("triton", q, k, v, table, qo, ko, 1000, 1000, True)
+        runs.append([out] + list(_grads(out, [q, k, v, table], grad_out)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
