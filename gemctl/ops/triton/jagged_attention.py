@@ -53,7 +53,10 @@ _FWD_CANDIDATES = {
     "small": [(64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3)],
     "large": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3)],
 }
-_BWD_CANDIDATES = [(64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2), (128, 64, 8, 2)]
+# Backward passes are tuned separately: dK/dV holds a key tile and streams query tiles (wide key
+# tiles amortize the K/V loads), dQ the reverse.
+_DKDV_CANDIDATES = [(64, 64, 4, 2), (32, 128, 4, 3), (32, 64, 4, 3), (64, 128, 8, 2)]
+_DQ_CANDIDATES = [(64, 64, 4, 2), (128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2)]
 _INTERPRET_CONFIG = (16, 16, 1, 1)
 _config_cache: dict = {}
 
@@ -448,10 +451,9 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
     has_bias = bias is not None
     state = {}
 
-    def run(cfg):
+    def run_dkdv(cfg):
         bm, bn, warps, stages = cfg
         kwork = _key_work(q_offsets, k_offsets, bn, causal, q.device)
-        qwork = _query_work(q_offsets, k_offsets, bm, causal, q.device)
         if kwork.shape[0]:
             _jagged_attn_bwd_dkdv[(kwork.shape[0], heads)](
                 q, k, v, do, lse, delta, dk, dv, q_offsets, k_offsets, kwork, bias_d,
@@ -461,6 +463,10 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
                 HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=has_bias,
                 num_warps=warps, num_stages=stages,
             )
+
+    def run_dq(cfg):
+        bm, bn, warps, stages = cfg
+        qwork = _query_work(q_offsets, k_offsets, bm, causal, q.device)
         dbias = torch.zeros(max(qwork.shape[0], 1), heads, nb_pad, device=q.device, dtype=torch.float32)
         if qwork.shape[0]:
             _jagged_attn_bwd_dq[(qwork.shape[0], heads)](
@@ -473,8 +479,9 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
             )
         state["dbias"] = dbias
 
-    key = ("bwd", dim, q.dtype, causal, has_bias, _bucket_len(max_q_len), _bucket_len(max_k_len))
-    run(_pick_config(key, _BWD_CANDIDATES, run))
+    key = (dim, q.dtype, causal, has_bias, _bucket_len(max_q_len), _bucket_len(max_k_len))
+    run_dkdv(_pick_config(("dkdv",) + key, _DKDV_CANDIDATES, run_dkdv))
+    run_dq(_pick_config(("dq",) + key, _DQ_CANDIDATES, run_dq))
     dtable = None
     if has_bias:
         dtable = state["dbias"].sum(0)[:, :n_buckets].to(bias.table.dtype)  # fixed-order reduction
