@@ -153,3 +153,39 @@ def test_backward_is_deterministic_gpu():
         runs.append([out] + list(_grads(out, [q, k, v, table], grad_out)))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def test_strided_qkv_views_cpu():
+    """q, k, v as views of one fused QKV projection (row stride 3*H*D): no copy needed, same result."""
+    lengths = [5, 17, 0, 2]
+    off = offsets(lengths)
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(24, 3, 2, 32, generator=gen, requires_grad=True)
+    q, k, v = qkv.unbind(1)
+    out = ops.jagged_attention(q, k, v, off, off, 17, 17, causal=True, backend="triton")
+    ref = attention_loop(q, k, v, off, off, causal=True)
+    assert rel_err(out, ref) < 2e-5
+    out.sum().backward()
+    assert torch.isfinite(qkv.grad).all()
+
+
+def test_torch_compile_no_graph_break_cpu():
+    """The op is a torch.library custom op with a fake: fullgraph compile traces it, fwd and bwd."""
+    lengths = [3, 0, 17]
+    off = offsets(lengths)
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(20, 2, 32, generator=gen, requires_grad=True) for _ in range(3))
+    table = torch.randn(2, 16, generator=gen, requires_grad=True)
+
+    def f(q, k, v, table):
+        bias = ops.RelativePositionBias(table, 40)
+        return ops.jagged_attention(q, k, v, off, off, 17, 17, bias=bias, causal=True, backend="triton").square().sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss = compiled(q, k, v, table)
+    grads = torch.autograd.grad(loss, [q, k, v, table])
+    ref_loss = f(q, k, v, table)
+    ref_grads = torch.autograd.grad(ref_loss, [q, k, v, table])
+    assert torch.allclose(loss, ref_loss)
+    for a, b in zip(grads, ref_grads):
+        assert torch.allclose(a, b)

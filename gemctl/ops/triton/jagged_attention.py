@@ -484,23 +484,61 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
     return dq, dk, dv, dtable
 
 
-class JaggedAttentionFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, table, q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale):
-        bias = None if table is None else RelativePositionBias(table, max_distance)
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out, lse = _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale)
-        ctx.save_for_backward(q, k, v, out, lse, table if table is not None else torch.empty(0))
-        ctx.args = (q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale, table is not None)
-        return out
+# torch.library custom ops with fakes: torch.compile traces through them without a graph break,
+# and autograd is attached with register_autograd.
+@torch.library.custom_op("gemctl::jagged_attention_fwd", mutates_args=())
+def _jagged_attention_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor | None,
+    q_offsets: torch.Tensor, k_offsets: torch.Tensor, max_q_len: int, max_k_len: int,
+    max_distance: int, causal: bool, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    bias = None if table is None else RelativePositionBias(table, max_distance)
+    # Any row/head strides work (the q, k, v views of a fused QKV projection need no copy); the
+    # head dimension must be contiguous.
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    return _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale)
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, out, lse, table = ctx.saved_tensors
-        q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale, has_table = ctx.args
-        bias = RelativePositionBias(table, max_distance) if has_table else None
-        dq, dk, dv, dtable = _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale)
-        return dq, dk, dv, dtable, None, None, None, None, None, None, None
+
+@_jagged_attention_fwd_op.register_fake
+def _(q, k, v, table, q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale):
+    return torch.empty_like(q), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
+
+
+@torch.library.custom_op("gemctl::jagged_attention_bwd", mutates_args=())
+def _jagged_attention_bwd_op(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, table: torch.Tensor | None, q_offsets: torch.Tensor, k_offsets: torch.Tensor,
+    max_q_len: int, max_k_len: int, max_distance: int, causal: bool, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    bias = None if table is None else RelativePositionBias(table, max_distance)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    dq, dk, dv, dtable = _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale)
+    return dq, dk, dv, dtable if dtable is not None else q.new_empty(0)
+
+
+@_jagged_attention_bwd_op.register_fake
+def _(do, q, k, v, out, lse, table, q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale):
+    dtable = torch.empty_like(table) if table is not None else q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dtable
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, table, q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, table, q_offsets, k_offsets)
+    ctx.args = (max_q_len, max_k_len, max_distance, causal, scale)
+
+
+def _backward_rule(ctx, do, _dlse):
+    q, k, v, out, lse, table, q_offsets, k_offsets = ctx.saved_tensors
+    max_q_len, max_k_len, max_distance, causal, scale = ctx.args
+    dq, dk, dv, dtable = _jagged_attention_bwd_op(
+        do.contiguous(), q, k, v, out, lse, table, q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale
+    )
+    return dq, dk, dv, (dtable if table is not None else None), None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("gemctl::jagged_attention_fwd", _backward_rule, setup_context=_setup_context)
 
 
 def jagged_attention_triton(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, bias=None, causal=False, scale=None):
@@ -511,4 +549,5 @@ def jagged_attention_triton(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len,
     scale = dim**-0.5 if scale is None else float(scale)
     table = None if bias is None else bias.table
     max_distance = 0 if bias is None else int(bias.max_distance)
-    return JaggedAttentionFunction.apply(q, k, v, table, q_offsets, k_offsets, int(max_q_len), int(max_k_len), max_distance, bool(causal), scale)
+    out, _ = _jagged_attention_fwd_op(q, k, v, table, q_offsets, k_offsets, int(max_q_len), int(max_k_len), max_distance, bool(causal), scale)
+    return out
