@@ -106,7 +106,9 @@ class DataConfig:
 @dataclass
 class ShuffleConfig:
     name: str = "none"
-    kind: str = "none"
+    kind: str = "none"  # none | bbs (Base Batch Shuffling)
+    sub_batch_size: int = 128  # bbs: samples per sub-batch (must divide data.batch_size)
+    key: str = "tokens"  # bbs: order sub-batches by total history tokens | attention (sum L^2)
 
 
 @dataclass

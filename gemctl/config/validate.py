@@ -14,7 +14,8 @@ PRECISION_FORMATS = ("bf16", "fp32")
 COMPUTE_DTYPES = ("bf16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
 EMBEDDING_OPTIMIZERS = ("rowwise_adagrad", "adam")
-SHUFFLES = ("none",)
+SHUFFLES = ("none", "bbs")
+SHUFFLE_KEYS = ("tokens", "attention")
 LAUNCHERS = ("local",)
 SOURCES = ("synthetic", "movielens100k")
 GDPA_ACTIVATIONS = ("gelu", "silu")
@@ -85,6 +86,14 @@ def validate(cfg) -> None:
         raise ConfigError("data.movielens.eval_fraction", f"must be in (0, 1), got {d.movielens.eval_fraction}")
 
     _one_of(cfg.shuffle.kind, SHUFFLES, "shuffle.kind")
+    if cfg.shuffle.kind == "bbs":
+        _one_of(cfg.shuffle.key, SHUFFLE_KEYS, "shuffle.key")
+        _positive(cfg, "shuffle.sub_batch_size")
+        if d.batch_size % cfg.shuffle.sub_batch_size:
+            raise ConfigError(
+                "shuffle.sub_batch_size",
+                f"{cfg.shuffle.sub_batch_size} must divide data.batch_size={d.batch_size}",
+            )
     _one_of(cfg.launcher.kind, LAUNCHERS, "launcher.kind")
     world = cfg.parallel.dp_replicate * cfg.parallel.dp_shard
     for f in ("dp_replicate", "dp_shard", "ep"):

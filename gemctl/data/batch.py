@@ -110,6 +110,32 @@ def _kjt(values: dict[str, torch.Tensor], offsets: dict[str, torch.Tensor]):
     return KeyedJaggedTensor(keys=keys, values=vals, lengths=lengths, offsets=kjt_offsets)
 
 
+def concat_batches(batches: list[JaggedBatch]) -> JaggedBatch:
+    """One batch holding the samples of ``batches`` in order (host tensors)."""
+    if len(batches) == 1:
+        return batches[0]
+
+    def cat_offsets(offs: list[torch.Tensor]) -> torch.Tensor:
+        lengths = torch.cat([o[1:] - o[:-1] for o in offs])
+        return offsets_from_lengths(lengths)
+
+    first = batches[0]
+    seq_offsets = cat_offsets([b.seq_offsets_cpu for b in batches])
+    weights = None if first.weights is None else torch.cat([b.weights for b in batches])
+    return JaggedBatch(
+        seq_ids={k: torch.cat([b.seq_ids[k] for b in batches]) for k in first.seq_ids},
+        seq_offsets=seq_offsets,
+        seq_offsets_cpu=seq_offsets,
+        max_seq_len=max(b.max_seq_len for b in batches),
+        sparse_ids={k: torch.cat([b.sparse_ids[k] for b in batches]) for k in first.sparse_ids},
+        sparse_offsets={k: cat_offsets([b.sparse_offsets[k] for b in batches]) for k in first.sparse_offsets},
+        dense=torch.cat([b.dense for b in batches]),
+        labels=torch.cat([b.labels for b in batches]),
+        sample_ids=torch.cat([b.sample_ids for b in batches]),
+        weights=weights,
+    )
+
+
 def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
     torch.cumsum(lengths.to(torch.int64), 0, out=out[1:])

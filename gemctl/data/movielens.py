@@ -78,7 +78,10 @@ def _seed_for(seed: int, epoch: int) -> int:
 class MovieLensSource:
     """MovieLens-100K per-user histories; implements :class:`gemctl.data.source.Source`."""
 
-    def __init__(self, data_cfg, data_dir: str | Path | None = None):
+    def __init__(self, data_cfg, data_dir: str | Path | None = None, dealer=None):
+        from gemctl.data.shuffle import Dealer
+
+        self.dealer = dealer or Dealer()
         ml = data_cfg.movielens
         self.batch_size = int(data_cfg.batch_size)
         self.eval_batch_size = int(data_cfg.eval_batch_size)
@@ -117,7 +120,8 @@ class MovieLensSource:
             tasks=("ctr",),
             max_seq_len=self.max_len,
         )
-        self.batches_per_epoch = self.num_train // self.batch_size
+        # One step consumes a local batch for every rank of the dealer's world.
+        self.batches_per_epoch = self.num_train // (self.batch_size * self.dealer.world_size)
         if self.batches_per_epoch == 0:
             raise ConfigError(
                 "data.batch_size",
@@ -306,8 +310,17 @@ class MovieLensSource:
             e, k = divmod(step, bpe)
             if e != epoch:
                 epoch, perm = e, self.epoch_permutation(e)
-            yield self._batch(self._train_pos[perm[k * bs : (k + 1) * bs]])
+            yield self._batch(self._step_positions(perm, k))
             step += 1
+
+    def _step_positions(self, perm: torch.Tensor, k: int) -> torch.Tensor:
+        """This rank's sample positions at step ``k`` of an epoch with permutation ``perm``."""
+        d = self.dealer
+        per_step = self.batch_size * d.world_size
+        unit = self.batch_size // d.units_per_rank
+        pos = self._train_pos[perm[k * per_step : (k + 1) * per_step]].view(d.units_per_step, unit)
+        lengths = [self._s_end[p] - self._s_start[p] for p in pos] if d.kind == "bbs" else None
+        return torch.cat([pos[i] for i in d.my_units(lengths)])
 
     def eval_batches(self) -> Iterator[JaggedBatch]:
         for i in range(0, self.num_eval, self.eval_batch_size):

@@ -27,15 +27,20 @@ class Source(Protocol):
 SOURCES = ("synthetic", "movielens100k")
 
 
-def build_source(data_cfg) -> Source:
+def build_source(data_cfg, shuffle_cfg=None, world_size: int = 1, rank: int = 0) -> Source:
+    """The configured source, dealing each step's samples to ``rank`` of ``world_size``
+    (in order, or by Base Batch Shuffling: gemctl.data.shuffle)."""
+    from gemctl.data.shuffle import build_dealer
+
+    dealer = build_dealer(shuffle_cfg, data_cfg.batch_size, world_size, rank)
     if data_cfg.source == "synthetic":
         from gemctl.data.synthetic import SyntheticSource
 
-        return SyntheticSource(data_cfg)
+        return SyntheticSource(data_cfg, dealer)
     if data_cfg.source == "movielens100k":
         from gemctl.data.movielens import MovieLensSource
 
-        return MovieLensSource(data_cfg)
+        return MovieLensSource(data_cfg, dealer=dealer)
     from gemctl.errors import ConfigError
 
     raise ConfigError("data.source", f"'{data_cfg.source}' is not a source; allowed: {', '.join(SOURCES)}")

@@ -25,9 +25,10 @@ from typing import Iterator
 
 import torch
 
-from gemctl.data.batch import FeatureSpec, JaggedBatch, offsets_from_lengths
+from gemctl.data.batch import FeatureSpec, JaggedBatch, concat_batches, offsets_from_lengths
+from gemctl.data.shuffle import Dealer
 
-_TRAIN, _EVAL, _TEACHER = 0, 1, 2
+_TRAIN, _EVAL, _TEACHER, _TRAIN_SUB = 0, 1, 2, 3
 _TEACHER_DIM = 8
 
 
@@ -57,8 +58,13 @@ class _Zipf:
 
 
 class SyntheticSource:
-    def __init__(self, data_cfg):
+    def __init__(self, data_cfg, dealer: Dealer | None = None):
         self.cfg = data_cfg
+        self.dealer = dealer or Dealer()
+        # The stream is cut into units: whole local batches without BBS (so one rank's batch k is
+        # unit k, as before), sub-batches with it.
+        self.unit_size = data_cfg.batch_size // self.dealer.units_per_rank
+        self._unit_tag = _TRAIN if self.dealer.kind == "none" else _TRAIN_SUB
         s = data_cfg.synthetic
         self.s = s
         self.spec = FeatureSpec(
@@ -148,10 +154,22 @@ class SyntheticSource:
         )
 
     # ------------------------------------------------------------------------------------------
+    def _unit_seed(self, unit: int) -> int:
+        return _mix(self.cfg.seed, self._unit_tag, unit)
+
+    def unit_lengths(self, unit: int) -> torch.Tensor:
+        """History lengths of a unit without generating it (the same draws _generate makes first)."""
+        return self._lengths(self.unit_size, torch.Generator().manual_seed(self._unit_seed(unit)))
+
     def train_batch(self, step: int) -> JaggedBatch:
-        """Training batch number ``step`` (random access: any worker can make any batch)."""
-        b = self.cfg.batch_size
-        return self._generate(b, _mix(self.cfg.seed, _TRAIN, step), step * b)
+        """This rank's training batch of ``step`` (random access: any worker can make any batch)."""
+        d = self.dealer
+        first = step * d.units_per_step
+        lengths = [self.unit_lengths(first + i) for i in range(d.units_per_step)] if d.kind == "bbs" else None
+        units = [first + i for i in d.my_units(lengths)]
+        return concat_batches(
+            [self._generate(self.unit_size, self._unit_seed(u), u * self.unit_size) for u in units]
+        )
 
     def train_batches(self, start_step: int = 0) -> Iterator[JaggedBatch]:
         step = start_step

@@ -71,7 +71,7 @@ class Trainer:
         self.console = console
         self.device = resolve_device(cfg.train.device)
         seed_everything(cfg.train.seed, cfg.train.deterministic, self.device)
-        self.source = build_source(cfg.data)
+        self.source = build_source(cfg.data, cfg.shuffle)
         self.spec = self.source.spec
         self.model = build_model(cfg.model, self.spec, device=self.device)
         self.formats = apply_precision(self.model, cfg.precision, cfg.model.num_layers, self.device.type)
