@@ -40,6 +40,44 @@ def cmd_train(args, console: Console) -> int:
     return 0
 
 
+def cmd_profile(args, console: Console) -> int:
+    cfg = _compose(args)
+    from gemctl.profile.runner import profile
+    from gemctl.train.trainer import Trainer, prepare_process
+
+    prepare_process()
+    report = profile(Trainer(cfg, console=console), console=console)
+    console.print(profile_table(report))
+    console.print(f"profile: {report['run_dir']}/profile.json, trace.json, breakdown.png, waterfall.png")
+    return 0
+
+
+def profile_table(report: dict) -> Table:
+    step = report["step_time_s"]
+    table = Table(title=f"gemctl profile: {report['recipe']} on {report['device']} (peak {report['peak']})")
+    table.add_column("where the step goes")
+    table.add_column("ms / step", justify="right")
+    table.add_column("share", justify="right")
+    table.add_column("achieved TF/s", justify="right")
+    accounted = report["accounted_s"]
+    for name, seconds in report["categories_s"].items():
+        tf = report["achieved_tflops"].get(name)
+        table.add_row(name, f"{1e3 * seconds:.2f}", f"{100 * seconds / accounted:.1f}%", f"{tf:.1f}" if tf else "")
+    table.add_row("host overhead (idle)", f"{1e3 * report['host_overhead_s']:.2f}", f"{100 * report['host_overhead_s'] / accounted:.1f}%", "")
+    table.add_row("data stall", f"{1e3 * report['data_stall_s']:.2f}", f"{100 * report['data_stall_s'] / accounted:.1f}%", "")
+    table.add_row("exposed communication", f"{1e3 * report['exposed_communication_s']:.2f}", "", "")
+    table.add_row("straggler wait", f"{1e3 * report['straggler_wait_s']:.2f}", "", "")
+    table.add_section()
+    table.add_row("accounted (profiled)", f"{1e3 * accounted:.2f}", "", "")
+    table.add_row("measured step time", f"{1e3 * step:.2f}", "", "")
+    table.add_row("Local MFU", f"{100 * report['local_mfu']:.2f}%", "", "")
+    table.add_row("Scaling Ratio", f"{report['scaling_ratio']:.4f}", "", "")
+    table.add_row("E2E MFU", f"{100 * report['e2e_mfu']:.2f}%", "", "")
+    table.add_row("QPS", f"{report['qps']:,.1f}", "", "")
+    table.add_row("peak memory", f"{report['peak_memory_gib']:.2f} GiB", "", "")
+    return table
+
+
 def summary_table(cfg, result) -> Table:
     table = Table(title=f"gemctl train: {cfg.run.name} ({cfg.model.name}, {cfg.data.name})", show_header=True)
     table.add_column("metric")
@@ -116,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model")
     with_overrides(p)
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("profile", help="profile training steps: time and MFU by category")
+    with_overrides(p)
+    p.set_defaults(func=cmd_profile)
     p = sub.add_parser("config", help="show or validate the composed config")
     p.add_argument("action", choices=["show", "validate"])
     with_overrides(p)

@@ -145,6 +145,12 @@ class MetricsConfig:
 
 
 @dataclass
+class ProfileConfig:
+    warmup_steps: int = 3  # steps before measuring (compilation, autotuning, caches)
+    steps: int = 5  # steps timed without the profiler, then again under it
+
+
+@dataclass
 class RunConfig:
     name: str = "default"
     output_dir: str = "runs"  # run directories are created under this
@@ -161,6 +167,7 @@ class GemConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
 

@@ -125,5 +125,7 @@ def validate(cfg) -> None:
             "train.warmup_timing_steps",
             f"must be < train.steps={t.steps} (steps left out of throughput averages)",
         )
+    _positive(cfg, "profile.steps")
+    _positive(cfg, "profile.warmup_steps", allow_zero=True)
     if cfg.metrics.peak_tflops is not None and cfg.metrics.peak_tflops <= 0:
         raise ConfigError("metrics.peak_tflops", f"must be > 0 or null, got {cfg.metrics.peak_tflops}")

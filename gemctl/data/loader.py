@@ -125,7 +125,8 @@ class TrainLoader:
 
     def __next__(self) -> JaggedBatch:
         t0 = time.perf_counter()
-        batch = next(self._it)
+        with torch.profiler.record_function("gemctl.data"):
+            batch = next(self._it)
         self.last_wait_s = time.perf_counter() - t0
         return batch.to(self.device, non_blocking=True) if self.device.type != "cpu" else batch
 

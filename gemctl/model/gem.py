@@ -45,7 +45,8 @@ class GemModel(nn.Module):
 
     def forward(self, batch):
         offsets, max_len = batch.seq_offsets, batch.max_seq_len
-        seq_emb, ns_emb = self.sparse(batch)
+        with torch.profiler.record_function("gemctl.embedding"):
+            seq_emb, ns_emb = self.sparse(batch)
         ns = self.ns_tokens(ns_emb, batch.dense)  # (B, n_ns, d)
         x = self.seq_in(seq_emb)  # (N, d)
         x = self.cross(x, offsets, max_len, ns, self.backend)

@@ -7,7 +7,8 @@ Python-int maximum lengths (computed once on the host). ``backend`` selects the 
 When ``"auto"`` wants a Triton kernel that is not available it falls back to the reference and
 says so once per op.
 
-This package imports nothing from the rest of gemctl.
+Each call runs inside a ``gemctl.attention.<op>`` profiler range, so `gemctl profile` can tell
+attention time from the GEMMs around it. This package imports nothing from the rest of gemctl.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def jagged_attention(
     """
     kernel = _pick("jagged_attention", backend, q.device)
     fn = kernel or jagged_attention_reference
-    return fn(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias=bias, causal=causal, scale=scale)
+    with torch.profiler.record_function("gemctl.attention.jagged_attention"):
+        return fn(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias=bias, causal=causal, scale=scale)
 
 
 def gdpa(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, activation="gelu", scale=None, backend="auto"):
@@ -98,7 +100,8 @@ def gdpa(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, activation="gel
     """
     kernel = _pick("gdpa", backend, q.device)
     fn = kernel or gdpa_reference
-    return fn(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, activation=activation, scale=scale)
+    with torch.profiler.record_function("gemctl.attention.gdpa"):
+        return fn(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, activation=activation, scale=scale)
 
 
 def block_attention(q, k, v, offsets, max_len, *, block_size=64, rope=None, backend="auto"):
@@ -108,4 +111,5 @@ def block_attention(q, k, v, offsets, max_len, *, block_size=64, rope=None, back
     """
     kernel = _pick("block_attention", backend, q.device)
     fn = kernel or block_attention_reference
-    return fn(q, k, v, offsets, max_len, block_size=block_size, rope=rope)
+    with torch.profiler.record_function("gemctl.attention.block_attention"):
+        return fn(q, k, v, offsets, max_len, block_size=block_size, rope=rope)

@@ -1,0 +1,1 @@
+"""`gemctl profile`: where the step time goes and what it costs in MFU."""

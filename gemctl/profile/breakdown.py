@@ -1,0 +1,202 @@
+"""Where a training step's time goes: torch.profiler events -> time per category and per module.
+
+Categories: gemm, attention, embedding, norm/elementwise, optimizer, communication, data; plus the
+time the executing device sits idle (host overhead: Python, launches, syncs). On a GPU the busy
+time is kernel time; on a CPU it is the time inside top-level operators.
+
+How an operator gets its category, first rule that applies:
+1. profiler ranges it runs under: ``gemctl.attention.*`` (the gemctl.ops dispatcher),
+   ``gemctl.embedding`` (the sparse arch), ``gemctl.optimizer``, ``gemctl.data``;
+2. a backward operator inherits the category of the forward operator it differentiates
+   (autograd records the forward op's sequence number on the backward node);
+3. its name: collectives -> communication, matrix products -> gemm, embedding lookups ->
+   embedding, everything else -> norm/elementwise.
+Each operator's *self* time is counted once, so categories never double count (the test suite
+checks that categories + idle add up to the measured step time).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+CATEGORIES = ("gemm", "attention", "embedding", "norm/elementwise", "optimizer", "communication", "data")
+_SCOPES = (
+    ("gemctl.attention.", "attention"),
+    ("gemctl.embedding", "embedding"),
+    ("gemctl.optimizer", "optimizer"),
+    ("gemctl.data", "data"),
+)
+_GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::matmul", "aten::linear"}
+_COMM_MARKERS = ("nccl", "c10d::", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "all_to_all", "gloo")
+_ATTENTION_MARKERS = ("scaled_dot_product", "flash_attention", "efficient_attention", "gemctl::jagged_attention", "gemctl::gdpa", "gemctl::block_attention")
+_EMBEDDING_MARKERS = ("aten::embedding", "embedding_bag", "fbgemm::")
+_BACKWARD_NODE = "autograd::engine::evaluate_function: "
+
+
+def _by_name(name: str) -> str | None:
+    low = name.lower()
+    if any(m in low for m in _COMM_MARKERS):
+        return "communication"
+    if any(m in low for m in _ATTENTION_MARKERS):
+        return "attention"
+    if name in _GEMM_OPS or name.startswith("MmBackward") or name.startswith("AddmmBackward") or name.startswith("BmmBackward"):
+        return "gemm"
+    if any(m in low for m in _EMBEDDING_MARKERS) or name.startswith("Embedding"):
+        return "embedding"
+    return None
+
+
+def _scope_category(event) -> str | None:
+    e = event
+    while e is not None:
+        for prefix, category in _SCOPES:
+            if e.name.startswith(prefix):
+                return category
+        e = e.cpu_parent
+    return None
+
+
+@dataclass
+class Breakdown:
+    """Per-step seconds by category and by module, from ``steps`` profiled steps."""
+
+    steps: int
+    device: str  # "cuda" | "cpu"
+    category_s: dict[str, float] = field(default_factory=dict)
+    module_s: dict[str, float] = field(default_factory=dict)
+    idle_s: float = 0.0  # executing device idle inside the profiled window (host overhead, syncs)
+    window_s: float = 0.0  # profiled window per step, from the profiler's own timestamps
+
+    @property
+    def busy_s(self) -> float:
+        return sum(self.category_s.values())
+
+    @property
+    def accounted_s(self) -> float:
+        return self.busy_s + self.idle_s
+
+
+def _forward_categories(events) -> dict[int, str]:
+    """sequence_nr of forward operators -> the category their scope or name gives them."""
+    out: dict[int, str] = {}
+    for e in events:
+        seq = getattr(e, "sequence_nr", -1)
+        if seq is None or seq < 0 or e.name.startswith(_BACKWARD_NODE):
+            continue
+        category = _scope_category(e) or _by_name(e.name)
+        if category is not None and seq not in out:
+            out[seq] = category
+    return out
+
+
+def _category(event, forward: dict[int, str]) -> str:
+    scoped = _scope_category(event)
+    if scoped is not None and scoped != "data":
+        return scoped
+    # A backward op: find its autograd node and the forward op it belongs to.
+    e = event
+    while e is not None:
+        if e.name.startswith(_BACKWARD_NODE):
+            seq = getattr(e, "sequence_nr", -1)
+            if seq in forward:
+                return forward[seq]
+            named = _by_name(e.name[len(_BACKWARD_NODE):])
+            if named is not None:
+                return named
+            break
+        e = e.cpu_parent
+    if scoped == "data":
+        return "data"
+    return _by_name(event.name) or "norm/elementwise"
+
+
+def _module_scope(event) -> str | None:
+    e = event
+    while e is not None:
+        if e.name.startswith("gemctl.module."):
+            return e.name[len("gemctl.module."):]
+        e = e.cpu_parent
+    return None
+
+
+def _forward_modules(events) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for e in events:
+        seq = getattr(e, "sequence_nr", -1)
+        if seq is None or seq < 0 or e.name.startswith(_BACKWARD_NODE):
+            continue
+        module = _module_scope(e)
+        if module is not None and seq not in out:
+            out[seq] = module
+    return out
+
+
+def _module_of(event, forward_modules: dict[int, str]) -> str | None:
+    """The model module an op belongs to: its module range, or for a backward op the module of
+    the forward op it differentiates."""
+    module = _module_scope(event)
+    if module is not None:
+        return module
+    e = event
+    while e is not None:
+        if e.name.startswith(_BACKWARD_NODE):
+            return forward_modules.get(getattr(e, "sequence_nr", -1))
+        e = e.cpu_parent
+    return None
+
+
+def _root(event):
+    while event.cpu_parent is not None:
+        event = event.cpu_parent
+    return event
+
+
+def _training_events(events):
+    """Events of the training thread and of autograd's backward threads; a background data
+    producer thread (its batch generation overlaps the step) is left out."""
+    main = {e.thread for e in events if e.name == "gemctl.forward"}
+    kept = []
+    for e in events:
+        root = _root(e)
+        if root.thread in main or root.name.startswith(_BACKWARD_NODE) or root.name.startswith("autograd::engine"):
+            kept.append(e)
+    return kept
+
+
+def breakdown(events, steps: int, device: str, window_us: float | None = None) -> Breakdown:
+    """Build the breakdown from ``prof.events()`` of ``steps`` profiled steps."""
+    events = [e for e in events if getattr(e, "device_type", None) is None or str(e.device_type).endswith("CPU")]
+    events = _training_events(events)
+    forward = _forward_categories(events)
+    forward_modules = _forward_modules(events)
+    per_category: dict[str, float] = defaultdict(float)
+    per_module: dict[str, float] = defaultdict(float)
+    starts, ends = [], []
+    for e in events:
+        starts.append(e.time_range.start)
+        ends.append(e.time_range.end)
+        if device == "cuda":
+            self_us = e.self_device_time_total
+        elif e.name.startswith(("gemctl.", "ProfilerStep", _BACKWARD_NODE)):
+            self_us = 0.0  # ranges and autograd nodes: their self time is Python/dispatch -> idle
+        else:
+            self_us = e.self_cpu_time_total
+        if self_us <= 0:
+            continue
+        category = _category(e, forward)
+        per_category[category] += self_us
+        module = _module_of(e, forward_modules)
+        if module is not None:
+            per_module[module] += self_us
+    window = window_us if window_us is not None else (max(ends) - min(starts) if starts else 0.0)
+    busy = sum(per_category.values())
+    scale = 1e-6 / max(steps, 1)
+    return Breakdown(
+        steps=steps,
+        device=device,
+        category_s={c: per_category.get(c, 0.0) * scale for c in CATEGORIES},
+        module_s={m: v * scale for m, v in sorted(per_module.items(), key=lambda kv: -kv[1])},
+        idle_s=max(window - busy, 0.0) * scale,
+        window_s=window * scale,
+    )
