@@ -124,11 +124,12 @@ class TrainLoader:
         return self
 
     def __next__(self) -> JaggedBatch:
-        t0 = time.perf_counter()
         with torch.profiler.record_function("gemctl.data"):
+            t0 = time.perf_counter()
             batch = next(self._it)
-        self.last_wait_s = time.perf_counter() - t0
-        return batch.to(self.device, non_blocking=True) if self.device.type != "cpu" else batch
+            self.last_wait_s = time.perf_counter() - t0
+            # the host-to-device copy is data time too (asynchronous from pinned memory)
+            return batch.to(self.device, non_blocking=True) if self.device.type != "cpu" else batch
 
     def close(self):
         if self._producer is not None:

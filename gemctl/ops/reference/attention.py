@@ -77,4 +77,4 @@ def jagged_attention_reference(
         qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=mask, scale=scale
     ).transpose(1, 2)  # (B, Lq, H, D)
     out = out * has_key[:, :, None, None].to(out.dtype)
-    return unpad(out, q_valid)
+    return unpad(out, q_offsets, q.shape[0])

@@ -43,4 +43,4 @@ def block_attention_reference(q, k, v, offsets, max_len, *, block_size=64, rope=
     mask = (kv_valid | ~has_key).expand(-1, 1, block_size, block_size)
     out = F.scaled_dot_product_attention(blocks(qp), blocks(kp), blocks(vp), attn_mask=mask, scale=scale)
     out = out.transpose(1, 2).reshape(b, length, heads, dim)
-    return unpad(out, valid)
+    return unpad(out, offsets, q.shape[0])

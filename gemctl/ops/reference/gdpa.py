@@ -31,4 +31,4 @@ def gdpa_reference(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, activ
     scores = torch.einsum("bqhd,bkhd->bhqk", qp, kp) * scale
     weights = act(scores) * k_valid[:, None, None, :].to(scores.dtype)
     out = torch.einsum("bhqk,bkhd->bqhd", weights, vp)
-    return unpad(out, q_valid)
+    return unpad(out, q_offsets, q.shape[0])
