@@ -165,7 +165,7 @@ def test_forced_unknown_top_level_key():
     err = _error(["+foo=1"])
     assert err.field == "foo"
     assert "unknown key" in str(err)
-    assert "allowed: model, precision, parallel, data, shuffle, launcher, train, metrics, run" in str(err)
+    assert "allowed: model, precision, parallel, data, shuffle, launcher, train, metrics, profile, run" in str(err)
 
 
 def test_forced_unknown_nested_key():
