@@ -69,6 +69,19 @@ def _bucket_len(n: int) -> int:
 
 # ----------------------------------------------------------------------------------------------
 @triton.jit
+def _work_item(WORK, Q_OFFSETS, K_OFFSETS, pid, BLOCK: tl.constexpr):
+    """Program pid's (sequence, tile) from the work list: the tile's first row and the
+    sequence's query/key spans (shift = Lk - Lq aligns the last query with the last key)."""
+    b = tl.load(WORK + 2 * pid)
+    first = tl.load(WORK + 2 * pid + 1) * BLOCK
+    q_start = tl.load(Q_OFFSETS + b).to(tl.int32)
+    q_len = tl.load(Q_OFFSETS + b + 1).to(tl.int32) - q_start
+    k_start = tl.load(K_OFFSETS + b).to(tl.int32)
+    k_len = tl.load(K_OFFSETS + b + 1).to(tl.int32) - k_start
+    return first, q_start, q_len, k_start, k_len, k_len - q_len
+
+
+@triton.jit
 def _bias_tile(BIAS, h, dist, stride_bias_h, bias_max):
     # BIAS: per-distance bias [H, bias_max + 1] (fp32, already in log2 units); dist: int32 tile.
     ad = tl.minimum(tl.abs(dist), bias_max)
@@ -130,13 +143,7 @@ def _jagged_attn_fwd(
     # Program (pid, h) computes BLOCK_M query rows of one sequence for head h.
     pid = tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.load(WORK + 2 * pid)
-    m0 = tl.load(WORK + 2 * pid + 1) * BLOCK_M
-    q_start = tl.load(Q_OFFSETS + b).to(tl.int32)
-    q_len = tl.load(Q_OFFSETS + b + 1).to(tl.int32) - q_start
-    k_start = tl.load(K_OFFSETS + b).to(tl.int32)
-    k_len = tl.load(K_OFFSETS + b + 1).to(tl.int32) - k_start
-    shift = k_len - q_len
+    m0, q_start, q_len, k_start, k_len, shift = _work_item(WORK, Q_OFFSETS, K_OFFSETS, pid, BLOCK_M)
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -190,13 +197,7 @@ def _jagged_attn_bwd_dkdv(
     # sequence and loops over the query tiles that see them: dK, dV written once, no atomics.
     pid = tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.load(WORK + 2 * pid)
-    n0 = tl.load(WORK + 2 * pid + 1) * BLOCK_N
-    q_start = tl.load(Q_OFFSETS + b).to(tl.int32)
-    q_len = tl.load(Q_OFFSETS + b + 1).to(tl.int32) - q_start
-    k_start = tl.load(K_OFFSETS + b).to(tl.int32)
-    k_len = tl.load(K_OFFSETS + b + 1).to(tl.int32) - k_start
-    shift = k_len - q_len
+    n0, q_start, q_len, k_start, k_len, shift = _work_item(WORK, Q_OFFSETS, K_OFFSETS, pid, BLOCK_N)
 
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -258,13 +259,7 @@ def _jagged_attn_bwd_dq(
     # BUCKETS: int32 [bias_max + 1] bucket of each |distance|.
     pid = tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.load(WORK + 2 * pid)
-    m0 = tl.load(WORK + 2 * pid + 1) * BLOCK_M
-    q_start = tl.load(Q_OFFSETS + b).to(tl.int32)
-    q_len = tl.load(Q_OFFSETS + b + 1).to(tl.int32) - q_start
-    k_start = tl.load(K_OFFSETS + b).to(tl.int32)
-    k_len = tl.load(K_OFFSETS + b + 1).to(tl.int32) - k_start
-    shift = k_len - q_len
+    m0, q_start, q_len, k_start, k_len, shift = _work_item(WORK, Q_OFFSETS, K_OFFSETS, pid, BLOCK_M)
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
