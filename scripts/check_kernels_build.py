@@ -23,6 +23,7 @@ def _signature(fn, types: dict, consts: dict) -> dict:
 
 
 def kernels():
+    from gemctl.ops.triton import gdpa
     from gemctl.ops.triton import jagged_attention as ja
 
     io = {n: "*bf16" for n in ("Q", "K", "V", "O", "DO", "DK", "DV", "DQ")}
@@ -34,6 +35,11 @@ def kernels():
             yield ja._jagged_attn_fwd, io, consts
             yield ja._jagged_attn_bwd_dkdv, io, consts
             yield ja._jagged_attn_bwd_dq, io, dict(consts, NUM_BUCKETS=32)
+    for act in (0, 1):  # gelu, silu
+        consts = dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, ACT=act)
+        yield gdpa._gdpa_fwd, io, consts
+        yield gdpa._gdpa_bwd_dkdv, io, consts
+        yield gdpa._gdpa_bwd_dq, io, consts
 
 
 def main() -> int:
@@ -52,7 +58,7 @@ def main() -> int:
         t0 = time.time()
         src = ASTSource(fn=fn, signature=_signature(fn, types, consts), constexprs=consts)
         compiled = triton.compile(src, target=target, options={"num_warps": 4, "num_stages": 3})
-        flags = ",".join(f"{k}={int(v)}" for k, v in consts.items() if k in ("CAUSAL", "HAS_BIAS"))
+        flags = ",".join(f"{k}={int(v)}" for k, v in consts.items() if k in ("CAUSAL", "HAS_BIAS", "ACT"))
         print(f"{fn.__name__:<24} {flags:<18} sm_{args.arch}: ok ({time.time() - t0:.1f} s, {compiled.metadata.shared} B shared)")
     return 0
 

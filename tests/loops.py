@@ -9,7 +9,7 @@ from gemctl.ops.bias import relative_position_bucket
 
 def attention_loop(q, k, v, q_offsets, k_offsets, *, causal=False, scale=None, bias=None):
     q, k, v = q.double(), k.double(), v.double()
-    h, d = q.shape[1], q.shape[2]
+    d = q.shape[2]
     scale = d**-0.5 if scale is None else scale
     out = q * 0  # zeros that stay in the graph (empty rows get zero gradients)
     for b in range(q_offsets.numel() - 1):

@@ -303,7 +303,7 @@ class MovieLensSource:
     def train_batches(self, start_step: int = 0) -> Iterator[JaggedBatch]:
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
-        bpe, bs = self.batches_per_epoch, self.batch_size
+        bpe = self.batches_per_epoch
         step = int(start_step)
         epoch, perm = -1, None
         while True:

@@ -34,9 +34,11 @@ __all__ = [
 
 BACKENDS = ("auto", "torch", "triton")
 
-# Triton implementations: op name -> module (imported on first use) and function name.
+# Triton implementations: op name -> (module imported on first use, function, picked by "auto").
+# A kernel joins "auto" once its GPU tier has passed and it has been measured on a GPU.
 _TRITON_IMPLS = {
-    "jagged_attention": ("gemctl.ops.triton.jagged_attention", "jagged_attention_triton"),
+    "jagged_attention": ("gemctl.ops.triton.jagged_attention", "jagged_attention_triton", True),
+    "gdpa": ("gemctl.ops.triton.gdpa", "gdpa_triton", False),
 }
 triton_kernels: dict[str, object] = {}  # loaded implementations
 _warned: set[str] = set()
@@ -46,7 +48,7 @@ def _load_triton(op: str):
     if op not in triton_kernels and op in _TRITON_IMPLS:
         import importlib
 
-        module, name = _TRITON_IMPLS[op]
+        module, name, _ = _TRITON_IMPLS[op]
         try:
             triton_kernels[op] = getattr(importlib.import_module(module), name)
         except ImportError as exc:  # no triton installed: the reference serves, said once
@@ -56,23 +58,22 @@ def _load_triton(op: str):
 
 
 def _pick(op: str, backend: str, device: torch.device):
+    """The Triton kernel to run, or None for the PyTorch reference."""
     if backend not in BACKENDS:
         raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
         return None
-    if backend == "auto" and device.type != "cuda":
-        return None
-    kernel = _load_triton(op)
     if backend == "triton":
+        kernel = _load_triton(op)
         if kernel is None:
             raise NotImplementedError(f"{op}: no Triton kernel is bundled in this version; use backend='torch'")
         return kernel
+    if device.type != "cuda":  # auto
+        return None
+    kernel = _load_triton(op) if op in _TRITON_IMPLS and _TRITON_IMPLS[op][2] else None
     if kernel is None and op not in _warned:
         _warned.add(op)
-        print(
-            f"gemctl.ops: no Triton {op} kernel available; using the PyTorch reference on CUDA",
-            file=sys.stderr,
-        )
+        print(f"gemctl.ops: no GPU-verified Triton {op} kernel; using the PyTorch reference on CUDA", file=sys.stderr)
     return kernel
 
 

@@ -31,24 +31,19 @@ Known limits: no TMA descriptors, warp specialization or persistent scheduling y
 
 from __future__ import annotations
 
-import math
-import os
-
 import torch
 import triton
 import triton.language as tl
-import triton.testing
 
-from gemctl.ops import host
 from gemctl.ops.bias import RelativePositionBias, relative_position_bucket
+from gemctl.ops.triton.common import bucket_len, key_work, pick_config, query_work, work_item
 
 LOG2E = 1.4426950408889634
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # ----------------------------------------------------------------------------------------------
 # Configs. (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per head dim; the first call per
 # (head dim, dtype, causal, bias, bucketed max length) times each and keeps the fastest
-# (see _pick_config). Under the interpreter one small config runs: speed is meaningless there and
+# (see pick_config). Under the interpreter one small config runs: speed is meaningless there and
 # every config compiles the same code.
 _FWD_CANDIDATES = {
     "small": [(64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3)],
@@ -58,29 +53,9 @@ _FWD_CANDIDATES = {
 # tiles amortize the K/V loads), dQ the reverse.
 _DKDV_CANDIDATES = [(64, 64, 4, 2), (32, 128, 4, 3), (32, 64, 4, 3), (64, 128, 8, 2)]
 _DQ_CANDIDATES = [(64, 64, 4, 2), (128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2)]
-_INTERPRET_CONFIG = (16, 16, 1, 1)
-_config_cache: dict = {}
-
-
-def _bucket_len(n: int) -> int:
-    """Autotune key of a length: the next power of two (no re-tune for every new batch)."""
-    return 1 << max(0, int(n - 1).bit_length())
 
 
 # ----------------------------------------------------------------------------------------------
-@triton.jit
-def _work_item(WORK, Q_OFFSETS, K_OFFSETS, pid, BLOCK: tl.constexpr):
-    """Program pid's (sequence, tile) from the work list: the tile's first row and the
-    sequence's query/key spans (shift = Lk - Lq aligns the last query with the last key)."""
-    b = tl.load(WORK + 2 * pid)
-    first = tl.load(WORK + 2 * pid + 1) * BLOCK
-    q_start = tl.load(Q_OFFSETS + b).to(tl.int32)
-    q_len = tl.load(Q_OFFSETS + b + 1).to(tl.int32) - q_start
-    k_start = tl.load(K_OFFSETS + b).to(tl.int32)
-    k_len = tl.load(K_OFFSETS + b + 1).to(tl.int32) - k_start
-    return first, q_start, q_len, k_start, k_len, k_len - q_len
-
-
 @triton.jit
 def _bias_tile(BIAS, h, dist, stride_bias_h, bias_max):
     # BIAS: per-distance bias [H, bias_max + 1] (fp32, already in log2 units); dist: int32 tile.
@@ -143,7 +118,7 @@ def _jagged_attn_fwd(
     # Program (pid, h) computes BLOCK_M query rows of one sequence for head h.
     pid = tl.program_id(0)
     h = tl.program_id(1)
-    m0, q_start, q_len, k_start, k_len, shift = _work_item(WORK, Q_OFFSETS, K_OFFSETS, pid, BLOCK_M)
+    m0, q_start, q_len, k_start, k_len, shift = work_item(WORK, Q_OFFSETS, K_OFFSETS, pid, BLOCK_M)
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -197,7 +172,7 @@ def _jagged_attn_bwd_dkdv(
     # sequence and loops over the query tiles that see them: dK, dV written once, no atomics.
     pid = tl.program_id(0)
     h = tl.program_id(1)
-    n0, q_start, q_len, k_start, k_len, shift = _work_item(WORK, Q_OFFSETS, K_OFFSETS, pid, BLOCK_N)
+    n0, q_start, q_len, k_start, k_len, shift = work_item(WORK, Q_OFFSETS, K_OFFSETS, pid, BLOCK_N)
 
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -259,7 +234,7 @@ def _jagged_attn_bwd_dq(
     # BUCKETS: int32 [bias_max + 1] bucket of each |distance|.
     pid = tl.program_id(0)
     h = tl.program_id(1)
-    m0, q_start, q_len, k_start, k_len, shift = _work_item(WORK, Q_OFFSETS, K_OFFSETS, pid, BLOCK_M)
+    m0, q_start, q_len, k_start, k_len, shift = work_item(WORK, Q_OFFSETS, K_OFFSETS, pid, BLOCK_M)
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -314,57 +289,6 @@ def _jagged_attn_bwd_dq(
 # Host side: work lists, configs, launchers.
 
 
-def _tile_work(tile_lengths: torch.Tensor, costs_of, block: int) -> torch.Tensor:
-    """int32 [n, 2] (sequence, tile) pairs of every valid tile, most expensive first."""
-    n_tiles = (tile_lengths + block - 1) // block
-    seq = torch.repeat_interleave(torch.arange(tile_lengths.numel()), n_tiles)
-    first = torch.cumsum(n_tiles, 0) - n_tiles
-    tile = torch.arange(int(n_tiles.sum())) - torch.repeat_interleave(first, n_tiles)
-    cost = costs_of(seq, tile)
-    order = torch.argsort(cost, descending=True, stable=True)
-    return torch.stack([seq[order], tile[order]], 1).to(torch.int32)
-
-
-def _lengths(offsets: torch.Tensor) -> torch.Tensor:
-    host_offsets = host.host_of(offsets)
-    return (host_offsets[1:] - host_offsets[:-1]).to(torch.int64)
-
-
-def _query_work(q_offsets, k_offsets, block_m: int, causal: bool, device) -> torch.Tensor:
-    def build():
-        lq, lk = _lengths(q_offsets), _lengths(k_offsets)
-
-        def cost(seq, tile):
-            if causal:  # keys visible to the tile's last row
-                return torch.clamp(torch.minimum(lk[seq], (tile + 1) * block_m + lk[seq] - lq[seq]), min=0)
-            return lk[seq]
-
-        # Every query tile gets a program, also where there is no key: it writes the zeros.
-        return _tile_work(lq, cost, block_m).to(device, non_blocking=True)
-
-    return host.cached_plan(q_offsets, ("q", _identity(k_offsets), block_m, causal), build)
-
-
-def _key_work(q_offsets, k_offsets, block_n: int, causal: bool, device) -> torch.Tensor:
-    def build():
-        lq, lk = _lengths(q_offsets), _lengths(k_offsets)
-        lk_eff = torch.where(lq > 0, lk, torch.zeros_like(lk))
-
-        def cost(seq, tile):
-            if causal:  # query rows that see the tile's first key
-                return torch.clamp(lq[seq] - torch.clamp(tile * block_n - (lk[seq] - lq[seq]), min=0), min=0)
-            return lq[seq]
-
-        return _tile_work(lk_eff, cost, block_n).to(device, non_blocking=True)
-
-    return host.cached_plan(k_offsets, ("k", _identity(q_offsets), block_n, causal), build)
-
-
-def _identity(offsets: torch.Tensor):
-    """Cache key of the other side's layout: its host offsets' bytes (ids can be reused)."""
-    return host.host_of(offsets).numpy().tobytes()
-
-
 def _bias_tables(bias: RelativePositionBias | None, num_heads: int, device):
     """Per-|distance| bias in log2 units [H, max_distance + 1] and the bucket of each |distance|."""
     if bias is None:
@@ -377,34 +301,6 @@ def _bias_tables(bias: RelativePositionBias | None, num_heads: int, device):
     return per_distance, buckets.to(torch.int32).contiguous(), max_d, bias.num_buckets
 
 
-def _time(fn) -> float:
-    # Median of ~20 ms of repeats: 3 back-to-back runs of a 0.1 ms kernel picked a config 2x
-    # slower than the best on self-200 (H200, 2026-11-29: 34 vs 76 TF/s forward).
-    return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
-
-
-def _pick_config(key, candidates, run):
-    """The fastest candidate for this key, timed once on the first call (not under the interpreter;
-    GEMCTL_AUTOTUNE=0 takes the first candidate, e.g. for correctness tests)."""
-    if INTERPRET:
-        return _INTERPRET_CONFIG
-    if os.environ.get("GEMCTL_AUTOTUNE", "1") == "0":
-        return candidates[0]
-    if key not in _config_cache:
-        best, best_t = None, float("inf")
-        for cfg in candidates:
-            try:
-                t = _time(lambda: run(cfg))
-            except Exception:  # a config may not fit this head dim's shared memory
-                continue
-            if t < best_t:
-                best, best_t = cfg, t
-        if best is None:
-            raise RuntimeError(f"jagged_attention: no kernel config runs for {key}")
-        _config_cache[key] = best
-    return _config_cache[key]
-
-
 def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale):
     n_q, heads, dim = q.shape
     out = torch.empty_like(q)
@@ -414,7 +310,7 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, 
 
     def run(cfg):
         bm, bn, warps, stages = cfg
-        work = _query_work(q_offsets, k_offsets, bm, causal, q.device)
+        work = query_work(q_offsets, k_offsets, bm, causal, q.device)
         if work.shape[0] == 0:
             return
         _jagged_attn_fwd[(work.shape[0], heads)](
@@ -426,8 +322,8 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, 
         )
 
     size = "large" if dim >= 128 else "small"
-    key = ("fwd", dim, q.dtype, causal, bias is not None, _bucket_len(max_q_len), _bucket_len(max_k_len))
-    run(_pick_config(key, _FWD_CANDIDATES[size], run))
+    key = ("fwd", dim, q.dtype, causal, bias is not None, bucket_len(max_q_len), bucket_len(max_k_len))
+    run(pick_config(key, _FWD_CANDIDATES[size], run))
     return out, lse
 
 
@@ -444,7 +340,7 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
 
     def run_dkdv(cfg):
         bm, bn, warps, stages = cfg
-        kwork = _key_work(q_offsets, k_offsets, bn, causal, q.device)
+        kwork = key_work(q_offsets, k_offsets, bn, causal, q.device)
         if kwork.shape[0]:
             _jagged_attn_bwd_dkdv[(kwork.shape[0], heads)](
                 q, k, v, do, lse, delta, dk, dv, q_offsets, k_offsets, kwork, bias_d,
@@ -457,7 +353,7 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
 
     def run_dq(cfg):
         bm, bn, warps, stages = cfg
-        qwork = _query_work(q_offsets, k_offsets, bm, causal, q.device)
+        qwork = query_work(q_offsets, k_offsets, bm, causal, q.device)
         dbias = torch.zeros(max(qwork.shape[0], 1), heads, nb_pad, device=q.device, dtype=torch.float32)
         if qwork.shape[0]:
             _jagged_attn_bwd_dq[(qwork.shape[0], heads)](
@@ -470,9 +366,9 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
             )
         state["dbias"] = dbias
 
-    key = (dim, q.dtype, causal, has_bias, _bucket_len(max_q_len), _bucket_len(max_k_len))
-    run_dkdv(_pick_config(("dkdv",) + key, _DKDV_CANDIDATES, run_dkdv))
-    run_dq(_pick_config(("dq",) + key, _DQ_CANDIDATES, run_dq))
+    key = (dim, q.dtype, causal, has_bias, bucket_len(max_q_len), bucket_len(max_k_len))
+    run_dkdv(pick_config(("dkdv",) + key, _DKDV_CANDIDATES, run_dkdv))
+    run_dq(pick_config(("dq",) + key, _DQ_CANDIDATES, run_dq))
     dtable = None
     if has_bias:
         dtable = state["dbias"].sum(0)[:, :n_buckets].to(bias.table.dtype)  # fixed-order reduction

@@ -1,0 +1,121 @@
+"""Shared pieces of the jagged Triton kernels: work lists of valid tiles, config selection.
+
+Work lists: every valid (sequence, tile) pair, built on the host from the offsets' host copy
+(gemctl.ops.host, no device sync), sorted most expensive first, cached per batch layout so every
+layer, forward and backward, reuses them. Config selection: the first call for a key times every
+candidate (median of do_bench) and keeps the fastest; keys bucket lengths to powers of two so a new
+batch does not re-tune. Under TRITON_INTERPRET=1 one small config runs; GEMCTL_AUTOTUNE=0 takes
+the first candidate (correctness tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+import triton.testing
+
+from gemctl.ops import host
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET_CONFIG = (16, 16, 1, 1)
+_config_cache: dict = {}
+
+
+def bucket_len(n: int) -> int:
+    """Autotune key of a length: the next power of two (no re-tune for every new batch)."""
+    return 1 << max(0, int(n - 1).bit_length())
+
+
+@triton.jit
+def work_item(WORK, Q_OFFSETS, K_OFFSETS, pid, BLOCK: tl.constexpr):
+    """Program pid's (sequence, tile) from the work list: the tile's first row and the
+    sequence's query/key spans (shift = Lk - Lq aligns the last query with the last key)."""
+    b = tl.load(WORK + 2 * pid)
+    first = tl.load(WORK + 2 * pid + 1) * BLOCK
+    q_start = tl.load(Q_OFFSETS + b).to(tl.int32)
+    q_len = tl.load(Q_OFFSETS + b + 1).to(tl.int32) - q_start
+    k_start = tl.load(K_OFFSETS + b).to(tl.int32)
+    k_len = tl.load(K_OFFSETS + b + 1).to(tl.int32) - k_start
+    return first, q_start, q_len, k_start, k_len, k_len - q_len
+
+
+def tile_work(tile_lengths: torch.Tensor, costs_of, block: int) -> torch.Tensor:
+    """int32 [n, 2] (sequence, tile) pairs of every valid tile, most expensive first."""
+    n_tiles = (tile_lengths + block - 1) // block
+    seq = torch.repeat_interleave(torch.arange(tile_lengths.numel()), n_tiles)
+    first = torch.cumsum(n_tiles, 0) - n_tiles
+    tile = torch.arange(int(n_tiles.sum())) - torch.repeat_interleave(first, n_tiles)
+    cost = costs_of(seq, tile)
+    order = torch.argsort(cost, descending=True, stable=True)
+    return torch.stack([seq[order], tile[order]], 1).to(torch.int32)
+
+
+def _lengths(offsets: torch.Tensor) -> torch.Tensor:
+    host_offsets = host.host_of(offsets)
+    return (host_offsets[1:] - host_offsets[:-1]).to(torch.int64)
+
+
+def query_work(q_offsets, k_offsets, block_m: int, causal: bool, device) -> torch.Tensor:
+    def build():
+        lq, lk = _lengths(q_offsets), _lengths(k_offsets)
+
+        def cost(seq, tile):
+            if causal:  # keys visible to the tile's last row
+                return torch.clamp(torch.minimum(lk[seq], (tile + 1) * block_m + lk[seq] - lq[seq]), min=0)
+            return lk[seq]
+
+        # Every query tile gets a program, also where there is no key: it writes the zeros.
+        return tile_work(lq, cost, block_m).to(device, non_blocking=True)
+
+    return host.cached_plan(q_offsets, ("q", _identity(k_offsets), block_m, causal), build)
+
+
+def key_work(q_offsets, k_offsets, block_n: int, causal: bool, device) -> torch.Tensor:
+    def build():
+        lq, lk = _lengths(q_offsets), _lengths(k_offsets)
+        lk_eff = torch.where(lq > 0, lk, torch.zeros_like(lk))
+
+        def cost(seq, tile):
+            if causal:  # query rows that see the tile's first key
+                return torch.clamp(lq[seq] - torch.clamp(tile * block_n - (lk[seq] - lq[seq]), min=0), min=0)
+            return lq[seq]
+
+        return tile_work(lk_eff, cost, block_n).to(device, non_blocking=True)
+
+    return host.cached_plan(k_offsets, ("k", _identity(q_offsets), block_n, causal), build)
+
+
+def _identity(offsets: torch.Tensor):
+    """Cache key of the other side's layout: its host offsets' bytes (ids can be reused)."""
+    return host.host_of(offsets).numpy().tobytes()
+
+
+def _time(fn) -> float:
+    # Median of ~20 ms of repeats: 3 back-to-back runs of a 0.1 ms kernel picked a config 2x
+    # slower than the best on self-200 (H200, 2026-11-29: 34 vs 76 TF/s forward).
+    return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+
+
+def pick_config(key, candidates, run):
+    """The fastest candidate for this key, timed once on the first call (not under the interpreter;
+    GEMCTL_AUTOTUNE=0 takes the first candidate, e.g. for correctness tests)."""
+    if INTERPRET:
+        return _INTERPRET_CONFIG
+    if os.environ.get("GEMCTL_AUTOTUNE", "1") == "0":
+        return candidates[0]
+    if key not in _config_cache:
+        best, best_t = None, float("inf")
+        for cfg in candidates:
+            try:
+                t = _time(lambda: run(cfg))
+            except Exception:  # a config may not fit this head dim's shared memory
+                continue
+            if t < best_t:
+                best, best_t = cfg, t
+        if best is None:
+            raise RuntimeError(f"no Triton kernel config runs for {key}")
+        _config_cache[key] = best
+    return _config_cache[key]
