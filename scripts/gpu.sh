@@ -6,6 +6,7 @@
 #   tests     the GPU tier of the test suite (pytest -m gpu)
 #   baseline  gemctl train --recipe small_h200 (summary.json copied out)
 #   bench     scripts/bench_jagged_attention.py (ours vs FA2 varlen, flex_attention, padded SDPA)
+#   bench-gdpa scripts/bench_gdpa.py (ours vs padded bmm-act-bmm eager/compiled, softmax; roofline)
 #   profile   gemctl profile --recipe small_h200 (profile.json and plots copied out)
 #
 # Packages the GPU image lacks travel as wheels in .whl/ (shared/gpu-wheels/README.md).
@@ -26,10 +27,11 @@ for stage in "$@"; do
       python3 -m gemctl train --recipe small_h200 run.progress=false 2>&1 | quiet | tee "$OUT/small_h200.log"
       cp "$(ls -d runs/small_h200/* | tail -1)/summary.json" "$OUT/small_h200_summary.json" ;;
     bench) python3 scripts/bench_jagged_attention.py --out "$OUT/bench_jagged_attention.json" 2>&1 | quiet | tee "$OUT/bench_jagged_attention.log" ;;
+    bench-gdpa) python3 scripts/bench_gdpa.py --out "$OUT/bench_gdpa.json" 2>&1 | quiet | tee "$OUT/bench_gdpa.log" ;;
     profile)
       python3 -m gemctl profile --recipe small_h200 2>&1 | quiet | tee "$OUT/profile.log"
       d=$(ls -d runs/small_h200-profile/* | tail -1)
       cp "$d/profile.json" "$d/breakdown.png" "$d/waterfall.png" "$OUT/" ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, profile)" >&2; exit 2 ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, profile)" >&2; exit 2 ;;
   esac
 done
