@@ -89,3 +89,21 @@ def test_gdpa_backward_deterministic_gpu():
     b = _check(ql, kl, "gelu", "cuda", torch.bfloat16, dim=128, factor=2.0, heads=4)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+def test_gdpa_torch_compile_no_graph_break_cpu():
+    qo, ko = offsets([4, 4, 4]), offsets([0, 17, 3])
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(12, 2, 32, generator=gen, requires_grad=True)
+    k, v = (torch.randn(20, 2, 32, generator=gen, requires_grad=True) for _ in range(2))
+
+    def f(q, k, v):
+        return ops.gdpa(q, k, v, qo, ko, 4, 17, activation="silu", backend="triton").square().sum()
+
+    loss = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    grads = torch.autograd.grad(loss, [q, k, v])
+    ref_loss = f(q, k, v)
+    ref_grads = torch.autograd.grad(ref_loss, [q, k, v])
+    assert torch.allclose(loss, ref_loss)
+    for a, b in zip(grads, ref_grads):
+        assert torch.allclose(a, b)
