@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -42,20 +43,33 @@ def work_item(WORK, Q_OFFSETS, K_OFFSETS, pid, BLOCK: tl.constexpr):
     return first, q_start, q_len, k_start, k_len, k_len - q_len
 
 
-def tile_work(tile_lengths: torch.Tensor, costs_of, block: int) -> torch.Tensor:
-    """int32 [n, 2] (sequence, tile) pairs of every valid tile, most expensive first."""
+def tile_work(tile_lengths: np.ndarray, costs_of, block: int) -> np.ndarray:
+    """int32 [n, 2] (sequence, tile) pairs of every valid tile, most expensive first.
+
+    NumPy, not torch: these are a few hundred integers, and torch's CPU ops on them hit the
+    intra-op thread pool, which competes with the data-loader workers (repeat_interleave took
+    4-8 ms a call in the small_h200 trace on the H200 machine, 2026-11-29).
+    """
     n_tiles = (tile_lengths + block - 1) // block
-    seq = torch.repeat_interleave(torch.arange(tile_lengths.numel()), n_tiles)
-    first = torch.cumsum(n_tiles, 0) - n_tiles
-    tile = torch.arange(int(n_tiles.sum())) - torch.repeat_interleave(first, n_tiles)
-    cost = costs_of(seq, tile)
-    order = torch.argsort(cost, descending=True, stable=True)
-    return torch.stack([seq[order], tile[order]], 1).to(torch.int32)
+    seq = np.repeat(np.arange(tile_lengths.size), n_tiles)
+    first = np.cumsum(n_tiles) - n_tiles
+    tile = np.arange(int(n_tiles.sum())) - np.repeat(first, n_tiles)
+    order = np.argsort(-costs_of(seq, tile), kind="stable")
+    return np.stack([seq[order], tile[order]], 1).astype(np.int32)
 
 
-def _lengths(offsets: torch.Tensor) -> torch.Tensor:
-    host_offsets = host.host_of(offsets)
-    return (host_offsets[1:] - host_offsets[:-1]).to(torch.int64)
+def _to_device(work: np.ndarray, device) -> torch.Tensor:
+    # Pinned staging keeps the copy asynchronous: a pageable host-to-device copy makes the host
+    # wait for the stream to reach it.
+    tensor = torch.from_numpy(work)
+    if torch.device(device).type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
+def _lengths(offsets: torch.Tensor) -> np.ndarray:
+    host_offsets = host.host_of(offsets).numpy()
+    return (host_offsets[1:] - host_offsets[:-1]).astype(np.int64)
 
 
 def query_work(q_offsets, k_offsets, block_m: int, causal: bool, device) -> torch.Tensor:
@@ -64,11 +78,11 @@ def query_work(q_offsets, k_offsets, block_m: int, causal: bool, device) -> torc
 
         def cost(seq, tile):
             if causal:  # keys visible to the tile's last row
-                return torch.clamp(torch.minimum(lk[seq], (tile + 1) * block_m + lk[seq] - lq[seq]), min=0)
+                return np.clip(np.minimum(lk[seq], (tile + 1) * block_m + lk[seq] - lq[seq]), 0, None)
             return lk[seq]
 
         # Every query tile gets a program, also where there is no key: it writes the zeros.
-        return tile_work(lq, cost, block_m).to(device, non_blocking=True)
+        return _to_device(tile_work(lq, cost, block_m), device)
 
     return host.cached_plan(q_offsets, ("q", _identity(k_offsets), block_m, causal), build)
 
@@ -76,14 +90,14 @@ def query_work(q_offsets, k_offsets, block_m: int, causal: bool, device) -> torc
 def key_work(q_offsets, k_offsets, block_n: int, causal: bool, device) -> torch.Tensor:
     def build():
         lq, lk = _lengths(q_offsets), _lengths(k_offsets)
-        lk_eff = torch.where(lq > 0, lk, torch.zeros_like(lk))
+        lk_eff = np.where(lq > 0, lk, 0)
 
         def cost(seq, tile):
             if causal:  # query rows that see the tile's first key
-                return torch.clamp(lq[seq] - torch.clamp(tile * block_n - (lk[seq] - lq[seq]), min=0), min=0)
+                return np.clip(lq[seq] - np.clip(tile * block_n - (lk[seq] - lq[seq]), 0, None), 0, None)
             return lq[seq]
 
-        return tile_work(lk_eff, cost, block_n).to(device, non_blocking=True)
+        return _to_device(tile_work(lk_eff, cost, block_n), device)
 
     return host.cached_plan(k_offsets, ("k", _identity(q_offsets), block_n, causal), build)
 
