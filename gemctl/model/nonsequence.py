@@ -8,6 +8,14 @@ from torch import nn
 
 from gemctl.model.attention import GDPAttention
 from gemctl.model.norm import RMSNorm
+from gemctl.ops import host
+
+
+def fixed_offsets(batch: int, count: int, device) -> torch.Tensor:
+    """Offsets of ``count`` tokens per sample, with the host copy kernels plan from (no sync)."""
+    # Made on the device rather than copied: a copy from pageable memory waits for the stream.
+    on_device = torch.arange(batch + 1, dtype=torch.int64, device=device) * count
+    return host.register(on_device, torch.arange(batch + 1, dtype=torch.int64) * count)
 
 
 class FeatureTokens(nn.Module):
@@ -39,7 +47,7 @@ class CrossAttention(nn.Module):
 
     def forward(self, x, offsets, max_len, ns_tokens, backend="auto"):
         b, n_ns, d = ns_tokens.shape
-        k_offsets = torch.arange(b + 1, device=x.device, dtype=torch.int64) * n_ns
+        k_offsets = fixed_offsets(b, n_ns, x.device)
         y = self.attn(self.norm(x), ns_tokens.reshape(b * n_ns, d), offsets, k_offsets, max_len, n_ns, backend)
         return x + y / n_ns  # GDPA does not normalize: average over the fixed number of keys
 
@@ -57,7 +65,7 @@ class PMA(nn.Module):
     def forward(self, x, offsets, max_len, backend="auto"):
         b = offsets.numel() - 1
         p = self.num_queries
-        q_offsets = torch.arange(b + 1, device=x.device, dtype=torch.int64) * p
+        q_offsets = fixed_offsets(b, p, x.device)
         q = self.attn.q(self.queries)  # project the P shared queries once, not once per sample
         q = q.expand(b, p, -1).reshape(b * p, -1)
         y = self.attn.attend(q, x, q_offsets, offsets, p, max_len, backend).view(b, p, -1)
