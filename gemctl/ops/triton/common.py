@@ -43,6 +43,21 @@ def work_item(WORK, Q_OFFSETS, K_OFFSETS, pid, BLOCK: tl.constexpr):
     return first, q_start, q_len, k_start, k_len, k_len - q_len
 
 
+@triton.jit
+def load_rows(PTR, start, rows, length, stride_n, head_offset, offs_d):
+    """A (rows, D) tile of a jagged [N, H, D] tensor: rows ``rows`` of the sequence starting at
+    value row ``start``, one head (``head_offset`` = h * stride_h); rows >= ``length`` read 0."""
+    ptrs = PTR + (start + rows)[:, None] * stride_n + head_offset + offs_d[None, :]
+    return tl.load(ptrs, mask=(rows < length)[:, None], other=0.0)
+
+
+@triton.jit
+def store_rows(PTR, value, start, rows, length, stride_n, head_offset, offs_d):
+    """Store a (rows, D) tile (cast to PTR's dtype) into the rows of a sequence, rows < length."""
+    ptrs = PTR + (start + rows)[:, None] * stride_n + head_offset + offs_d[None, :]
+    tl.store(ptrs, value.to(PTR.dtype.element_ty), mask=(rows < length)[:, None])
+
+
 def tile_work(tile_lengths: np.ndarray, costs_of, block: int) -> np.ndarray:
     """int32 [n, 2] (sequence, tile) pairs of every valid tile, most expensive first.
 

@@ -27,7 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from gemctl.ops.triton.common import bucket_len, key_work, pick_config, query_work, work_item
+from gemctl.ops.triton.common import (
+    bucket_len, key_work, load_rows, pick_config, query_work, store_rows, work_item,
+)
 
 ACTIVATIONS = {"gelu": 0, "silu": 1}
 _FWD_CANDIDATES = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (128, 32, 4, 3)]
@@ -67,17 +69,16 @@ def _gdpa_fwd(
     m0, q_start, q_len, k_start, k_len, shift = work_item(WORK, Q_OFFSETS, K_OFFSETS, pid, BLOCK_M)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < q_len
-    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qn + h * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = load_rows(Q, q_start, offs_m, q_len, stride_qn, h * stride_qh, offs_d)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for start_n in range(0, k_len, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
         kmask = cols < k_len
         k = tl.load(K + (k_start + cols)[None, :] * stride_kn + h * stride_kh + offs_d[:, None], mask=kmask[None, :], other=0.0)  # (D, BN)
-        v = tl.load(V + (k_start + cols)[:, None] * stride_vn + h * stride_vh + offs_d[None, :], mask=kmask[:, None], other=0.0)  # (BN, D)
+        v = load_rows(V, k_start, cols, k_len, stride_vn, h * stride_vh, offs_d)  # (BN, D)
         a = _act(tl.dot(q, k) * scale, ACT)  # padded keys: s = 0 -> act = 0
         acc += tl.dot(a.to(v.dtype), v)
-    tl.store(O + (q_start + offs_m)[:, None] * stride_on + h * stride_oh + offs_d[None, :], acc.to(O.dtype.element_ty), mask=row_ok[:, None])
+    store_rows(O, acc, q_start, offs_m, q_len, stride_on, h * stride_oh, offs_d)
 
 
 @triton.jit
@@ -93,22 +94,20 @@ def _gdpa_bwd_dkdv(
     n0, q_start, q_len, k_start, k_len, shift = work_item(WORK, Q_OFFSETS, K_OFFSETS, pid, BLOCK_N)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    kmask = offs_n < k_len
-    k = tl.load(K + (k_start + offs_n)[:, None] * stride_kn + h * stride_kh + offs_d[None, :], mask=kmask[:, None], other=0.0)
-    v = tl.load(V + (k_start + offs_n)[:, None] * stride_vn + h * stride_vh + offs_d[None, :], mask=kmask[:, None], other=0.0)
+    k = load_rows(K, k_start, offs_n, k_len, stride_kn, h * stride_kh, offs_d)
+    v = load_rows(V, k_start, offs_n, k_len, stride_vn, h * stride_vh, offs_d)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     for start_m in range(0, q_len, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < q_len
-        q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qn + h * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        do = tl.load(DO + (q_start + offs_m)[:, None] * stride_don + h * stride_doh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        q = load_rows(Q, q_start, offs_m, q_len, stride_qn, h * stride_qh, offs_d)
+        do = load_rows(DO, q_start, offs_m, q_len, stride_don, h * stride_doh, offs_d)
         a, da = _act_and_grad(tl.dot(q, tl.trans(k)) * scale, ACT)  # (BM, BN)
         dv += tl.dot(tl.trans(a.to(do.dtype)), do)
         ds = tl.dot(do, tl.trans(v)) * da
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-    tl.store(DK + (k_start + offs_n)[:, None] * stride_dkn + h * stride_dkh + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=kmask[:, None])
-    tl.store(DV + (k_start + offs_n)[:, None] * stride_dvn + h * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kmask[:, None])
+    store_rows(DK, dk * scale, k_start, offs_n, k_len, stride_dkn, h * stride_dkh, offs_d)
+    store_rows(DV, dv, k_start, offs_n, k_len, stride_dvn, h * stride_dvh, offs_d)
 
 
 @triton.jit
@@ -124,19 +123,17 @@ def _gdpa_bwd_dq(
     m0, q_start, q_len, k_start, k_len, shift = work_item(WORK, Q_OFFSETS, K_OFFSETS, pid, BLOCK_M)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < q_len
-    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qn + h * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + (q_start + offs_m)[:, None] * stride_don + h * stride_doh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = load_rows(Q, q_start, offs_m, q_len, stride_qn, h * stride_qh, offs_d)
+    do = load_rows(DO, q_start, offs_m, q_len, stride_don, h * stride_doh, offs_d)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for start_n in range(0, k_len, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kmask = offs_n < k_len
-        k = tl.load(K + (k_start + offs_n)[:, None] * stride_kn + h * stride_kh + offs_d[None, :], mask=kmask[:, None], other=0.0)
-        v = tl.load(V + (k_start + offs_n)[:, None] * stride_vn + h * stride_vh + offs_d[None, :], mask=kmask[:, None], other=0.0)
+        k = load_rows(K, k_start, offs_n, k_len, stride_kn, h * stride_kh, offs_d)
+        v = load_rows(V, k_start, offs_n, k_len, stride_vn, h * stride_vh, offs_d)
         a, da = _act_and_grad(tl.dot(q, tl.trans(k)) * scale, ACT)
         ds = tl.dot(do, tl.trans(v)) * da
         dq += tl.dot(ds.to(k.dtype), k)
-    tl.store(DQ + (q_start + offs_m)[:, None] * stride_dqn + h * stride_dqh + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    store_rows(DQ, dq * scale, q_start, offs_m, q_len, stride_dqn, h * stride_dqh, offs_d)
 
 
 # ----------------------------------------------------------------------------------------------

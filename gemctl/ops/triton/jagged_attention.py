@@ -36,7 +36,9 @@ import triton
 import triton.language as tl
 
 from gemctl.ops.bias import RelativePositionBias, relative_position_bucket
-from gemctl.ops.triton.common import bucket_len, key_work, pick_config, query_work, work_item
+from gemctl.ops.triton.common import (
+    bucket_len, key_work, load_rows, pick_config, query_work, store_rows, work_item,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -72,7 +74,7 @@ def _fwd_tile(
     cols = start_n + offs_n  # key positions of this tile within the sequence
     kmask = cols < k_len
     k = tl.load(K + (k_start + cols)[None, :] * stride_kn + h * stride_kh + offs_d[:, None], mask=kmask[None, :], other=0.0)  # (D, BN)
-    v = tl.load(V + (k_start + cols)[:, None] * stride_vn + h * stride_vh + offs_d[None, :], mask=kmask[:, None], other=0.0)  # (BN, D)
+    v = load_rows(V, k_start, cols, k_len, stride_vn, h * stride_vh, offs_d)  # (BN, D)
     s = tl.dot(q, k) * qk_scale  # (BM, BN), log2 units
     dist = offs_m[:, None] + shift - cols[None, :]
     if HAS_BIAS:
@@ -124,7 +126,7 @@ def _jagged_attn_fwd(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < q_len
-    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qn + h * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = load_rows(Q, q_start, offs_m, q_len, stride_qn, h * stride_qh, offs_d)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -142,7 +144,7 @@ def _jagged_attn_fwd(
     l_safe = tl.where(has_key, l_i, 1.0)
     out = acc / l_safe[:, None]  # rows with no visible key: acc = 0 -> zeros
     lse = tl.where(has_key, m_i + tl.math.log2(l_safe), float("inf"))  # +inf: p = 0 in backward
-    tl.store(O + (q_start + offs_m)[:, None] * stride_on + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    store_rows(O, out, q_start, offs_m, q_len, stride_on, h * stride_oh, offs_d)
     tl.store(LSE + (q_start + offs_m) * num_heads + h, lse, mask=row_ok)
 
 
@@ -177,8 +179,8 @@ def _jagged_attn_bwd_dkdv(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     kmask = offs_n < k_len
-    k = tl.load(K + (k_start + offs_n)[:, None] * stride_kn + h * stride_kh + offs_d[None, :], mask=kmask[:, None], other=0.0)
-    v = tl.load(V + (k_start + offs_n)[:, None] * stride_vn + h * stride_vh + offs_d[None, :], mask=kmask[:, None], other=0.0)
+    k = load_rows(K, k_start, offs_n, k_len, stride_kn, h * stride_kh, offs_d)
+    v = load_rows(V, k_start, offs_n, k_len, stride_vn, h * stride_vh, offs_d)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
@@ -203,8 +205,8 @@ def _jagged_attn_bwd_dkdv(
         for start_m in range(start, stop, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             row_ok = offs_m < q_len
-            q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qn + h * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-            do = tl.load(DO + (q_start + offs_m)[:, None] * stride_don + h * stride_doh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            q = load_rows(Q, q_start, offs_m, q_len, stride_qn, h * stride_qh, offs_d)
+            do = load_rows(DO, q_start, offs_m, q_len, stride_don, h * stride_doh, offs_d)
             lse = tl.load(LSE + (q_start + offs_m) * num_heads + h, mask=row_ok, other=float("inf"))
             delta = tl.load(DELTA + (q_start + offs_m) * num_heads + h, mask=row_ok, other=0.0)
             dist = offs_m[:, None] + shift - offs_n[None, :]
@@ -216,8 +218,8 @@ def _jagged_attn_bwd_dkdv(
             dp = tl.dot(do, tl.trans(v))
             ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-    tl.store(DK + (k_start + offs_n)[:, None] * stride_dkn + h * stride_dkh + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=kmask[:, None])
-    tl.store(DV + (k_start + offs_n)[:, None] * stride_dvn + h * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kmask[:, None])
+    store_rows(DK, dk * scale, k_start, offs_n, k_len, stride_dkn, h * stride_dkh, offs_d)
+    store_rows(DV, dv, k_start, offs_n, k_len, stride_dvn, h * stride_dvh, offs_d)
 
 
 @triton.jit
@@ -239,8 +241,8 @@ def _jagged_attn_bwd_dq(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < q_len
-    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qn + h * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + (q_start + offs_m)[:, None] * stride_don + h * stride_doh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = load_rows(Q, q_start, offs_m, q_len, stride_qn, h * stride_qh, offs_d)
+    do = load_rows(DO, q_start, offs_m, q_len, stride_don, h * stride_doh, offs_d)
     lse = tl.load(LSE + (q_start + offs_m) * num_heads + h, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + (q_start + offs_m) * num_heads + h, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -256,8 +258,8 @@ def _jagged_attn_bwd_dq(
         for start_n in range(start, stop, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             kmask = offs_n < k_len
-            k = tl.load(K + (k_start + offs_n)[:, None] * stride_kn + h * stride_kh + offs_d[None, :], mask=kmask[:, None], other=0.0)
-            v = tl.load(V + (k_start + offs_n)[:, None] * stride_vn + h * stride_vh + offs_d[None, :], mask=kmask[:, None], other=0.0)
+            k = load_rows(K, k_start, offs_n, k_len, stride_kn, h * stride_kh, offs_d)
+            v = load_rows(V, k_start, offs_n, k_len, stride_vn, h * stride_vh, offs_d)
             dist = offs_m[:, None] + shift - offs_n[None, :]
             valid = kmask[None, :]
             if CAUSAL:
@@ -280,7 +282,7 @@ def _jagged_attn_bwd_dq(
                 for bkt in range(b_lo, b_hi + 1):
                     part = tl.sum(tl.sum(tl.where(tile_bucket == bkt, ds_rows, 0.0), 1), 0)
                     dbias += tl.where(bucket_ids == bkt, part, 0.0)
-    tl.store(DQ + (q_start + offs_m)[:, None] * stride_dqn + h * stride_dqh + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    store_rows(DQ, dq * scale, q_start, offs_m, q_len, stride_dqn, h * stride_dqh, offs_d)
     if HAS_BIAS:
         tl.store(DBIAS + (pid * num_heads + h) * NUM_BUCKETS + bucket_ids, dbias)
 
