@@ -68,6 +68,15 @@ def block_loop(q, k, v, offsets, block_size, rope=None):
     return out
 
 
+def rel_err(a, b) -> float:
+    """||a - b|| / ||b|| in float64 (max abs difference when b is all zero; 0 for empty tensors)."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    if a.numel() == 0:
+        return 0.0
+    norm = b.norm()
+    return float((a - b).norm() / norm) if norm > 0 else float((a - b).abs().max())
+
+
 def offsets(lengths, device="cpu"):
     out = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     out[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)

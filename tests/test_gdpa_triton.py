@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gemctl import ops
-from loops import gdpa_loop, offsets
+from loops import gdpa_loop, offsets, rel_err
 
 pytest.importorskip("triton")
 
@@ -26,12 +26,6 @@ SHAPES_GPU = {
 }
 
 
-def rel_err(a, b):
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    if a.numel() == 0:
-        return 0.0
-    n = b.norm()
-    return float((a - b).norm() / n) if n > 0 else float((a - b).abs().max())
 
 
 def _check(ql, kl, activation, device, dtype, dim=32, tol=None, factor=None, heads=2):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gemctl import ops
-from loops import attention_loop, offsets
+from loops import attention_loop, offsets, rel_err
 
 pytest.importorskip("triton")
 
@@ -21,12 +21,6 @@ SELF_GPU = [[0, 1, 63, 64, 65, 127, 128, 129, 7], [1000] + [3, 17, 0, 64] * 8, [
 CROSS_GPU = [([5, 0, 130, 64, 1000], [300, 7, 0, 64, 32]), ([64, 65, 1], [1, 2, 900])]
 
 
-def rel_err(a, b):
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    if a.numel() == 0:
-        return 0.0
-    n = b.norm()
-    return float((a - b).norm() / n) if n > 0 else float((a - b).abs().max())
 
 
 def _inputs(q_lengths, k_lengths, heads, dim, device, dtype, seed, with_bias):

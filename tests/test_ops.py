@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gemctl import ops
-from loops import attention_loop, block_loop, gdpa_loop, offsets
+from loops import attention_loop, block_loop, gdpa_loop, offsets, rel_err
 
 CASES_SELF = [
     [0, 1, 15, 16, 17, 63, 64, 65, 3, 0],
@@ -27,12 +27,6 @@ DEVICES = [
 ]
 
 
-def rel_err(a, b):
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    if a.numel() == 0:
-        return 0.0
-    denom = b.norm()
-    return float((a - b).norm() / denom) if denom > 0 else float((a - b).abs().max())
 
 
 def make(n, heads, dim, device, dtype, gen):

@@ -77,16 +77,20 @@ class Breakdown:
         return self.busy_s + self.idle_s
 
 
-def _forward_categories(events) -> dict[int, str]:
-    """sequence_nr of forward operators -> the category their scope or name gives them."""
+def _by_forward_op(events, label) -> dict[int, str]:
+    """sequence_nr of each forward operator -> ``label(op)`` (first non-None label wins).
+
+    Autograd records the forward op's sequence number on the backward node that differentiates
+    it, so this is how backward time finds its category and module.
+    """
     out: dict[int, str] = {}
     for e in events:
         seq = getattr(e, "sequence_nr", -1)
-        if seq is None or seq < 0 or e.name.startswith(_BACKWARD_NODE):
+        if seq is None or seq < 0 or seq in out or e.name.startswith(_BACKWARD_NODE):
             continue
-        category = _scope_category(e) or _by_name(e.name)
-        if category is not None and seq not in out:
-            out[seq] = category
+        value = label(e)
+        if value is not None:
+            out[seq] = value
     return out
 
 
@@ -118,18 +122,6 @@ def _module_scope(event) -> str | None:
             return e.name[len("gemctl.module."):]
         e = e.cpu_parent
     return None
-
-
-def _forward_modules(events) -> dict[int, str]:
-    out: dict[int, str] = {}
-    for e in events:
-        seq = getattr(e, "sequence_nr", -1)
-        if seq is None or seq < 0 or e.name.startswith(_BACKWARD_NODE):
-            continue
-        module = _module_scope(e)
-        if module is not None and seq not in out:
-            out[seq] = module
-    return out
 
 
 def _module_of(event, forward_modules: dict[int, str]) -> str | None:
@@ -168,8 +160,8 @@ def breakdown(events, steps: int, device: str, window_us: float | None = None) -
     """Build the breakdown from ``prof.events()`` of ``steps`` profiled steps."""
     events = [e for e in events if getattr(e, "device_type", None) is None or str(e.device_type).endswith("CPU")]
     events = _training_events(events)
-    forward = _forward_categories(events)
-    forward_modules = _forward_modules(events)
+    forward = _by_forward_op(events, lambda e: _scope_category(e) or _by_name(e.name))
+    forward_modules = _by_forward_op(events, _module_scope)
     per_category: dict[str, float] = defaultdict(float)
     per_module: dict[str, float] = defaultdict(float)
     starts, ends = [], []
