@@ -1,12 +1,18 @@
 """Benchmark gemctl's Triton GDPA on pma-32, cross-32, cross-128 and self-1000 against padded
-bmm -> activation -> bmm in PyTorch (eager and torch.compile) and the softmax jagged attention at
-the same shape, with the roofline of each workload, in one process.
+bmm -> GELU -> bmm in PyTorch (eager and torch.compile), the PyTorch jagged reference and the
+softmax jagged attention at the same shape, with the roofline of each workload, in one process.
 
-    python scripts/bench_gdpa.py [--out bench_gdpa.json]
+    python scripts/bench_gdpa.py [--out bench_gdpa.json] [--grids]
 
-Useful FLOPs: 4*H*D per (query, key) pair (two GEMMs), backward 2.5x. Bytes: q, k, v read once
-and the output written once (bf16). Roofline = min(measured bf16 GEMM rate, measured copy
-bandwidth x FLOPs / bytes), both ceilings measured in the same run.
+Useful FLOPs: 4*H*D per (query, key) pair (two GEMMs); backward 2.5x (dV, dS and dQ/dK GEMMs plus
+the recomputed Q K^T), as for softmax attention. Bytes: q, k, v read once and the output written
+once (bf16) - the least any implementation moves. Roofline = min(measured bf16 GEMM rate, measured
+copy bandwidth x FLOPs / bytes), both ceilings measured in the same run.
+
+Two timings per implementation, both medians of triton.testing: "call" (do_bench: what a Python
+caller sees, launch overhead included) and "graph" (do_bench_cudagraph: the same call replayed
+from a CUDA graph, i.e. GPU time). The roofline share uses graph time. --grids also times the
+forward under every candidate config (tiles, warps, stages, persistent or not).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -26,7 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_jagged_attention import bench, make_inputs, tflops  # noqa: E402
 from gemctl import ops  # noqa: E402
 from gemctl.metrics.flops import attention, attention_pairs  # noqa: E402
+from gemctl.ops.triton import common  # noqa: E402
+from gemctl.ops.triton import gdpa as gdpa_kernels  # noqa: E402
 from workloads import cross_workload, pma_workload, self_workload  # noqa: E402
+
+
+def graph_bench(fn) -> float:
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
 def ceilings() -> dict:
@@ -39,37 +52,42 @@ def ceilings() -> dict:
     return {"gemm_tflops": 2 * 8192**3 / (gemm_ms * 1e-3) / 1e12, "copy_tbps": 2 * x.numel() * 2 / (copy_ms * 1e-3) / 1e12}
 
 
-def run_gdpa(w, backend):
+def timings(fwd, fwd_bwd) -> dict:
+    """fwd and fwd+bwd, call and graph time (ms); a graph failure is recorded, not fatal."""
+    fwd(), fwd_bwd()  # compile, tune, build plans
+    torch.cuda.synchronize()
+    out = {"fwd_call_ms": bench(fwd), "fwd_bwd_call_ms": bench(fwd_bwd)}
+    for name, fn in (("fwd_graph_ms", fwd), ("fwd_bwd_graph_ms", fwd_bwd)):
+        try:
+            out[name] = graph_bench(fn)
+        except Exception as exc:  # e.g. an op that syncs cannot be captured
+            out[name.replace("_ms", "_error")] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            torch.cuda.synchronize()
+    return out
+
+
+def jagged_impl(w, op):
     q, k, v, qo, ko, _, _, grad = make_inputs(w)
     mq, mk = int(w.q_lengths.max()), int(w.k_lengths.max())
 
     def fwd():
-        return ops.gdpa(q, k, v, qo, ko, mq, mk, activation="gelu", backend=backend)
+        return op(q, k, v, qo, ko, mq, mk)
 
-    out = fwd()
-    out.backward(grad, retain_graph=True)
-    return bench(fwd), bench(lambda: out.backward(grad, retain_graph=True))
+    def fwd_bwd():
+        torch.autograd.backward(fwd(), grad)
 
-
-def run_softmax(w):
-    q, k, v, qo, ko, _, _, grad = make_inputs(w)
-    mq, mk = int(w.q_lengths.max()), int(w.k_lengths.max())
-
-    def fwd():
-        return ops.jagged_attention(q, k, v, qo, ko, mq, mk, backend="triton")
-
-    out = fwd()
-    out.backward(grad, retain_graph=True)
-    return bench(fwd), bench(lambda: out.backward(grad, retain_graph=True))
+    return fwd, fwd_bwd
 
 
-def run_padded(w, compiled: bool):
+def padded_impl(w, compiled: bool):
     b, h, d = w.batch, w.heads, w.head_dim
     mq, mk = int(w.q_lengths.max()), int(w.k_lengths.max())
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(b, h, mq, d, generator=gen).to("cuda", torch.bfloat16).requires_grad_(True)
-    k = torch.randn(b, h, mk, d, generator=gen).to("cuda", torch.bfloat16).requires_grad_(True)
-    v = torch.randn(b, h, mk, d, generator=gen).to("cuda", torch.bfloat16).requires_grad_(True)
+
+    def rnd(n):
+        return torch.randn(b, h, n, d, generator=gen).to("cuda", torch.bfloat16).requires_grad_(True)
+
+    q, k, v = rnd(mq), rnd(mk), rnd(mk)
     g = torch.randn(b, h, mq, d, generator=gen).to("cuda", torch.bfloat16)
     kmask = (torch.arange(mk)[None, :] < w.k_lengths[:, None]).to("cuda", torch.bfloat16)[:, None, None, :]
     scale = d**-0.5
@@ -78,22 +96,49 @@ def run_padded(w, compiled: bool):
         return torch.matmul(F.gelu(torch.matmul(q, k.transpose(-1, -2)) * scale) * kmask, v)
 
     fn = torch.compile(f) if compiled else f
-    out = fn(q, k, v)
-    out.backward(g, retain_graph=not compiled)
-    ms_f = bench(lambda: fn(q, k, v))
+    return (lambda: fn(q, k, v)), (lambda: fn(q, k, v).backward(g))
 
-    def fwd_bwd():
-        fn(q, k, v).backward(g)
 
-    return ms_f, bench(fwd_bwd)
+def implementations(w) -> dict:
+    def ours(q, k, v, qo, ko, mq, mk):
+        return ops.gdpa(q, k, v, qo, ko, mq, mk, activation="gelu", backend="triton")
+
+    def reference(q, k, v, qo, ko, mq, mk):
+        return ops.gdpa(q, k, v, qo, ko, mq, mk, activation="gelu", backend="torch")
+
+    def softmax(q, k, v, qo, ko, mq, mk):
+        return ops.jagged_attention(q, k, v, qo, ko, mq, mk, backend="triton")
+
+    return {
+        "ours": lambda: jagged_impl(w, ours),
+        "jagged_reference": lambda: jagged_impl(w, reference),
+        "padded_eager": lambda: padded_impl(w, False),
+        "padded_compiled": lambda: padded_impl(w, True),
+        "softmax_jagged": lambda: jagged_impl(w, softmax),
+    }
+
+
+def grid_sweep(w) -> list[dict]:
+    """Forward graph time under every candidate config (persistent and one-program-per-item)."""
+    fwd, _ = jagged_impl(w, lambda *a: ops.gdpa(*a, activation="gelu", backend="triton"))
+    rows = []
+    for cfg in gdpa_kernels._FWD_CANDIDATES:
+        with common.forced_config(cfg):
+            try:
+                fwd()
+                rows.append({"config": list(cfg), "fwd_graph_ms": graph_bench(fwd)})
+            except Exception as exc:
+                rows.append({"config": list(cfg), "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"})
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_gdpa.json")
+    ap.add_argument("--grids", action="store_true", help="also time the forward under every candidate config")
     args = ap.parse_args()
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": __import__("triton").__version__}
+            "triton": triton.__version__}
     meta.update(ceilings())
     print(meta, flush=True)
     rows = []
@@ -103,25 +148,39 @@ def main() -> None:
         bytes_moved = 2 * w.heads * w.head_dim * (2 * int(w.q_lengths.sum()) + 2 * int(w.k_lengths.sum()))
         intensity = f_flops / bytes_moved
         roof = min(meta["gemm_tflops"], meta["copy_tbps"] * intensity)
-        row = {"workload": w.name, "pairs": pairs, "intensity_flop_per_byte": intensity, "roofline_tflops": roof}
-        impls = {"ours": lambda: run_gdpa(w, "triton"), "torch_reference": lambda: run_gdpa(w, "torch"),
-                 "padded_eager": lambda: run_padded(w, False), "padded_compiled": lambda: run_padded(w, True),
-                 "softmax_jagged": lambda: run_softmax(w)}
-        for name, fn in impls.items():
+        row = {"workload": w.name, "pairs": pairs, "fwd_flops": f_flops, "bytes": bytes_moved,
+               "intensity_flop_per_byte": intensity, "roofline_tflops": roof}
+        for name, make in implementations(w).items():
             try:
-                ms_f, ms_b = fn()
-                row[name] = {"fwd_ms": ms_f, "fwd_tflops": tflops(f_flops, ms_f), "second_ms": ms_b,
-                             "second_tflops": tflops((3.5 if name.startswith("padded") else 2.5) * f_flops, ms_b),
-                             "second": "fwd+bwd" if name.startswith("padded") else "bwd"}
+                r = timings(*make())
+                for kind in ("call", "graph"):
+                    if f"fwd_{kind}_ms" in r:
+                        r[f"fwd_{kind}_tflops"] = tflops(f_flops, r[f"fwd_{kind}_ms"])
+                    if f"fwd_bwd_{kind}_ms" in r:
+                        r[f"fwd_bwd_{kind}_tflops"] = tflops(3.5 * f_flops, r[f"fwd_bwd_{kind}_ms"])
+                row[name] = r
             except Exception as exc:
                 row[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
             torch.cuda.empty_cache()
+        row["configs"] = {"/".join(map(str, k[:1] + k[4:])): list(v) for k, v in common._config_cache.items()
+                          if str(k[0]).startswith("gdpa")}
+        if args.grids:
+            row["grid_sweep"] = grid_sweep(w)
         rows.append(row)
         ours = row["ours"]
-        share = f"{100 * ours['fwd_tflops'] / roof:.0f}% of roofline" if "fwd_tflops" in ours else ours.get("error")
-        print(f"{w.name:>10} intensity {intensity:7.1f} roof {roof:6.0f} | " + " | ".join(
-            f"{n} {r['fwd_tflops']:.0f}/{r['second_tflops']:.0f}" if "fwd_tflops" in r else f"{n}: {r['error'][:50]}"
-            for n, r in ((n, row[n]) for n in impls)) + f" | ours fwd {share}", flush=True)
+        lines = [f"{w.name}: intensity {intensity:.1f} FLOP/B, roofline {roof:.0f} TF/s"]
+        for name in implementations(w):
+            r = row[name]
+            if "error" in r:
+                lines.append(f"  {name:>17}: {r['error'][:100]}")
+                continue
+            g = (f"graph fwd {r['fwd_graph_ms']:.3f} ms ({r['fwd_graph_tflops']:.0f} TF/s)" if "fwd_graph_ms" in r
+                 else f"graph: {r.get('fwd_graph_error', '')[:60]}")
+            lines.append(f"  {name:>17}: call fwd {r['fwd_call_ms']:.3f} ms ({r['fwd_call_tflops']:.0f} TF/s), "
+                         f"fwd+bwd {r['fwd_bwd_call_ms']:.3f} ms | {g}")
+        if "fwd_graph_tflops" in ours:
+            lines.append(f"  ours forward: {100 * ours['fwd_graph_tflops'] / roof:.0f}% of the roofline (graph time)")
+        print("\n".join(lines), flush=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 

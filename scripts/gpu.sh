@@ -8,6 +8,7 @@
 #   bench     scripts/bench_jagged_attention.py (ours vs FA2 varlen, flex_attention, padded SDPA)
 #   bench-gdpa scripts/bench_gdpa.py (ours vs padded bmm-act-bmm eager/compiled, softmax; roofline)
 #   profile   gemctl profile --recipe small_h200 (profile.json and plots copied out)
+#   ab-gdpa   small_h200 with model.kernels.gdpa=torch, then =triton (whole-model before/after)
 #
 # Packages the GPU image lacks travel as wheels in .whl/ (shared/gpu-wheels/README.md).
 set -o pipefail
@@ -27,11 +28,16 @@ for stage in "$@"; do
       python3 -m gemctl train --recipe small_h200 run.progress=false 2>&1 | quiet | tee "$OUT/small_h200.log"
       cp "$(ls -d runs/small_h200/* | tail -1)/summary.json" "$OUT/small_h200_summary.json" ;;
     bench) python3 scripts/bench_jagged_attention.py --out "$OUT/bench_jagged_attention.json" 2>&1 | quiet | tee "$OUT/bench_jagged_attention.log" ;;
-    bench-gdpa) python3 scripts/bench_gdpa.py --out "$OUT/bench_gdpa.json" 2>&1 | quiet | tee "$OUT/bench_gdpa.log" ;;
+    bench-gdpa) python3 scripts/bench_gdpa.py --grids --out "$OUT/bench_gdpa.json" 2>&1 | quiet | tee "$OUT/bench_gdpa.log" ;;
+    ab-gdpa)
+      for impl in torch triton; do
+        python3 -m gemctl train --recipe small_h200 run.progress=false model.kernels.gdpa=$impl run.name=small_h200-gdpa-$impl 2>&1 | quiet | tee "$OUT/small_h200_gdpa_$impl.log"
+        cp "$(ls -d runs/small_h200-gdpa-$impl/* | tail -1)/summary.json" "$OUT/small_h200_gdpa_${impl}_summary.json"
+      done ;;
     profile)
       python3 -m gemctl profile --recipe small_h200 2>&1 | quiet | tee "$OUT/profile.log"
       d=$(ls -d runs/small_h200-profile/* | tail -1)
       cp "$d/profile.json" "$d/breakdown.png" "$d/waterfall.png" "$OUT/" ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, profile)" >&2; exit 2 ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, ab-gdpa, profile)" >&2; exit 2 ;;
   esac
 done

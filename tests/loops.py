@@ -33,11 +33,35 @@ def attention_loop(q, k, v, q_offsets, k_offsets, *, causal=False, scale=None, b
     return out
 
 
+class _GeluPoly(torch.autograd.Function):
+    """The Triton kernels' polynomial GELU with its fitted derivative, in float64: a reference that
+    isolates the kernels' arithmetic from the approximation."""
+
+    @staticmethod
+    def forward(ctx, x):
+        from gemctl.ops.triton.gdpa import gelu_poly_reference
+
+        value, grad = gelu_poly_reference(x)
+        ctx.save_for_backward(grad)
+        return value
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.saved_tensors[0]
+
+
+GDPA_ACTIVATIONS = {
+    "gelu": lambda x: 0.5 * x * (1 + torch.erf(x / math.sqrt(2))),
+    "silu": lambda x: x * torch.sigmoid(x),
+    "gelu_poly": _GeluPoly.apply,
+}
+
+
 def gdpa_loop(q, k, v, q_offsets, k_offsets, *, activation="gelu", scale=None):
     q, k, v = q.double(), k.double(), v.double()
     d = q.shape[2]
     scale = d**-0.5 if scale is None else scale
-    act = {"gelu": lambda x: 0.5 * x * (1 + torch.erf(x / math.sqrt(2))), "silu": lambda x: x * torch.sigmoid(x)}[activation]
+    act = GDPA_ACTIVATIONS[activation]
     out = q * 0  # zeros that stay in the graph (empty rows get zero gradients)
     for b in range(q_offsets.numel() - 1):
         qs, qe = int(q_offsets[b]), int(q_offsets[b + 1])

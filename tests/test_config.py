@@ -250,6 +250,25 @@ def test_wrong_number_of_attention_entries():
     assert "model.num_layers=2" in str(err)
 
 
+def test_bad_kernel_backend():
+    err = _error(["model.kernels.gdpa=cuda"])
+    assert err.field == "model.kernels.gdpa"
+    assert "'cuda' is not allowed; allowed: auto, torch, triton" in str(err)
+
+
+def test_kernel_backends_reach_the_model():
+    from gemctl.data.synthetic import SyntheticSource
+    from gemctl.model import build_model
+
+    cfg = compose(["model.kernels.gdpa=torch", "model.kernels.jagged_attention=triton"])
+    validate(cfg)
+    spec = SyntheticSource(cfg.data).spec
+    model = build_model(cfg.model, spec)
+    assert model.backends == {"jagged_attention": "triton", "gdpa": "torch", "block_attention": "auto"}
+    forced = build_model(cfg.model, spec, backend="torch")  # an explicit backend overrides every op
+    assert set(forced.backends.values()) == {"torch"}
+
+
 def test_precision_format_not_allowed_yet():
     err = _error(["precision.rules=[{match: '*', format: mxfp8}]"])
     assert err.field == "precision.rules[0].format"

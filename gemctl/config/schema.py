@@ -14,6 +14,16 @@ from hydra.core.config_store import ConfigStore
 
 
 @dataclass
+class KernelsConfig:
+    """Implementation of each attention op (gemctl.ops): auto (bundled Triton kernel on CUDA where
+    it is GPU-verified, else the PyTorch reference), torch (reference), triton (force the kernel)."""
+
+    jagged_attention: str = "auto"
+    gdpa: str = "auto"
+    block_attention: str = "auto"
+
+
+@dataclass
 class ModelConfig:
     name: str = "tiny"
     embedding_dim: int = 32  # width of every embedding table
@@ -35,6 +45,7 @@ class ModelConfig:
     interaction_layers: int = 2  # low-rank cross layers over the pooled tokens
     interaction_rank: int = 64
     head_hidden: int = 128  # hidden width of each task head
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)  # e.g. model.kernels.gdpa=torch
 
 
 @dataclass

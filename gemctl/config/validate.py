@@ -19,6 +19,7 @@ SHUFFLE_KEYS = ("tokens", "attention")
 LAUNCHERS = ("local",)
 SOURCES = ("synthetic", "movielens100k")
 GDPA_ACTIVATIONS = ("gelu", "silu")
+KERNEL_BACKENDS = ("auto", "torch", "triton")
 
 
 def _positive(cfg, path: str, allow_zero: bool = False) -> None:
@@ -47,6 +48,8 @@ def validate(cfg) -> None:
     if m.head_dim % 8:
         raise ConfigError("model.head_dim", f"must be a multiple of 8 (kernels tile it), got {m.head_dim}")
     _one_of(m.gdpa_activation, GDPA_ACTIVATIONS, "model.gdpa_activation")
+    for op in ("jagged_attention", "gdpa", "block_attention"):
+        _one_of(getattr(m.kernels, op), KERNEL_BACKENDS, f"model.kernels.{op}")
     kinds = list(m.attention)
     if len(kinds) not in (1, m.num_layers):
         raise ConfigError(

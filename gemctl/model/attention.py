@@ -36,16 +36,20 @@ class JaggedSelfAttention(nn.Module):
             self.relpos_max_distance = relpos_max_distance
 
     def forward(self, x, offsets, max_len, backend="auto"):
+        """``backend``: one for every op, or a mapping op name -> backend (model.kernels)."""
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # (N, H, D) each
         if self.kind == "block":
-            y = ops.block_attention(q, k, v, offsets, max_len, block_size=self.block_size, backend=backend)
+            y = ops.block_attention(
+                q, k, v, offsets, max_len, block_size=self.block_size, backend=_op_backend(backend, "block_attention")
+            )
         else:
             bias = None
             if self.relpos is not None:
                 bias = ops.RelativePositionBias(self.relpos, self.relpos_max_distance)
             y = ops.jagged_attention(
-                q, k, v, offsets, offsets, max_len, max_len, bias=bias, causal=self.causal, backend=backend
+                q, k, v, offsets, offsets, max_len, max_len, bias=bias, causal=self.causal,
+                backend=_op_backend(backend, "jagged_attention"),
             )
         return self.out(y.reshape(n, self.num_heads * self.head_dim))
 
@@ -76,3 +80,7 @@ class GDPAttention(nn.Module):
         k, v = self.kv(xkv).view(-1, 2, h, d).unbind(1)
         y = ops.gdpa(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, activation=self.activation, backend=backend)
         return self.out(y.reshape(-1, h * d))
+
+
+def _op_backend(backend, op: str) -> str:
+    return backend if isinstance(backend, str) else backend[op]

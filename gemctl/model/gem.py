@@ -24,7 +24,13 @@ from gemctl.model.sparse import SparseArch
 class GemModel(nn.Module):
     def __init__(self, cfg, spec, device: torch.device | None = None, backend: str = "auto"):
         super().__init__()
-        self.cfg, self.spec, self.backend = cfg, spec, backend
+        self.cfg, self.spec = cfg, spec
+        # Per-op implementation (model.kernels); a backend other than "auto" overrides every op.
+        kernels = getattr(cfg, "kernels", None)
+        self.backends = {
+            op: backend if backend != "auto" else str(getattr(kernels, op, "auto"))
+            for op in ("jagged_attention", "gdpa", "block_attention")
+        }
         e, d = cfg.embedding_dim, cfg.d_model
         self.sparse = SparseArch(spec, e, device=device)
         self.seq_in = nn.Linear(len(spec.seq_features) * e, d)
@@ -49,9 +55,9 @@ class GemModel(nn.Module):
             seq_emb, ns_emb = self.sparse(batch)
         ns = self.ns_tokens(ns_emb, batch.dense)  # (B, n_ns, d)
         x = self.seq_in(seq_emb)  # (N, d)
-        x = self.cross(x, offsets, max_len, ns, self.backend)
-        x = self.tower(x, offsets, max_len, self.backend)
-        pooled = self.pma(x, offsets, max_len, self.backend)  # (B, P, d)
+        x = self.cross(x, offsets, max_len, ns, self.backends["gdpa"])
+        x = self.tower(x, offsets, max_len, self.backends)
+        pooled = self.pma(x, offsets, max_len, self.backends["gdpa"])  # (B, P, d)
         z = self.interaction(torch.cat([pooled, ns], dim=1))
         return self.heads(z)
 

@@ -23,6 +23,7 @@ from gemctl.ops import host
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _INTERPRET_CONFIG = (16, 16, 1, 1)
 _config_cache: dict = {}
+_forced: list = []  # configs pinned by forced_config(), innermost last
 
 
 def bucket_len(n: int) -> int:
@@ -56,6 +57,29 @@ def store_rows(PTR, value, start, rows, length, stride_n, head_offset, offs_d):
     """Store a (rows, D) tile (cast to PTR's dtype) into the rows of a sequence, rows < length."""
     ptrs = PTR + (start + rows)[:, None] * stride_n + head_offset + offs_d[None, :]
     tl.store(ptrs, value.to(PTR.dtype.element_ty), mask=(rows < length)[:, None])
+
+
+@triton.jit
+def zigzag_item(r, pid, n_programs):
+    """Item of round ``r`` for persistent program ``pid``: items are sorted most expensive first and
+    dealt in snake order (0..G-1, then G-1..0, ...), so every program gets a mix of long and short
+    tiles. With one program per item (G = number of items) this is just ``pid``."""
+    return r * n_programs + tl.where(r % 2 == 0, pid, n_programs - 1 - pid)
+
+
+def num_programs(n_items: int, per_sm: int, device) -> int:
+    """Grid size: one program per item (per_sm = 0), or a persistent grid of per_sm programs on
+    every streaming multiprocessor (fewer if there are fewer items)."""
+    if per_sm <= 0:
+        return n_items
+    return max(1, min(n_items, per_sm * _sm_count(device)))
+
+
+def _sm_count(device) -> int:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 2  # interpreter: a tiny persistent grid, so tests exercise the dealing
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def tile_work(tile_lengths: np.ndarray, costs_of, block: int) -> np.ndarray:
@@ -102,10 +126,13 @@ def query_work(q_offsets, k_offsets, block_m: int, causal: bool, device) -> torc
     return host.cached_plan(q_offsets, ("q", _identity(k_offsets), block_m, causal), build)
 
 
-def key_work(q_offsets, k_offsets, block_n: int, causal: bool, device) -> torch.Tensor:
+def key_work(q_offsets, k_offsets, block_n: int, causal: bool, device, include_empty: bool = False) -> torch.Tensor:
+    """(sequence, key tile) pairs. Sequences without queries get no tile unless ``include_empty``
+    (then their tiles come last, so a kernel can write their zero gradients itself)."""
+
     def build():
         lq, lk = _lengths(q_offsets), _lengths(k_offsets)
-        lk_eff = np.where(lq > 0, lk, 0)
+        lk_eff = lk if include_empty else np.where(lq > 0, lk, 0)
 
         def cost(seq, tile):
             if causal:  # query rows that see the tile's first key
@@ -114,7 +141,7 @@ def key_work(q_offsets, k_offsets, block_n: int, causal: bool, device) -> torch.
 
         return _to_device(tile_work(lk_eff, cost, block_n), device)
 
-    return host.cached_plan(k_offsets, ("k", _identity(q_offsets), block_n, causal), build)
+    return host.cached_plan(k_offsets, ("k", _identity(q_offsets), block_n, causal, include_empty), build)
 
 
 def _identity(offsets: torch.Tensor):
@@ -128,11 +155,28 @@ def _time(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
 
 
-def pick_config(key, candidates, run):
+class forced_config:
+    """``with forced_config(cfg):`` every kernel launched inside uses ``cfg`` (benchmarks comparing
+    configs, tests of one code path). Configs are tuples ``(block_m, block_n, warps, stages, ...)``."""
+
+    def __init__(self, cfg: tuple):
+        self.cfg = tuple(cfg)
+
+    def __enter__(self):
+        _forced.append(self.cfg)
+        return self
+
+    def __exit__(self, *exc):
+        _forced.pop()
+
+
+def pick_config(key, candidates, run, interpret_config: tuple = _INTERPRET_CONFIG):
     """The fastest candidate for this key, timed once on the first call (not under the interpreter;
     GEMCTL_AUTOTUNE=0 takes the first candidate, e.g. for correctness tests)."""
+    if _forced:
+        return _forced[-1]
     if INTERPRET:
-        return _INTERPRET_CONFIG
+        return interpret_config
     if os.environ.get("GEMCTL_AUTOTUNE", "1") == "0":
         return candidates[0]
     if key not in _config_cache:

@@ -3,22 +3,22 @@
 No softmax and no normalization (callers scale). One kernel family covers the three GEM shapes:
 PMA (a few queries per sample over jagged K/V), cross-attention (jagged Q over a few K/V tokens per
 sample) and self-attention (jagged Q = K/V); the per-sample counts live in the offsets.
-Activations: exact erf-GELU and SiLU, with their derivatives fused into the backward.
 Supported: q [Nq, H, D], k/v [Nk, H, D], int64 offsets [B+1], D in {16, 32, 64, 128, 256},
 fp16/bf16 on CUDA, fp32 everywhere (CPU tier under TRITON_INTERPRET=1).
+
+Activations: GELU as a polynomial in FMAs only (no erf/exp on the special-function unit; error
+bounds below), SiLU; the activation's derivative is fused into the backward.
 
 No masks at all: rows and keys outside a sequence are loaded as zeros, and act(0) = 0 for both
 activations, so a padded key contributes act(0) * 0 = 0 to the output and (do . 0) * act'(0) = 0
 to the gradients; out-of-range rows are never stored.
 
-Scheduling: host-built lists of valid (sequence, tile) pairs, longest first (ops/triton/common.py).
+Scheduling: host-built lists of valid (sequence, tile) pairs sorted most expensive first
+(ops/triton/common.py, from the offsets' host copy: no device sync, cached per batch layout); the
+(tile, head) items are either one program each or dealt in zigzag order to a persistent grid of a
+few programs per SM; the autotuner picks tiles, warps, stages and the grid per length bucket.
 Backward: dK/dV per key tile over the query tiles, dQ per query tile over the key tiles; no
-atomics, bitwise reproducible.
-
-Status: correctness-tested under the interpreter and compiled for sm_90 in CI; not yet measured
-on a GPU, so backend="auto" does not pick it yet (backend="triton" does).
-Known limits: the activation uses the erf special function (GEM replaces it with a 6th-order
-polynomial); no TMA or persistent zigzag scheduling yet.
+atomics, no zero fills, bitwise reproducible.
 """
 
 from __future__ import annotations
@@ -28,167 +28,235 @@ import triton
 import triton.language as tl
 
 from gemctl.ops.triton.common import (
-    bucket_len, key_work, load_rows, pick_config, query_work, store_rows, work_item,
+    bucket_len, key_work, load_rows, num_programs, pick_config, query_work, store_rows, work_item, zigzag_item,
 )
 
 ACTIVATIONS = {"gelu": 0, "silu": 1}
-_FWD_CANDIDATES = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (128, 32, 4, 3)]
-_DKDV_CANDIDATES = [(64, 64, 4, 2), (32, 128, 4, 3), (32, 64, 4, 3)]
-_DQ_CANDIDATES = [(64, 64, 4, 2), (128, 32, 4, 3), (64, 32, 4, 3)]
-_SQRT1_2 = tl.constexpr(0.7071067811865476)
-_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+# (block_m, block_n, warps, stages, programs per SM; 0 = one program per work item).
+_FWD_CANDIDATES = [
+    (64, 64, 4, 3, 0), (128, 64, 8, 3, 0), (64, 32, 4, 3, 0), (128, 32, 4, 3, 0), (32, 64, 4, 3, 0),
+    (32, 128, 4, 3, 0), (128, 128, 8, 2, 0), (64, 64, 4, 3, 2), (128, 64, 8, 3, 1), (32, 64, 4, 3, 4),
+]
+_DKDV_CANDIDATES = [
+    (64, 64, 4, 2, 0), (32, 128, 4, 3, 0), (32, 64, 4, 3, 0), (64, 32, 4, 3, 0), (64, 128, 8, 2, 0),
+    (64, 64, 4, 2, 2), (32, 64, 4, 3, 4),
+]
+_DQ_CANDIDATES = [
+    (64, 64, 4, 2, 0), (128, 32, 4, 3, 0), (64, 32, 4, 3, 0), (32, 64, 4, 3, 0), (128, 64, 8, 2, 0),
+    (64, 64, 4, 2, 2), (32, 64, 4, 3, 4),
+]
+_INTERPRET_CONFIG = (16, 16, 1, 1, 1)  # persistent, so the CPU tier exercises the dealing
+
+# Polynomial GELU (scripts/fit_gelu_poly.py derives the coefficients; tests/test_gdpa_triton.py
+# checks the bounds). With t = min(x^2, 16):
+#   gelu(x)  ~ 0.5 * (x + t * P(t)) for |x| < 4, relu(x) beyond: max abs error 1.9e-4 (< 2^-12)
+#   gelu'(x) ~ 0.5 + x * S(t)       for |x| < 4, step(x) beyond: max abs error 6.6e-4 (< 2^-10)
+# over all x, in float32. The kernel rounds the activation to bf16 (relative error up to 2^-9)
+# before the second GEMM, so the polynomial's error is below that rounding wherever |gelu| >= 1/8.
+# Only FMAs: no erf/exp on the special-function unit.
+GELU_CLAMP = 4.0
+GELU_P = (7.957667112e-01, -1.291462034e-01, 1.754476875e-02, -1.628029277e-03, 9.591085836e-05,
+          -3.197195383e-06, 4.556269317e-08)
+GELU_S = (7.977215052e-01, -2.644878030e-01, 5.764032900e-02, -8.216916583e-03, 7.705404423e-04,
+          -4.537904897e-05, 1.506969738e-06, -2.137534771e-08)
+_C2 = tl.constexpr(GELU_CLAMP * GELU_CLAMP)
+_P0, _P1, _P2, _P3, _P4, _P5, _P6 = (tl.constexpr(c) for c in GELU_P)
+_S0, _S1, _S2, _S3, _S4, _S5, _S6, _S7 = (tl.constexpr(c) for c in GELU_S)
+
+
+def gelu_poly_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' polynomial GELU and its derivative in PyTorch, in x's dtype (same Horner
+    order): for the bounds test, the fit script and references that isolate kernel arithmetic."""
+    t = torch.clamp(x * x, max=GELU_CLAMP**2)
+    p, q = torch.full_like(t, GELU_P[-1]), torch.full_like(t, GELU_S[-1])
+    for c in GELU_P[-2::-1]:
+        p = p * t + c
+    for c in GELU_S[-2::-1]:
+        q = q * t + c
+    inside = t < GELU_CLAMP**2
+    value = torch.where(inside, 0.5 * (x + p * t), torch.relu(x))
+    grad = torch.where(inside, 0.5 + q * x, (x > 0).to(x.dtype))
+    return value, grad
+
+
+@triton.jit
+def _gelu_poly(s):
+    t = tl.minimum(s * s, _C2)
+    p = ((((((_P6 * t + _P5) * t + _P4) * t + _P3) * t + _P2) * t + _P1) * t + _P0) * t
+    return tl.where(t < _C2, 0.5 * (s + p), tl.maximum(s, 0.0))
+
+
+@triton.jit
+def _gelu_poly_grad(s):
+    t = tl.minimum(s * s, _C2)
+    q = (((((((_S7 * t + _S6) * t + _S5) * t + _S4) * t + _S3) * t + _S2) * t + _S1) * t + _S0) * s
+    return tl.where(t < _C2, 0.5 + q, tl.where(s > 0, 1.0, 0.0))
 
 
 @triton.jit
 def _act(s, ACT: tl.constexpr):
-    if ACT == 0:  # exact GELU: x * Phi(x)
-        return 0.5 * s * (1.0 + tl.math.erf(s * _SQRT1_2))
+    if ACT == 0:
+        return _gelu_poly(s)
     else:  # SiLU: x * sigmoid(x)
         return s * tl.sigmoid(s)
 
 
 @triton.jit
 def _act_and_grad(s, ACT: tl.constexpr):
-    if ACT == 0:  # GELU'(x) = Phi(x) + x * phi(x)
-        cdf = 0.5 * (1.0 + tl.math.erf(s * _SQRT1_2))
-        return s * cdf, cdf + s * _INV_SQRT_2PI * tl.exp(-0.5 * s * s)
+    if ACT == 0:
+        return _gelu_poly(s), _gelu_poly_grad(s)
     else:  # SiLU'(x) = sigmoid(x) * (1 + x * (1 - sigmoid(x)))
         sig = tl.sigmoid(s)
         return s * sig, sig * (1.0 + s * (1.0 - sig))
 
 
+# Every kernel walks items e = (work index) * heads + head of a host-sorted work list: program pid
+# takes items zigzag_item(r, pid, G) for rounds r = 0, 1, ... (G = grid size). G = number of items
+# is the plain one-program-per-tile launch; G = a few programs per SM is the persistent grid.
+
+
 @triton.jit
 def _gdpa_fwd(
-    Q, K, V, O, Q_OFFSETS, K_OFFSETS, WORK,
+    Q, K, V, O, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr,
 ):
-    # WORK: int32 [n_work, 2] = (sequence, query tile); program (pid, h) writes BLOCK_M rows.
+    # WORK: int32 [n_work, 2] = (sequence, query tile); an item writes BLOCK_M rows of one head.
     pid = tl.program_id(0)
-    h = tl.program_id(1)
-    m0, q_start, q_len, k_start, k_len, shift = work_item(WORK, Q_OFFSETS, K_OFFSETS, pid, BLOCK_M)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    n_programs = tl.num_programs(0)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = load_rows(Q, q_start, offs_m, q_len, stride_qn, h * stride_qh, offs_d)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for start_n in range(0, k_len, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
-        kmask = cols < k_len
-        k = tl.load(K + (k_start + cols)[None, :] * stride_kn + h * stride_kh + offs_d[:, None], mask=kmask[None, :], other=0.0)  # (D, BN)
-        v = load_rows(V, k_start, cols, k_len, stride_vn, h * stride_vh, offs_d)  # (BN, D)
-        a = _act(tl.dot(q, k) * scale, ACT)  # padded keys: s = 0 -> act = 0
-        acc += tl.dot(a.to(v.dtype), v)
-    store_rows(O, acc, q_start, offs_m, q_len, stride_on, h * stride_oh, offs_d)
+    for r in range(0, tl.cdiv(n_items, n_programs)):
+        e = zigzag_item(r, pid, n_programs)
+        if e < n_items:
+            h = e % num_heads
+            m0, q_start, q_len, k_start, k_len, _ = work_item(WORK, Q_OFFSETS, K_OFFSETS, e // num_heads, BLOCK_M)
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            q = load_rows(Q, q_start, offs_m, q_len, stride_qn, h * stride_qh, offs_d)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            for start_n in range(0, k_len, BLOCK_N):
+                cols = start_n + tl.arange(0, BLOCK_N)
+                kt = tl.load(  # (D, BN)
+                    K + (k_start + cols)[None, :] * stride_kn + h * stride_kh + offs_d[:, None],
+                    mask=(cols < k_len)[None, :], other=0.0,
+                )
+                v = load_rows(V, k_start, cols, k_len, stride_vn, h * stride_vh, offs_d)  # (BN, D)
+                a = _act(tl.dot(q, kt) * scale, ACT)  # padded keys: s = 0 -> act = 0
+                acc += tl.dot(a.to(v.dtype), v)
+            store_rows(O, acc, q_start, offs_m, q_len, stride_on, h * stride_oh, offs_d)
 
 
 @triton.jit
 def _gdpa_bwd_dkdv(
-    Q, K, V, DO, DK, DV, Q_OFFSETS, K_OFFSETS, WORK,
+    Q, K, V, DO, DK, DV, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_don, stride_doh, stride_dkn, stride_dkh, stride_dvn, stride_dvh, scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr,
 ):
-    # WORK: (sequence, key tile); program (pid, h) owns BLOCK_N keys and loops over query tiles.
+    # WORK: (sequence, key tile); an item owns BLOCK_N keys of one head and loops over the queries
+    # (none: it writes the zero gradients of its keys).
     pid = tl.program_id(0)
-    h = tl.program_id(1)
-    n0, q_start, q_len, k_start, k_len, shift = work_item(WORK, Q_OFFSETS, K_OFFSETS, pid, BLOCK_N)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_programs = tl.num_programs(0)
     offs_d = tl.arange(0, HEAD_DIM)
-    k = load_rows(K, k_start, offs_n, k_len, stride_kn, h * stride_kh, offs_d)
-    v = load_rows(V, k_start, offs_n, k_len, stride_vn, h * stride_vh, offs_d)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    for start_m in range(0, q_len, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = load_rows(Q, q_start, offs_m, q_len, stride_qn, h * stride_qh, offs_d)
-        do = load_rows(DO, q_start, offs_m, q_len, stride_don, h * stride_doh, offs_d)
-        a, da = _act_and_grad(tl.dot(q, tl.trans(k)) * scale, ACT)  # (BM, BN)
-        dv += tl.dot(tl.trans(a.to(do.dtype)), do)
-        ds = tl.dot(do, tl.trans(v)) * da
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-    store_rows(DK, dk * scale, k_start, offs_n, k_len, stride_dkn, h * stride_dkh, offs_d)
-    store_rows(DV, dv, k_start, offs_n, k_len, stride_dvn, h * stride_dvh, offs_d)
+    for r in range(0, tl.cdiv(n_items, n_programs)):
+        e = zigzag_item(r, pid, n_programs)
+        if e < n_items:
+            h = e % num_heads
+            n0, q_start, q_len, k_start, k_len, _ = work_item(WORK, Q_OFFSETS, K_OFFSETS, e // num_heads, BLOCK_N)
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            k = load_rows(K, k_start, offs_n, k_len, stride_kn, h * stride_kh, offs_d)
+            v = load_rows(V, k_start, offs_n, k_len, stride_vn, h * stride_vh, offs_d)
+            dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+            dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+            for start_m in range(0, q_len, BLOCK_M):
+                offs_m = start_m + tl.arange(0, BLOCK_M)
+                q = load_rows(Q, q_start, offs_m, q_len, stride_qn, h * stride_qh, offs_d)
+                do = load_rows(DO, q_start, offs_m, q_len, stride_don, h * stride_doh, offs_d)
+                a, da = _act_and_grad(tl.dot(q, tl.trans(k)) * scale, ACT)  # (BM, BN)
+                dv += tl.dot(tl.trans(a.to(do.dtype)), do)
+                ds = tl.dot(do, tl.trans(v)) * da
+                dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+            store_rows(DK, dk * scale, k_start, offs_n, k_len, stride_dkn, h * stride_dkh, offs_d)
+            store_rows(DV, dv, k_start, offs_n, k_len, stride_dvn, h * stride_dvh, offs_d)
 
 
 @triton.jit
 def _gdpa_bwd_dq(
-    Q, K, V, DO, DQ, Q_OFFSETS, K_OFFSETS, WORK,
+    Q, K, V, DO, DQ, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_don, stride_doh, stride_dqn, stride_dqh, scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr,
 ):
-    # WORK: (sequence, query tile); program (pid, h) owns BLOCK_M query rows, loops over keys.
+    # WORK: (sequence, query tile); an item owns BLOCK_M query rows of one head, loops over keys.
     pid = tl.program_id(0)
-    h = tl.program_id(1)
-    m0, q_start, q_len, k_start, k_len, shift = work_item(WORK, Q_OFFSETS, K_OFFSETS, pid, BLOCK_M)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    n_programs = tl.num_programs(0)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = load_rows(Q, q_start, offs_m, q_len, stride_qn, h * stride_qh, offs_d)
-    do = load_rows(DO, q_start, offs_m, q_len, stride_don, h * stride_doh, offs_d)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for start_n in range(0, k_len, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = load_rows(K, k_start, offs_n, k_len, stride_kn, h * stride_kh, offs_d)
-        v = load_rows(V, k_start, offs_n, k_len, stride_vn, h * stride_vh, offs_d)
-        a, da = _act_and_grad(tl.dot(q, tl.trans(k)) * scale, ACT)
-        ds = tl.dot(do, tl.trans(v)) * da
-        dq += tl.dot(ds.to(k.dtype), k)
-    store_rows(DQ, dq * scale, q_start, offs_m, q_len, stride_dqn, h * stride_dqh, offs_d)
+    for r in range(0, tl.cdiv(n_items, n_programs)):
+        e = zigzag_item(r, pid, n_programs)
+        if e < n_items:
+            h = e % num_heads
+            m0, q_start, q_len, k_start, k_len, _ = work_item(WORK, Q_OFFSETS, K_OFFSETS, e // num_heads, BLOCK_M)
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            q = load_rows(Q, q_start, offs_m, q_len, stride_qn, h * stride_qh, offs_d)
+            do = load_rows(DO, q_start, offs_m, q_len, stride_don, h * stride_doh, offs_d)
+            dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            for start_n in range(0, k_len, BLOCK_N):
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                k = load_rows(K, k_start, offs_n, k_len, stride_kn, h * stride_kh, offs_d)
+                v = load_rows(V, k_start, offs_n, k_len, stride_vn, h * stride_vh, offs_d)
+                a, da = _act_and_grad(tl.dot(q, tl.trans(k)) * scale, ACT)
+                ds = tl.dot(do, tl.trans(v)) * da
+                dq += tl.dot(ds.to(k.dtype), k)
+            store_rows(DQ, dq * scale, q_start, offs_m, q_len, stride_dqn, h * stride_dqh, offs_d)
 
 
 # ----------------------------------------------------------------------------------------------
 # Host side.
 
 
+def _launch(kernel, work, heads, cfg, args, dim, act):
+    bm, bn, warps, stages, per_sm = cfg
+    n_items = work.shape[0] * heads
+    if n_items:
+        grid = (num_programs(n_items, per_sm, work.device),)
+        kernel[grid](*args[:-1], work, n_items, heads, *args[-1],
+                     HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, ACT=act, num_warps=warps, num_stages=stages)
+
+
 def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scale):
     heads, dim = q.shape[1], q.shape[2]
-    out = torch.empty_like(q)  # every query tile is launched; with no keys it writes zeros
+    out = torch.empty_like(q)  # every query tile is an item; with no keys it writes zeros
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), scale)
 
     def run(cfg):
-        bm, bn, warps, stages = cfg
-        work = query_work(q_offsets, k_offsets, bm, False, q.device)
-        if work.shape[0]:
-            _gdpa_fwd[(work.shape[0], heads)](
-                q, k, v, out, q_offsets, k_offsets, work,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), scale,
-                HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, ACT=act, num_warps=warps, num_stages=stages,
-            )
+        work = query_work(q_offsets, k_offsets, cfg[0], False, q.device)
+        _launch(_gdpa_fwd, work, heads, cfg, (q, k, v, out, q_offsets, k_offsets, strides), dim, act)
 
     key = ("gdpa_fwd", dim, q.dtype, act, bucket_len(max_q_len), bucket_len(max_k_len))
-    run(pick_config(key, _FWD_CANDIDATES, run))
+    run(pick_config(key, _FWD_CANDIDATES, run, _INTERPRET_CONFIG))
     return out
 
 
 def _backward(do, q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scale):
     heads, dim = q.shape[1], q.shape[2]
     do = do if do.stride(-1) == 1 else do.contiguous()
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    # No zero fills: every key tile (also of sequences without queries) and every query tile is an
+    # item, and each writes its rows.
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1))
 
     def run_dkdv(cfg):
-        bm, bn, warps, stages = cfg
-        work = key_work(q_offsets, k_offsets, bn, False, q.device)
-        if work.shape[0]:
-            _gdpa_bwd_dkdv[(work.shape[0], heads)](
-                q, k, v, do, dk, dv, q_offsets, k_offsets, work,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale,
-                HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, ACT=act, num_warps=warps, num_stages=stages,
-            )
+        work = key_work(q_offsets, k_offsets, cfg[1], False, q.device, include_empty=True)
+        strides = common + (dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale)
+        _launch(_gdpa_bwd_dkdv, work, heads, cfg, (q, k, v, do, dk, dv, q_offsets, k_offsets, strides), dim, act)
 
     def run_dq(cfg):
-        bm, bn, warps, stages = cfg
-        work = query_work(q_offsets, k_offsets, bm, False, q.device)
-        if work.shape[0]:
-            _gdpa_bwd_dq[(work.shape[0], heads)](
-                q, k, v, do, dq, q_offsets, k_offsets, work,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), scale,
-                HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, ACT=act, num_warps=warps, num_stages=stages,
-            )
+        work = query_work(q_offsets, k_offsets, cfg[0], False, q.device)
+        strides = common + (dq.stride(0), dq.stride(1), scale)
+        _launch(_gdpa_bwd_dq, work, heads, cfg, (q, k, v, do, dq, q_offsets, k_offsets, strides), dim, act)
 
     key = (dim, q.dtype, act, bucket_len(max_q_len), bucket_len(max_k_len))
-    run_dkdv(pick_config(("gdpa_dkdv",) + key, _DKDV_CANDIDATES, run_dkdv))
-    run_dq(pick_config(("gdpa_dq",) + key, _DQ_CANDIDATES, run_dq))
+    run_dkdv(pick_config(("gdpa_dkdv",) + key, _DKDV_CANDIDATES, run_dkdv, _INTERPRET_CONFIG))
+    run_dq(pick_config(("gdpa_dq",) + key, _DQ_CANDIDATES, run_dq, _INTERPRET_CONFIG))
     return dq, dk, dv
 
 
