@@ -36,10 +36,11 @@ def kernels():
             yield ja._jagged_attn_bwd_dkdv, io, consts
             yield ja._jagged_attn_bwd_dq, io, dict(consts, NUM_BUCKETS=32)
     for act in (0, 1):  # gelu, silu
-        consts = dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, ACT=act)
-        yield gdpa._gdpa_fwd, io, consts
-        yield gdpa._gdpa_bwd_dkdv, io, consts
-        yield gdpa._gdpa_bwd_dq, io, consts
+        for chunk in (0, 4):  # tile loop, resident short side
+            consts = dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, ACT=act, CHUNK=chunk)
+            yield gdpa._gdpa_fwd, io, consts
+            yield gdpa._gdpa_bwd_dkdv, io, consts
+            yield gdpa._gdpa_bwd_dq, io, consts
 
 
 def main() -> int:

@@ -75,13 +75,39 @@ def test_gdpa_gelu_kernel_arithmetic_cpu(shape):
     _check(ql, kl, "gelu", "cpu", torch.float32, tol=2e-5, ref_activation="gelu_poly")
 
 
-@pytest.mark.parametrize("cfg", [(16, 16, 1, 1, 0), (16, 16, 1, 1, 1), (16, 32, 1, 1, 3)])
+@pytest.mark.parametrize("cfg", [(16, 16, 1, 1, 0, 0), (16, 16, 1, 1, 1, 0), (16, 32, 1, 1, 3, 0)])
 def test_gdpa_grids_cpu(cfg):
     """One program per item and persistent zigzag grids give the same result."""
     from gemctl.ops.triton.common import forced_config
 
     with forced_config(cfg):
         _check([0, 1, 15, 16, 17, 40, 3], [5, 0, 16, 17, 1, 33, 2], "silu", "cpu", torch.float32, tol=2e-5)
+
+
+RESIDENT = {  # shape -> per-kernel configs with the short side resident (chunk >= 1)
+    "cross": ([0, 1, 15, 16, 17, 40, 33], [1, 2, 16, 17, 32, 3, 0],
+              {"gdpa_fwd": (16, 32, 1, 1, 1, 2), "gdpa_dq": (16, 32, 1, 1, 0, 3), "gdpa_dkdv": (16, 16, 1, 1, 2, 0)}),
+    "pma": ([4, 4, 4, 4, 4, 0], [0, 1, 15, 16, 17, 40],
+            {"gdpa_dkdv": (16, 16, 1, 1, 1, 2), "gdpa_fwd": (16, 16, 1, 1, 0, 0), "gdpa_dq": (16, 16, 1, 1, 1, 0)}),
+}
+
+
+@pytest.mark.parametrize("shape", list(RESIDENT))
+@pytest.mark.parametrize("activation", ["gelu", "silu"])
+def test_gdpa_resident_cpu(shape, activation):
+    """The resident-short-side kernels (keys for cross-attention, queries for PMA's dK/dV)."""
+    from gemctl.ops.triton.common import forced_config
+
+    ql, kl, cfgs = RESIDENT[shape]
+    with forced_config(cfgs):
+        _check(ql, kl, activation, "cpu", torch.float32, tol=2e-5, ref_activation="gelu_poly" if activation == "gelu" else None)
+
+
+def test_gdpa_resident_config_rejects_long_side():
+    from gemctl.ops.triton.common import forced_config
+
+    with forced_config({"gdpa_fwd": (16, 16, 1, 1, 0, 2)}), pytest.raises(ValueError, match="key length <= 16"):
+        _check([4], [17], "silu", "cpu", torch.float32, tol=2e-5)
 
 
 def test_gelu_polynomial_bounds():
@@ -135,3 +161,23 @@ def test_gdpa_torch_compile_no_graph_break_cpu():
     assert torch.allclose(loss, ref_loss)
     for a, b in zip(grads, ref_grads):
         assert torch.allclose(a, b)
+
+
+GPU_FORCED = {  # bf16 GPU tier of the resident and persistent variants (autotune may pick any)
+    "cross-resident": ("cross-32", {"gdpa_fwd": (64, 32, 4, 3, 0, 4), "gdpa_dq": (64, 32, 4, 3, 2, 4)}),
+    "cross-256-resident": ("cross-256", {"gdpa_fwd": (64, 256, 8, 2, 0, 2), "gdpa_dq": (64, 256, 8, 2, 0, 2)}),
+    "pma-resident": ("pma-32", {"gdpa_dkdv": (32, 64, 4, 3, 2, 4)}),
+    "self-persistent": ("self", {"gdpa_fwd": (64, 64, 4, 3, 2, 0), "gdpa_dkdv": (64, 64, 4, 2, 2, 0),
+                                 "gdpa_dq": (32, 64, 4, 3, 4, 0)}),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GPU_FORCED))
+def test_gdpa_forced_configs_gpu(case):
+    from gemctl.ops.triton.common import forced_config
+
+    shape, cfgs = GPU_FORCED[case]
+    ql, kl = SHAPES_GPU[shape]
+    with forced_config(cfgs):
+        _check(ql, kl, "gelu", "cuda", torch.bfloat16, dim=128, factor=2.0, heads=4)

@@ -156,11 +156,12 @@ def _time(fn) -> float:
 
 
 class forced_config:
-    """``with forced_config(cfg):`` every kernel launched inside uses ``cfg`` (benchmarks comparing
-    configs, tests of one code path). Configs are tuples ``(block_m, block_n, warps, stages, ...)``."""
+    """``with forced_config(cfg):`` kernels launched inside use ``cfg`` (benchmarks comparing
+    configs, tests of one code path): one tuple for every kernel, or a dict from the autotune key's
+    first element (kernel name, e.g. "gdpa_fwd") to a tuple; kernels not named autotune as usual."""
 
-    def __init__(self, cfg: tuple):
-        self.cfg = tuple(cfg)
+    def __init__(self, cfg):
+        self.cfg = dict(cfg) if isinstance(cfg, dict) else tuple(cfg)
 
     def __enter__(self):
         _forced.append(self.cfg)
@@ -174,7 +175,11 @@ def pick_config(key, candidates, run, interpret_config: tuple = _INTERPRET_CONFI
     """The fastest candidate for this key, timed once on the first call (not under the interpreter;
     GEMCTL_AUTOTUNE=0 takes the first candidate, e.g. for correctness tests)."""
     if _forced:
-        return _forced[-1]
+        forced = _forced[-1]
+        if not isinstance(forced, dict):
+            return forced
+        if key[0] in forced:
+            return tuple(forced[key[0]])
     if INTERPRET:
         return interpret_config
     if os.environ.get("GEMCTL_AUTOTUNE", "1") == "0":

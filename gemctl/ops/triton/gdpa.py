@@ -32,20 +32,31 @@ from gemctl.ops.triton.common import (
 )
 
 ACTIVATIONS = {"gelu": 0, "silu": 1}
-# (block_m, block_n, warps, stages, programs per SM; 0 = one program per work item).
+# Configs: (block_m, block_n, warps, stages, programs per SM (0 = one program per item), chunk).
+# chunk = 0: the item's own tile stays in registers and the loop runs over the other side's tiles.
+# chunk >= 1 ("resident"): the short side - all keys of a sequence in the forward and dQ passes
+# (cross-attention), all queries in the dK/dV pass (PMA) - is loaded once into one tile and the
+# loop runs over up to `chunk` tiles of the long side, so the pipeliner prefetches the long side's
+# tiles. Valid only where the short side fits its tile; the host offers it only then.
 _FWD_CANDIDATES = [
-    (64, 64, 4, 3, 0), (128, 64, 8, 3, 0), (64, 32, 4, 3, 0), (128, 32, 4, 3, 0), (32, 64, 4, 3, 0),
-    (32, 128, 4, 3, 0), (128, 128, 8, 2, 0), (64, 64, 4, 3, 2), (128, 64, 8, 3, 1), (32, 64, 4, 3, 4),
+    (64, 32, 4, 3, 0, 0), (64, 64, 4, 3, 0, 0), (128, 32, 4, 3, 0, 0), (32, 64, 4, 3, 0, 0),
+    (64, 64, 4, 3, 2, 0), (32, 64, 4, 3, 4, 0),
+    (64, 32, 4, 3, 0, 4), (64, 32, 4, 3, 0, 8), (128, 32, 8, 3, 0, 4), (64, 64, 4, 3, 0, 4),
+    (64, 128, 4, 3, 0, 4), (128, 128, 8, 3, 0, 2), (64, 256, 8, 2, 0, 2), (64, 32, 4, 3, 2, 4),
 ]
 _DKDV_CANDIDATES = [
-    (64, 64, 4, 2, 0), (32, 128, 4, 3, 0), (32, 64, 4, 3, 0), (64, 32, 4, 3, 0), (64, 128, 8, 2, 0),
-    (64, 64, 4, 2, 2), (32, 64, 4, 3, 4),
+    (64, 64, 4, 2, 0, 0), (32, 64, 4, 3, 0, 0), (64, 32, 4, 3, 0, 0), (32, 128, 4, 3, 0, 0),
+    (64, 64, 4, 2, 2, 0), (32, 64, 4, 3, 4, 0),
+    (32, 64, 4, 3, 0, 4), (32, 64, 4, 3, 0, 8), (32, 128, 8, 3, 0, 4), (64, 64, 4, 3, 0, 4),
+    (128, 64, 8, 2, 0, 2), (32, 64, 4, 3, 2, 4),
 ]
 _DQ_CANDIDATES = [
-    (64, 64, 4, 2, 0), (128, 32, 4, 3, 0), (64, 32, 4, 3, 0), (32, 64, 4, 3, 0), (128, 64, 8, 2, 0),
-    (64, 64, 4, 2, 2), (32, 64, 4, 3, 4),
+    (64, 64, 4, 2, 0, 0), (128, 32, 4, 3, 0, 0), (64, 32, 4, 3, 0, 0), (32, 64, 4, 3, 0, 0),
+    (64, 64, 4, 2, 2, 0), (32, 64, 4, 3, 4, 0),
+    (64, 32, 4, 3, 0, 4), (64, 32, 4, 3, 0, 8), (128, 32, 8, 3, 0, 4), (64, 64, 4, 3, 0, 4),
+    (64, 128, 4, 3, 0, 4), (64, 256, 8, 2, 0, 2), (64, 32, 4, 3, 2, 4),
 ]
-_INTERPRET_CONFIG = (16, 16, 1, 1, 1)  # persistent, so the CPU tier exercises the dealing
+_INTERPRET_CONFIG = (16, 16, 1, 1, 1, 0)  # persistent, so the CPU tier exercises the dealing
 
 # Polynomial GELU (scripts/fit_gelu_poly.py derives the coefficients; tests/test_gdpa_triton.py
 # checks the bounds). With t = min(x^2, 16):
@@ -120,8 +131,11 @@ def _gdpa_fwd(
     Q, K, V, O, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
-    # WORK: int32 [n_work, 2] = (sequence, query tile); an item writes BLOCK_M rows of one head.
+    # WORK: int32 [n_work, 2] = (sequence, query tile of BLOCK_M * max(CHUNK, 1) rows), one head
+    # per item. CHUNK = 0: loop over key tiles. CHUNK >= 1: the keys (<= BLOCK_N) stay resident and
+    # the loop runs over the item's query tiles.
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -129,20 +143,37 @@ def _gdpa_fwd(
         e = zigzag_item(r, pid, n_programs)
         if e < n_items:
             h = e % num_heads
-            m0, q_start, q_len, k_start, k_len, _ = work_item(WORK, Q_OFFSETS, K_OFFSETS, e // num_heads, BLOCK_M)
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            q = load_rows(Q, q_start, offs_m, q_len, stride_qn, h * stride_qh, offs_d)
-            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            for start_n in range(0, k_len, BLOCK_N):
-                cols = start_n + tl.arange(0, BLOCK_N)
-                kt = tl.load(  # (D, BN)
-                    K + (k_start + cols)[None, :] * stride_kn + h * stride_kh + offs_d[:, None],
-                    mask=(cols < k_len)[None, :], other=0.0,
+            if CHUNK == 0:
+                m0, q_start, q_len, k_start, k_len, _ = work_item(WORK, Q_OFFSETS, K_OFFSETS, e // num_heads, BLOCK_M)
+                offs_m = m0 + tl.arange(0, BLOCK_M)
+                q = load_rows(Q, q_start, offs_m, q_len, stride_qn, h * stride_qh, offs_d)
+                acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+                for start_n in range(0, k_len, BLOCK_N):
+                    cols = start_n + tl.arange(0, BLOCK_N)
+                    kt = _load_cols(K, k_start, cols, k_len, stride_kn, h * stride_kh, offs_d)
+                    v = load_rows(V, k_start, cols, k_len, stride_vn, h * stride_vh, offs_d)  # (BN, D)
+                    a = _act(tl.dot(q, kt) * scale, ACT)  # padded keys: s = 0 -> act = 0
+                    acc += tl.dot(a.to(v.dtype), v)
+                store_rows(O, acc, q_start, offs_m, q_len, stride_on, h * stride_oh, offs_d)
+            else:
+                m0, q_start, q_len, k_start, k_len, _ = work_item(
+                    WORK, Q_OFFSETS, K_OFFSETS, e // num_heads, BLOCK_M * CHUNK
                 )
-                v = load_rows(V, k_start, cols, k_len, stride_vn, h * stride_vh, offs_d)  # (BN, D)
-                a = _act(tl.dot(q, kt) * scale, ACT)  # padded keys: s = 0 -> act = 0
-                acc += tl.dot(a.to(v.dtype), v)
-            store_rows(O, acc, q_start, offs_m, q_len, stride_on, h * stride_oh, offs_d)
+                cols = tl.arange(0, BLOCK_N)
+                kt = _load_cols(K, k_start, cols, k_len, stride_kn, h * stride_kh, offs_d)
+                v = load_rows(V, k_start, cols, k_len, stride_vn, h * stride_vh, offs_d)
+                for start_m in range(m0, tl.minimum(m0 + BLOCK_M * CHUNK, q_len), BLOCK_M):
+                    offs_m = start_m + tl.arange(0, BLOCK_M)
+                    q = load_rows(Q, q_start, offs_m, q_len, stride_qn, h * stride_qh, offs_d)
+                    a = _act(tl.dot(q, kt) * scale, ACT)
+                    store_rows(O, tl.dot(a.to(v.dtype), v), q_start, offs_m, q_len, stride_on, h * stride_oh, offs_d)
+
+
+@triton.jit
+def _load_cols(PTR, start, cols, length, stride_n, head_offset, offs_d):
+    """A (D, cols) tile: rows ``cols`` of a jagged [N, H, D] tensor, transposed (K^T for Q K^T)."""
+    ptrs = PTR + (start + cols)[None, :] * stride_n + head_offset + offs_d[:, None]
+    return tl.load(ptrs, mask=(cols < length)[None, :], other=0.0)
 
 
 @triton.jit
@@ -151,9 +182,11 @@ def _gdpa_bwd_dkdv(
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_don, stride_doh, stride_dkn, stride_dkh, stride_dvn, stride_dvh, scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
-    # WORK: (sequence, key tile); an item owns BLOCK_N keys of one head and loops over the queries
-    # (none: it writes the zero gradients of its keys).
+    # WORK: (sequence, key tile of BLOCK_N * max(CHUNK, 1) rows), one head per item; an item with
+    # no queries writes the zero gradients of its keys. CHUNK = 0: the keys stay, the loop runs
+    # over query tiles. CHUNK >= 1: the queries (<= BLOCK_M) stay, the loop runs over key tiles.
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -161,22 +194,41 @@ def _gdpa_bwd_dkdv(
         e = zigzag_item(r, pid, n_programs)
         if e < n_items:
             h = e % num_heads
-            n0, q_start, q_len, k_start, k_len, _ = work_item(WORK, Q_OFFSETS, K_OFFSETS, e // num_heads, BLOCK_N)
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            k = load_rows(K, k_start, offs_n, k_len, stride_kn, h * stride_kh, offs_d)
-            v = load_rows(V, k_start, offs_n, k_len, stride_vn, h * stride_vh, offs_d)
-            dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-            dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-            for start_m in range(0, q_len, BLOCK_M):
-                offs_m = start_m + tl.arange(0, BLOCK_M)
+            if CHUNK == 0:
+                n0, q_start, q_len, k_start, k_len, _ = work_item(WORK, Q_OFFSETS, K_OFFSETS, e // num_heads, BLOCK_N)
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                k = load_rows(K, k_start, offs_n, k_len, stride_kn, h * stride_kh, offs_d)
+                v = load_rows(V, k_start, offs_n, k_len, stride_vn, h * stride_vh, offs_d)
+                dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+                dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+                for start_m in range(0, q_len, BLOCK_M):
+                    offs_m = start_m + tl.arange(0, BLOCK_M)
+                    q = load_rows(Q, q_start, offs_m, q_len, stride_qn, h * stride_qh, offs_d)
+                    do = load_rows(DO, q_start, offs_m, q_len, stride_don, h * stride_doh, offs_d)
+                    a, da = _act_and_grad(tl.dot(q, tl.trans(k)) * scale, ACT)  # (BM, BN)
+                    dv += tl.dot(tl.trans(a.to(do.dtype)), do)
+                    ds = tl.dot(do, tl.trans(v)) * da
+                    dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+                store_rows(DK, dk * scale, k_start, offs_n, k_len, stride_dkn, h * stride_dkh, offs_d)
+                store_rows(DV, dv, k_start, offs_n, k_len, stride_dvn, h * stride_dvh, offs_d)
+            else:
+                n0, q_start, q_len, k_start, k_len, _ = work_item(
+                    WORK, Q_OFFSETS, K_OFFSETS, e // num_heads, BLOCK_N * CHUNK
+                )
+                offs_m = tl.arange(0, BLOCK_M)
                 q = load_rows(Q, q_start, offs_m, q_len, stride_qn, h * stride_qh, offs_d)
                 do = load_rows(DO, q_start, offs_m, q_len, stride_don, h * stride_doh, offs_d)
-                a, da = _act_and_grad(tl.dot(q, tl.trans(k)) * scale, ACT)  # (BM, BN)
-                dv += tl.dot(tl.trans(a.to(do.dtype)), do)
-                ds = tl.dot(do, tl.trans(v)) * da
-                dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-            store_rows(DK, dk * scale, k_start, offs_n, k_len, stride_dkn, h * stride_dkh, offs_d)
-            store_rows(DV, dv, k_start, offs_n, k_len, stride_dvn, h * stride_dvh, offs_d)
+                qt = tl.trans(q)
+                for start_n in range(n0, tl.minimum(n0 + BLOCK_N * CHUNK, k_len), BLOCK_N):
+                    offs_n = start_n + tl.arange(0, BLOCK_N)
+                    k = load_rows(K, k_start, offs_n, k_len, stride_kn, h * stride_kh, offs_d)
+                    v = load_rows(V, k_start, offs_n, k_len, stride_vn, h * stride_vh, offs_d)
+                    a, da = _act_and_grad(tl.dot(k, qt) * scale, ACT)  # (BN, BM) = S^T
+                    dv = tl.dot(a.to(do.dtype), do)
+                    ds = tl.dot(v, tl.trans(do)) * da  # dS^T
+                    dk = tl.dot(ds.to(q.dtype), q)
+                    store_rows(DK, dk * scale, k_start, offs_n, k_len, stride_dkn, h * stride_dkh, offs_d)
+                    store_rows(DV, dv, k_start, offs_n, k_len, stride_dvn, h * stride_dvh, offs_d)
 
 
 @triton.jit
@@ -185,8 +237,11 @@ def _gdpa_bwd_dq(
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_don, stride_doh, stride_dqn, stride_dqh, scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
-    # WORK: (sequence, query tile); an item owns BLOCK_M query rows of one head, loops over keys.
+    # WORK: (sequence, query tile of BLOCK_M * max(CHUNK, 1) rows), one head per item. CHUNK = 0:
+    # the queries stay, the loop runs over key tiles. CHUNK >= 1: the keys (<= BLOCK_N) stay, the
+    # loop runs over the item's query tiles.
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -194,19 +249,36 @@ def _gdpa_bwd_dq(
         e = zigzag_item(r, pid, n_programs)
         if e < n_items:
             h = e % num_heads
-            m0, q_start, q_len, k_start, k_len, _ = work_item(WORK, Q_OFFSETS, K_OFFSETS, e // num_heads, BLOCK_M)
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            q = load_rows(Q, q_start, offs_m, q_len, stride_qn, h * stride_qh, offs_d)
-            do = load_rows(DO, q_start, offs_m, q_len, stride_don, h * stride_doh, offs_d)
-            dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            for start_n in range(0, k_len, BLOCK_N):
-                offs_n = start_n + tl.arange(0, BLOCK_N)
-                k = load_rows(K, k_start, offs_n, k_len, stride_kn, h * stride_kh, offs_d)
-                v = load_rows(V, k_start, offs_n, k_len, stride_vn, h * stride_vh, offs_d)
-                a, da = _act_and_grad(tl.dot(q, tl.trans(k)) * scale, ACT)
-                ds = tl.dot(do, tl.trans(v)) * da
-                dq += tl.dot(ds.to(k.dtype), k)
-            store_rows(DQ, dq * scale, q_start, offs_m, q_len, stride_dqn, h * stride_dqh, offs_d)
+            if CHUNK == 0:
+                m0, q_start, q_len, k_start, k_len, _ = work_item(WORK, Q_OFFSETS, K_OFFSETS, e // num_heads, BLOCK_M)
+                offs_m = m0 + tl.arange(0, BLOCK_M)
+                q = load_rows(Q, q_start, offs_m, q_len, stride_qn, h * stride_qh, offs_d)
+                do = load_rows(DO, q_start, offs_m, q_len, stride_don, h * stride_doh, offs_d)
+                dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+                for start_n in range(0, k_len, BLOCK_N):
+                    offs_n = start_n + tl.arange(0, BLOCK_N)
+                    k = load_rows(K, k_start, offs_n, k_len, stride_kn, h * stride_kh, offs_d)
+                    v = load_rows(V, k_start, offs_n, k_len, stride_vn, h * stride_vh, offs_d)
+                    a, da = _act_and_grad(tl.dot(q, tl.trans(k)) * scale, ACT)
+                    ds = tl.dot(do, tl.trans(v)) * da
+                    dq += tl.dot(ds.to(k.dtype), k)
+                store_rows(DQ, dq * scale, q_start, offs_m, q_len, stride_dqn, h * stride_dqh, offs_d)
+            else:
+                m0, q_start, q_len, k_start, k_len, _ = work_item(
+                    WORK, Q_OFFSETS, K_OFFSETS, e // num_heads, BLOCK_M * CHUNK
+                )
+                cols = tl.arange(0, BLOCK_N)
+                k = load_rows(K, k_start, cols, k_len, stride_kn, h * stride_kh, offs_d)
+                v = load_rows(V, k_start, cols, k_len, stride_vn, h * stride_vh, offs_d)
+                kt, vt = tl.trans(k), tl.trans(v)
+                for start_m in range(m0, tl.minimum(m0 + BLOCK_M * CHUNK, q_len), BLOCK_M):
+                    offs_m = start_m + tl.arange(0, BLOCK_M)
+                    q = load_rows(Q, q_start, offs_m, q_len, stride_qn, h * stride_qh, offs_d)
+                    do = load_rows(DO, q_start, offs_m, q_len, stride_don, h * stride_doh, offs_d)
+                    a, da = _act_and_grad(tl.dot(q, kt) * scale, ACT)
+                    ds = tl.dot(do, vt) * da
+                    dq = tl.dot(ds.to(k.dtype), k)
+                    store_rows(DQ, dq * scale, q_start, offs_m, q_len, stride_dqn, h * stride_dqh, offs_d)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,12 +286,23 @@ def _gdpa_bwd_dq(
 
 
 def _launch(kernel, work, heads, cfg, args, dim, act):
-    bm, bn, warps, stages, per_sm = cfg
+    bm, bn, warps, stages, per_sm, chunk = cfg
     n_items = work.shape[0] * heads
     if n_items:
         grid = (num_programs(n_items, per_sm, work.device),)
-        kernel[grid](*args[:-1], work, n_items, heads, *args[-1],
-                     HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, ACT=act, num_warps=warps, num_stages=stages)
+        kernel[grid](*args[:-1], work, n_items, heads, *args[-1], HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, ACT=act,
+                     CHUNK=chunk, num_warps=warps, num_stages=stages)
+
+
+def _candidates(candidates, resident_len: int, resident_block: int):
+    """Resident configs (chunk >= 1) only where the short side fits its tile for every length of
+    this autotune bucket; resident_block is the index of that tile's size in the config."""
+    return [c for c in candidates if c[5] == 0 or bucket_len(resident_len) <= c[resident_block]]
+
+
+def _check_resident(cfg, length: int, block: int, side: str):
+    if cfg[5] and length > cfg[block]:  # only reachable through forced_config
+        raise ValueError(f"gdpa: resident config {cfg} needs every {side} length <= {cfg[block]}, got {length}")
 
 
 def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scale):
@@ -228,11 +311,12 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scale):
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), scale)
 
     def run(cfg):
-        work = query_work(q_offsets, k_offsets, cfg[0], False, q.device)
+        _check_resident(cfg, max_k_len, 1, "key")
+        work = query_work(q_offsets, k_offsets, cfg[0] * max(cfg[5], 1), False, q.device)
         _launch(_gdpa_fwd, work, heads, cfg, (q, k, v, out, q_offsets, k_offsets, strides), dim, act)
 
     key = ("gdpa_fwd", dim, q.dtype, act, bucket_len(max_q_len), bucket_len(max_k_len))
-    run(pick_config(key, _FWD_CANDIDATES, run, _INTERPRET_CONFIG))
+    run(pick_config(key, _candidates(_FWD_CANDIDATES, max_k_len, 1), run, _INTERPRET_CONFIG))
     return out
 
 
@@ -245,18 +329,20 @@ def _backward(do, q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scal
     common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1))
 
     def run_dkdv(cfg):
-        work = key_work(q_offsets, k_offsets, cfg[1], False, q.device, include_empty=True)
+        _check_resident(cfg, max_q_len, 0, "query")
+        work = key_work(q_offsets, k_offsets, cfg[1] * max(cfg[5], 1), False, q.device, include_empty=True)
         strides = common + (dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale)
         _launch(_gdpa_bwd_dkdv, work, heads, cfg, (q, k, v, do, dk, dv, q_offsets, k_offsets, strides), dim, act)
 
     def run_dq(cfg):
-        work = query_work(q_offsets, k_offsets, cfg[0], False, q.device)
+        _check_resident(cfg, max_k_len, 1, "key")
+        work = query_work(q_offsets, k_offsets, cfg[0] * max(cfg[5], 1), False, q.device)
         strides = common + (dq.stride(0), dq.stride(1), scale)
         _launch(_gdpa_bwd_dq, work, heads, cfg, (q, k, v, do, dq, q_offsets, k_offsets, strides), dim, act)
 
     key = (dim, q.dtype, act, bucket_len(max_q_len), bucket_len(max_k_len))
-    run_dkdv(pick_config(("gdpa_dkdv",) + key, _DKDV_CANDIDATES, run_dkdv, _INTERPRET_CONFIG))
-    run_dq(pick_config(("gdpa_dq",) + key, _DQ_CANDIDATES, run_dq, _INTERPRET_CONFIG))
+    run_dkdv(pick_config(("gdpa_dkdv",) + key, _candidates(_DKDV_CANDIDATES, max_q_len, 0), run_dkdv, _INTERPRET_CONFIG))
+    run_dq(pick_config(("gdpa_dq",) + key, _candidates(_DQ_CANDIDATES, max_k_len, 1), run_dq, _INTERPRET_CONFIG))
     return dq, dk, dv
 
 
