@@ -38,7 +38,7 @@ BACKENDS = ("auto", "torch", "triton")
 # A kernel joins "auto" once its GPU tier has passed and it has been measured on a GPU.
 _TRITON_IMPLS = {
     "jagged_attention": ("gemctl.ops.triton.jagged_attention", "jagged_attention_triton", True),
-    "gdpa": ("gemctl.ops.triton.gdpa", "gdpa_triton", False),
+    "gdpa": ("gemctl.ops.triton.gdpa", "gdpa_triton", True),
 }
 triton_kernels: dict[str, object] = {}  # loaded implementations
 _warned: set[str] = set()

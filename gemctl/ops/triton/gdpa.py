@@ -40,8 +40,8 @@ ACTIVATIONS = {"gelu": 0, "silu": 1}
 # tiles. Valid only where the short side fits its tile; the host offers it only then.
 _FWD_CANDIDATES = [
     (64, 32, 4, 3, 0, 0), (64, 64, 4, 3, 0, 0), (128, 32, 4, 3, 0, 0), (32, 64, 4, 3, 0, 0),
-    (64, 64, 4, 3, 2, 0), (32, 64, 4, 3, 4, 0),
-    (64, 32, 4, 3, 0, 4), (64, 32, 4, 3, 0, 8), (128, 32, 8, 3, 0, 4), (64, 64, 4, 3, 0, 4),
+    (64, 32, 4, 4, 0, 0), (64, 32, 8, 3, 0, 0), (64, 64, 4, 3, 2, 0), (32, 64, 4, 3, 4, 0),
+    (64, 32, 4, 3, 0, 4), (64, 32, 4, 4, 0, 4), (64, 32, 4, 3, 0, 8), (128, 32, 8, 3, 0, 4), (64, 64, 4, 3, 0, 4),
     (64, 128, 4, 3, 0, 4), (128, 128, 8, 3, 0, 2), (64, 256, 8, 2, 0, 2), (64, 32, 4, 3, 2, 4),
 ]
 _DKDV_CANDIDATES = [
@@ -389,6 +389,25 @@ def _backward_rule(ctx, do):
 torch.library.register_autograd("gemctl::gdpa_fwd", _backward_rule, setup_context=_setup_context)
 
 
+class _GDPAEager(torch.autograd.Function):
+    """The same forward and backward as the custom ops, for eager mode: the custom-op wrapper cost
+    ~400 us of host time per call on the H200 machine (scripts/host_overhead.py, torch 2.11),
+    several times the GPU time of a PMA or cross-attention call."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scale):
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        ctx.save_for_backward(q, k, v, q_offsets, k_offsets)
+        ctx.args = (max_q_len, max_k_len, act, scale)
+        return _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scale)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, q_offsets, k_offsets = ctx.saved_tensors
+        dq, dk, dv = _backward(do, q, k, v, q_offsets, k_offsets, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
 def gdpa_triton(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, activation="gelu", scale=None):
     """Triton implementation of :func:`gemctl.ops.gdpa` (same signature, minus backend)."""
     dim = q.shape[-1]
@@ -397,4 +416,6 @@ def gdpa_triton(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, activati
     if activation not in ACTIVATIONS:
         raise ValueError(f"gdpa: activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
     scale = dim**-0.5 if scale is None else float(scale)
-    return _gdpa_fwd_op(q, k, v, q_offsets, k_offsets, int(max_q_len), int(max_k_len), ACTIVATIONS[activation], scale)
+    # torch.compile traces the custom op (no graph break); eager calls skip its wrapper.
+    op = _gdpa_fwd_op if torch.compiler.is_compiling() else _GDPAEager.apply
+    return op(q, k, v, q_offsets, k_offsets, int(max_q_len), int(max_k_len), ACTIVATIONS[activation], scale)
