@@ -136,13 +136,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_gdpa.json")
     ap.add_argument("--grids", action="store_true", help="also time the forward under every candidate config")
+    ap.add_argument("--only", nargs="*", help="workload names to run (default: all)")
     args = ap.parse_args()
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__}
     meta.update(ceilings())
     print(meta, flush=True)
     rows = []
-    for w in [pma_workload(256, 32), cross_workload(256, 32), cross_workload(256, 128), self_workload(256, 1000)]:
+    workloads = [pma_workload(256, 32), cross_workload(256, 32), cross_workload(256, 128), self_workload(256, 1000)]
+    for w in [w for w in workloads if not args.only or w.name in args.only]:
         pairs = attention_pairs(w.q_lengths, w.k_lengths, causal=False)
         f_flops = attention(w.heads, w.head_dim, pairs)
         bytes_moved = 2 * w.heads * w.head_dim * (2 * int(w.q_lengths.sum()) + 2 * int(w.k_lengths.sum()))
