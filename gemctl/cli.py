@@ -32,6 +32,13 @@ def _compose(args):
 
 def cmd_train(args, console: Console) -> int:
     cfg = _compose(args)
+    if cfg.launcher.kind == "torchrun":
+        from gemctl.launch.torchrun import launch
+
+        code, run_dir = launch(cfg, console)
+        if code:
+            console.print(f"torchrun exited with code {code}; run directory: {run_dir}")
+        return code
     from gemctl.train.trainer import train
 
     result = train(cfg, console=console)
@@ -94,7 +101,13 @@ def summary_table(cfg, result) -> Table:
     table.add_row("tokens/s", f"{perf['tokens_per_s']:,.0f}")
     table.add_row("step time", f"{perf['step_time_ms']:.1f} ms")
     table.add_row("model TFLOP/s", f"{perf['model_tflops']:.3f}")
-    table.add_row("Local MFU", f"{100 * perf['local_mfu']:.2f}%")
+    if perf.get("world_size", 1) > 1:
+        table.add_row("ranks (layout)", f"{perf['world_size']} ({cfg.parallel.name})")
+        table.add_row("QPS per rank", f"{perf['qps_per_rank']:,.1f}")
+        table.add_row("E2E MFU", f"{100 * perf['e2e_mfu']:.2f}%")
+        table.add_row("Local MFU, Scaling Ratio", "need a 1-rank run at the same local batch")
+    else:
+        table.add_row("Local MFU", f"{100 * perf['local_mfu']:.2f}%")
     table.add_row("peak used", perf["peak"])
     table.add_row("attention share of FLOPs", f"{100 * perf['attention_flop_share']:.1f}%")
     table.add_row("data wait per step", f"{perf['data_wait_ms_per_step']:.2f} ms ({100 * perf['data_wait_fraction']:.1f}%)")
@@ -169,12 +182,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def quiet_library_logs() -> None:
     import logging
 
     # torchrec's KeyedJaggedTensor asks torch.fx whether it is tracing; torch logs a deprecation
     # note about that at WARNING on every run. Nothing a user can act on.
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+
+
+def main(argv: list[str] | None = None) -> int:
+    quiet_library_logs()
     args = build_parser().parse_args(argv)
     console = Console(stderr=False)
     try:

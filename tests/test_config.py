@@ -58,9 +58,16 @@ def test_discovery_found_the_known_files():
     assert "cpu_smoke" not in {p.stem for p in CUDA_RECIPES}
 
 
+# Options that only validate together with others (a layout needs a launcher with enough ranks).
+COMPANIONS = {
+    ("launcher", "torchrun"): ["parallel=fsdp"],
+    ("parallel", "hsdp"): ["launcher=torchrun", "launcher.nproc_per_node=8", "launcher.nnodes=2"],
+}
+
+
 @pytest.mark.parametrize("group,option", GROUP_OPTIONS, ids=[f"{g}={o}" for g, o in GROUP_OPTIONS])
 def test_every_group_option_composes_and_validates(group, option):
-    cfg = compose([f"{group}={option}"])
+    cfg = compose([f"{group}={option}"] + COMPANIONS.get((group, option), []))
     validate(cfg)
     node = cfg
     for part in group.split("/"):
@@ -269,6 +276,37 @@ def test_kernel_backends_reach_the_model():
     assert set(forced.backends.values()) == {"torch"}
 
 
+@pytest.mark.parametrize("overrides,field,words", [
+    (["parallel=fsdp", "launcher=torchrun", "launcher.nproc_per_node=3", "parallel.dp_shard=2"], "parallel",
+     "dp_replicate=1 x dp_shard=2 = 2 ranks, but the launcher starts 3"),
+    (["parallel=hsdp", "launcher=torchrun", "launcher.nproc_per_node=6"], "parallel.dp_shard",
+     "8 does not divide the world size 6"),
+    (["parallel=hsdp", "launcher=torchrun", "launcher.nproc_per_node=4", "launcher.nnodes=3",
+      "parallel.dp_shard=6", "parallel.topology.gpus_per_node=4"], "parallel.dp_shard", "spans nodes unevenly"),
+    (["parallel=fsdp", "parallel.dp_replicate=-1"], "parallel.dp_replicate", "only one of"),
+    (["parallel.dp_shard=0"], "parallel.dp_shard", "must be >= 1 or -1"),
+    (["parallel.ep=2"], "parallel.ep", "needs an MoE model"),
+    (["launcher.nproc_per_node=2"], "launcher.nproc_per_node", "launcher=local runs one process"),
+    (["launcher=torchrun", "parallel=fsdp", "launcher.rdzv_endpoint=nohost"], "launcher.rdzv_endpoint", "host:port"),
+    (["launcher=torchrun", "parallel=fsdp", "launcher.nnodes=2", "launcher.node_rank=2"], "launcher.node_rank",
+     "must be in [0, launcher.nnodes=2)"),
+])
+def test_mis_sized_layouts(overrides, field, words):
+    err = _error(overrides)
+    assert err.field == field
+    assert words in str(err)
+
+
+def test_layouts_resolve_against_the_world():
+    from gemctl.config.validate import resolve_layout, world_size
+
+    cfg = compose(["parallel=hsdp", "launcher=torchrun", "launcher.nproc_per_node=8", "launcher.nnodes=4"])
+    validate(cfg)
+    assert world_size(cfg) == 32 and resolve_layout(cfg, 32) == (4, 8)
+    cfg = compose(["parallel=fsdp", "launcher=torchrun", "launcher.nproc_per_node=2"])
+    assert resolve_layout(cfg, world_size(cfg)) == (1, 2)
+
+
 def test_precision_format_not_allowed_yet():
     err = _error(["precision.rules=[{match: '*', format: mxfp8}]"])
     assert err.field == "precision.rules[0].format"
@@ -293,7 +331,7 @@ def test_parallel_layout_needs_a_launcher():
     err = _error(["parallel.dp_shard=2"])
     assert err.field == "parallel"
     assert "needs 2 ranks but launcher=local runs 1" in str(err)
-    assert "use parallel=single" in str(err)
+    assert "use launcher=torchrun launcher.nproc_per_node=2, or parallel=single" in str(err)
 
 
 def test_launcher_nproc():

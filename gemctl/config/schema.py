@@ -69,11 +69,23 @@ class PrecisionConfig:
 
 
 @dataclass
+class TopologyConfig:
+    gpus_per_node: int = 8  # ranks that share a node (NVLink domain); torchrun: nproc_per_node
+
+
+@dataclass
 class ParallelConfig:
+    """Dense data-parallel layout over the world: dp_replicate x dp_shard ranks (2-D FSDP/HSDP).
+
+    dp_shard ranks shard every dense block (FSDP2); dp_replicate groups hold replicas and
+    all-reduce their gradients (HSDP). -1 fills the dimension with world size / the other one.
+    """
+
     name: str = "single"
     dp_replicate: int = 1
     dp_shard: int = 1
-    ep: int = 1
+    ep: int = 1  # expert-parallel degree (needs an MoE model; not in this version: 1)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
 
 
 @dataclass
@@ -124,9 +136,16 @@ class ShuffleConfig:
 
 @dataclass
 class LauncherConfig:
+    """local: this process, one rank. torchrun: the same resolved config on every rank of
+    nnodes x nproc_per_node processes (torch.distributed.run), one run directory for all."""
+
     name: str = "local"
-    kind: str = "local"
+    kind: str = "local"  # local | torchrun
     nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0  # torchrun with a static rendezvous: this node's rank
+    rdzv_endpoint: str = "localhost:29500"  # host:port of the rendezvous (node 0)
+    max_restarts: int = 0
 
 
 @dataclass

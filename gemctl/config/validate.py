@@ -16,7 +16,7 @@ DEVICES = ("auto", "cpu", "cuda")
 EMBEDDING_OPTIMIZERS = ("rowwise_adagrad", "adam")
 SHUFFLES = ("none", "bbs")
 SHUFFLE_KEYS = ("tokens", "attention")
-LAUNCHERS = ("local",)
+LAUNCHERS = ("local", "torchrun")
 SOURCES = ("synthetic", "movielens100k")
 GDPA_ACTIVATIONS = ("gelu", "silu")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
@@ -97,18 +97,7 @@ def validate(cfg) -> None:
                 "shuffle.sub_batch_size",
                 f"{cfg.shuffle.sub_batch_size} must divide data.batch_size={d.batch_size}",
             )
-    _one_of(cfg.launcher.kind, LAUNCHERS, "launcher.kind")
-    world = cfg.parallel.dp_replicate * cfg.parallel.dp_shard
-    for f in ("dp_replicate", "dp_shard", "ep"):
-        _positive(cfg, f"parallel.{f}")
-    if cfg.launcher.kind == "local":
-        if cfg.launcher.nproc_per_node != 1:
-            raise ConfigError("launcher.nproc_per_node", "launcher=local runs one process; allowed: 1")
-        if world != 1 or cfg.parallel.ep != 1:
-            raise ConfigError(
-                "parallel",
-                f"layout '{cfg.parallel.name}' needs {world} ranks but launcher=local runs 1; use parallel=single",
-            )
+    validate_layout(cfg)
 
     _one_of(t.device, DEVICES, "train.device")
     if t.device == "cuda":
@@ -132,3 +121,73 @@ def validate(cfg) -> None:
     _positive(cfg, "profile.warmup_steps", allow_zero=True)
     if cfg.metrics.peak_tflops is not None and cfg.metrics.peak_tflops <= 0:
         raise ConfigError("metrics.peak_tflops", f"must be > 0 or null, got {cfg.metrics.peak_tflops}")
+
+
+def world_size(cfg) -> int:
+    """Ranks the launcher starts: 1 in-process, nnodes x nproc_per_node under torchrun."""
+    if cfg.launcher.kind == "torchrun":
+        return cfg.launcher.nnodes * cfg.launcher.nproc_per_node
+    return 1
+
+
+def resolve_layout(cfg, world: int) -> tuple[int, int]:
+    """(dp_replicate, dp_shard) for ``world`` ranks, -1 filled in; ConfigError naming the field
+    when the layout does not tile the world."""
+    par = cfg.parallel
+    rep, shard = par.dp_replicate, par.dp_shard
+    for name, value in (("dp_replicate", rep), ("dp_shard", shard)):
+        if value == 0 or value < -1:
+            raise ConfigError(f"parallel.{name}", f"must be >= 1 or -1 (fill from the world size), got {value}")
+    if rep == -1 and shard == -1:
+        raise ConfigError("parallel.dp_replicate", "only one of dp_replicate and dp_shard may be -1")
+    if rep == -1 or shard == -1:
+        known = shard if rep == -1 else rep
+        field_name = "dp_replicate" if rep == -1 else "dp_shard"
+        if world % known:
+            raise ConfigError(
+                f"parallel.{'dp_shard' if rep == -1 else 'dp_replicate'}",
+                f"{known} does not divide the world size {world} (launcher), so parallel.{field_name}=-1 cannot fill it",
+            )
+        rep, shard = (world // known, known) if rep == -1 else (known, world // known)
+    if rep * shard != world and cfg.launcher.kind == "local":
+        raise ConfigError(
+            "parallel",
+            f"layout '{par.name}' needs {rep * shard} ranks but launcher=local runs 1; use launcher=torchrun "
+            f"launcher.nproc_per_node={rep * shard}, or parallel=single",
+        )
+    if rep * shard != world:
+        raise ConfigError(
+            "parallel",
+            f"layout '{par.name}' is dp_replicate={rep} x dp_shard={shard} = {rep * shard} ranks, but the launcher "
+            f"starts {world} (launcher.nnodes x launcher.nproc_per_node); make them equal",
+        )
+    return rep, shard
+
+
+def validate_layout(cfg) -> None:
+    """Launcher and parallel layout against each other: checked before anything launches."""
+    launcher, par = cfg.launcher, cfg.parallel
+    _one_of(launcher.kind, LAUNCHERS, "launcher.kind")
+    for f in ("nproc_per_node", "nnodes", "max_restarts"):
+        _positive(cfg, f"launcher.{f}", allow_zero=f == "max_restarts")
+    if launcher.kind == "local" and (launcher.nproc_per_node != 1 or launcher.nnodes != 1):
+        raise ConfigError("launcher.nproc_per_node", "launcher=local runs one process; allowed: 1 (use launcher=torchrun)")
+    if launcher.kind == "torchrun":
+        if not 0 <= launcher.node_rank < launcher.nnodes:
+            raise ConfigError("launcher.node_rank", f"must be in [0, launcher.nnodes={launcher.nnodes}), got {launcher.node_rank}")
+        if not re.fullmatch(r"[^:\s]+:\d+", launcher.rdzv_endpoint):
+            raise ConfigError("launcher.rdzv_endpoint", f"must be host:port, got '{launcher.rdzv_endpoint}'")
+    _positive(cfg, "parallel.topology.gpus_per_node")
+    if par.ep != 1:
+        raise ConfigError("parallel.ep", f"expert parallelism needs an MoE model, which this version does not have; allowed: 1, got {par.ep}")
+    world = world_size(cfg)
+    _, shard = resolve_layout(cfg, world)
+    gpn = par.topology.gpus_per_node
+    if shard > gpn and shard % gpn:
+        raise ConfigError(
+            "parallel.dp_shard",
+            f"{shard} spans nodes unevenly: a shard group larger than a node must be a multiple of "
+            f"parallel.topology.gpus_per_node={gpn}",
+        )
+    if cfg.data.batch_size < 1:
+        raise ConfigError("data.batch_size", f"must be > 0 (per rank), got {cfg.data.batch_size}")

@@ -37,11 +37,15 @@ class RunDir:
 
 
 class JsonlSink:
-    def __init__(self, path: Path):
-        self._f = open(path, "a", buffering=1)
+    """Appends one JSON record per line; with no path (ranks other than 0) it writes nothing."""
+
+    def __init__(self, path: Path | None):
+        self._f = open(path, "a", buffering=1) if path is not None else None
 
     def write(self, record: dict) -> None:
-        self._f.write(json.dumps(record, default=float) + "\n")
+        if self._f is not None:
+            self._f.write(json.dumps(record, default=float) + "\n")
 
     def close(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            self._f.close()

@@ -11,7 +11,8 @@ class RowWiseAdagrad(torch.optim.Optimizer):
     """Adagrad with one accumulator per embedding row (the mean of the row's squared gradient).
 
     The state is ``[rows, 1]`` instead of a full table copy, as FBGEMM's fused TBE optimizer
-    keeps it. Rows without a gradient this step are left untouched (their update is exactly 0).
+    keeps it. A table sharded by rows (an FSDP2 DTensor) updates its local rows: the update of a
+    row needs only that row. Rows without a gradient this step are left untouched (their update is exactly 0).
     torchrec.optim.RowWiseAdagrad computes the same update for lr_decay=0 but reads its step
     counter with ``.item()``, a device sync per table per step; this one never syncs.
     """
@@ -26,16 +27,21 @@ class RowWiseAdagrad(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                grad = p.grad
+                param, grad = _local(p), _local(p.grad)
                 state = self.state[p]
                 if not state:
                     state["sum"] = torch.full(
-                        (p.shape[0], 1), group["initial_accumulator_value"], dtype=torch.float32, device=p.device
+                        (param.shape[0], 1), group["initial_accumulator_value"], dtype=torch.float32, device=param.device
                     )
                 row_sq = grad.float().pow(2).mean(dim=1, keepdim=True)
                 state["sum"].add_(row_sq)
-                p.addcdiv_(grad, state["sum"].sqrt().add_(group["eps"]).to(p.dtype), value=-group["lr"])
+                param.addcdiv_(grad, state["sum"].sqrt().add_(group["eps"]).to(param.dtype), value=-group["lr"])
         return loss
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (in place updates reach the parameter), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def build_optimizers(model, train_cfg, device: torch.device):

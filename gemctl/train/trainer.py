@@ -28,6 +28,7 @@ from gemctl.metrics.flops import gem_flops
 from gemctl.metrics.quality import auc, log_loss, normalized_entropy
 from gemctl.metrics.sinks import JsonlSink, RunDir
 from gemctl.model import build_model
+from gemctl.parallel import init_parallel, parallelize
 from gemctl.precision import apply_precision
 from gemctl.train.optim import build_optimizers, lr_lambda
 
@@ -41,10 +42,10 @@ class TrainResult:
     perf: dict = field(default_factory=dict)
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device("cuda", local_rank) if name == "cuda" else torch.device(name)
 
 
 def seed_everything(seed: int, deterministic: bool, device: torch.device) -> None:
@@ -66,19 +67,26 @@ def compute_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 class Trainer:
-    def __init__(self, cfg, console=None, run_root: str | None = None):
+    """Every rank builds the same model from the same seed, then the layout shards it; each rank
+    trains on its own part of every step's samples (gemctl.data.shuffle). Rank 0 reports."""
+
+    def __init__(self, cfg, console=None, run_root: str | None = None, run_dir: str | None = None):
         self.cfg = cfg
-        self.console = console
-        self.device = resolve_device(cfg.train.device)
+        device_type = resolve_device(cfg.train.device).type
+        self.ctx = init_parallel(cfg, device_type)
+        self.console = console if self.ctx.is_main else None
+        self.device = resolve_device(cfg.train.device, self.ctx.local_rank)
         seed_everything(cfg.train.seed, cfg.train.deterministic, self.device)
-        self.source = build_source(cfg.data, cfg.shuffle)
+        self.source = build_source(cfg.data, cfg.shuffle, self.ctx.world_size, self.ctx.rank)
         self.spec = self.source.spec
         self.model = build_model(cfg.model, self.spec, device=self.device)
         self.formats = apply_precision(self.model, cfg.precision, cfg.model.num_layers, self.device.type)
+        parallelize(self.model, self.ctx, cfg.precision, self.device)
         self.dense_opt, self.sparse_opt = build_optimizers(self.model, cfg.train, self.device)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.dense_opt, lr_lambda(cfg.train))
         self.peak = mfu_lib.resolve_peak(self.device, cfg.metrics.peak_tflops)
         self.run_root = run_root
+        self.run_dir = run_dir  # an existing directory (made by the launcher) instead of a new one
 
     # ------------------------------------------------------------------------------------------
     def _say(self, text: str) -> None:
@@ -125,21 +133,37 @@ class Trainer:
             }
         return out
 
+    def _global(self, window: "_Window") -> "_Window":
+        """The window with counts summed over ranks (mean data wait); the time stays this rank's,
+        since the collectives of every step keep the ranks in step."""
+        if self.ctx.world_size == 1:
+            return window
+        out = _Window(**vars(window))
+        out.samples, out.tokens, out.flops, out.attention_flops, wait = self.ctx.sum(
+            [window.samples, window.tokens, window.flops, window.attention_flops, window.data_wait], self.device
+        )
+        out.data_wait = wait / self.ctx.world_size
+        return out
+
     # ------------------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
-        cfg, tcfg = self.cfg, self.cfg.train
-        run = RunDir.create(self.run_root or cfg.run.output_dir, cfg.run.name)
-        run.write_text("config.yaml", OmegaConf.to_yaml(cfg))
-        sink = JsonlSink(run.path / "metrics.jsonl")
-        self._say(f"run directory: {run.path}")
+        cfg, tcfg, ctx = self.cfg, self.cfg.train, self.ctx
+        run = None
+        if ctx.is_main:  # one run directory for all ranks; rank 0 writes it
+            run = RunDir(Path(self.run_dir)) if self.run_dir else RunDir.create(self.run_root or cfg.run.output_dir, cfg.run.name)
+            run.write_text("config.yaml", OmegaConf.to_yaml(cfg))
+        sink = JsonlSink(run.path / "metrics.jsonl" if run else None)
+        self._say(f"run directory: {run.path if run else '-'}")
         self._say(f"device: {mfu_lib.device_name(self.device)}; peak for MFU: {self.peak.describe()}")
+        if ctx.world_size > 1:
+            self._say(f"layout '{cfg.parallel.name}': {ctx.describe()}, local batch {cfg.data.batch_size}")
         if self.device.type != "cuda" and cfg.precision.compute_dtype != "fp32":
             self._say(f"precision '{cfg.precision.name}': autocast applies on CUDA only; this run computes in fp32")
         n_dense = sum(p.numel() for p in self.model.dense_parameters())
         n_sparse = sum(p.numel() for p in self.model.sparse_parameters())
         self._say(f"model '{cfg.model.name}': {n_dense / 1e6:.2f}M dense, {n_sparse / 1e6:.2f}M embedding parameters")
 
-        result = TrainResult(run_dir=run.path)
+        result = TrainResult(run_dir=run.path if run else None)
         loader = TrainLoader(self.source, cfg.data, self.device)
         cuda = self.device.type == "cuda"
         if cuda:
@@ -164,19 +188,20 @@ class Trainer:
                         if cuda:
                             torch.cuda.synchronize(self.device)
                         now = time.perf_counter()
-                        losses = torch.stack(pending).float().cpu().tolist()
+                        losses = ctx.mean(torch.stack(pending).float()).cpu().tolist()  # over ranks
                         pending.clear()
                         if any(not math.isfinite(x) for x in losses):
                             raise FloatingPointError(f"non-finite training loss at step {step + 1}: {losses[-1]}")
                         result.losses.extend(losses)
                         elapsed = now - t_window
-                        rec = window.record(step + 1, elapsed, self.peak)
+                        rec = self._global(window).record(step + 1, elapsed, self.peak, ctx.world_size)
                         rec["loss"] = sum(losses) / len(losses)
                         rec["lr"] = self.schedule.get_last_lr()[0]
                         sink.write({"kind": "train", **rec})
                         if step + 1 > tcfg.warmup_timing_steps:
                             totals.merge(window, elapsed)
-                        progress.update(step + 1, loss=rec["loss"], qps=rec["qps"], mfu=rec["local_mfu"])
+                        mfu = rec["local_mfu"] if rec["local_mfu"] is not None else rec["e2e_mfu"]
+                        progress.update(step + 1, loss=rec["loss"], qps=rec["qps"], mfu=mfu)
                         window = _Window()
                         t_window = time.perf_counter()
                     else:
@@ -192,7 +217,7 @@ class Trainer:
         result.eval = self.evaluate()
         sink.write({"kind": "eval", "step": tcfg.steps, **result.eval})
         result.baselines = self.source.baselines()
-        perf = totals.record(tcfg.steps, totals.seconds, self.peak)
+        perf = self._global(totals).record(tcfg.steps, totals.seconds, self.peak, ctx.world_size)
         perf.update(
             train_wall_s=train_wall,
             timed_steps=totals.steps,
@@ -205,7 +230,8 @@ class Trainer:
         result.perf = perf
         summary = {"eval": result.eval, "baselines": result.baselines, "perf": perf, "losses": result.losses}
         sink.write({"kind": "summary", **{k: v for k, v in summary.items() if k != "losses"}})
-        run.write_text("summary.json", json.dumps(summary, indent=2))
+        if run:
+            run.write_text("summary.json", json.dumps(summary, indent=2))
         sink.close()
         return result
 
@@ -238,10 +264,30 @@ class _Window:
         self.data_wait += other.data_wait
         self.seconds += seconds
 
-    def record(self, step: int, seconds: float, peak) -> dict:
+    def record(self, step: int, seconds: float, peak, world_size: int = 1) -> dict:
+        """Rates over the window. With counts summed over ``world_size`` ranks: global QPS and
+        TFLOP/s, E2E MFU = global FLOPs / (N x time x peak); Local MFU and Scaling Ratio need a
+        single-rank run at the same local batch, so a distributed window reports them as None."""
         seconds = max(seconds, 1e-9)
         compute = max(seconds - self.data_wait, 1e-9)  # Local MFU counts the time spent computing
         steps = max(self.steps, 1)
+        if world_size > 1:
+            return {
+                "step": step,
+                "steps": self.steps,
+                "world_size": world_size,
+                "step_time_ms": 1e3 * seconds / steps,
+                "qps": self.samples / seconds,
+                "qps_per_rank": self.samples / seconds / world_size,
+                "tokens_per_s": self.tokens / seconds,
+                "model_tflops": self.flops / seconds / 1e12,
+                "local_mfu": None,
+                "e2e_mfu": mfu_lib.mfu(self.flops / world_size, seconds, peak),
+                "wall_mfu": mfu_lib.mfu(self.flops / world_size, seconds, peak),
+                "attention_flop_share": self.attention_flops / self.flops if self.flops else 0.0,
+                "data_wait_ms_per_step": 1e3 * self.data_wait / steps,
+                "data_wait_fraction": self.data_wait / seconds,
+            }
         return {
             "step": step,
             "steps": self.steps,
@@ -264,7 +310,14 @@ def prepare_process() -> None:
         torch.set_num_threads(int(os.environ["GEMCTL_THREADS"]))
 
 
-def train(cfg, console=None, run_root: str | None = None) -> TrainResult:
-    """Build everything from a validated config and run it."""
+def train(cfg, console=None, run_root: str | None = None, run_dir: str | None = None) -> TrainResult:
+    """Build everything from a validated config and run it (on every rank under torchrun)."""
     prepare_process()
-    return Trainer(cfg, console=console, run_root=run_root).fit()
+    trainer = Trainer(cfg, console=console, run_root=run_root, run_dir=run_dir)
+    try:
+        result = trainer.fit()
+    except BaseException:
+        trainer.ctx.close(graceful=False)
+        raise
+    trainer.ctx.close()
+    return result

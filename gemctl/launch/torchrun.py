@@ -1,0 +1,44 @@
+"""launcher=torchrun: write the resolved config into a fresh run directory, then start
+torch.distributed.run, which runs `python -m gemctl.launch.worker <config.yaml>` on every rank.
+
+Every rank reads the same resolved YAML (no re-composition, so no rank can see a different
+config), rank 0 writes metrics and the summary into the same run directory and prints to the
+console; the other ranks stay quiet unless they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from gemctl.metrics.sinks import RunDir
+
+
+def torchrun_command(cfg, config_path: Path) -> list[str]:
+    """The exact command line: standalone rendezvous on one node, a static one across nodes."""
+    launcher = cfg.launcher
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={launcher.nproc_per_node}",
+           f"--nnodes={launcher.nnodes}", f"--max_restarts={launcher.max_restarts}"]
+    if launcher.nnodes == 1:
+        cmd.append("--standalone")  # a free local port: parallel jobs on one machine do not collide
+    else:
+        host, port = launcher.rdzv_endpoint.rsplit(":", 1)
+        cmd += [f"--node_rank={launcher.node_rank}", f"--master_addr={host}", f"--master_port={port}"]
+    return cmd + ["-m", "gemctl.launch.worker", str(config_path)]
+
+
+def launch(cfg, console) -> tuple[int, Path]:
+    """Run the job; returns torchrun's exit code and the run directory."""
+    run = RunDir.create(cfg.run.output_dir, cfg.run.name)
+    config_path = run.write_text("config.yaml", OmegaConf.to_yaml(cfg))
+    cmd = torchrun_command(cfg, config_path)
+    env = dict(os.environ, GEMCTL_RUN_DIR=str(run.path))
+    # One intra-op thread per rank unless the user says otherwise (torchrun's default, stated).
+    env.setdefault("OMP_NUM_THREADS", "1")
+    console.print(f"run directory: {run.path}")
+    console.print("launching: " + " ".join(cmd))
+    return subprocess.run(cmd, env=env).returncode, run.path

@@ -1,0 +1,52 @@
+"""One rank of a torchrun job: `python -m gemctl.launch.worker <resolved config.yaml>`.
+
+The YAML was resolved and validated by `gemctl train` before launch; it is loaded into the typed
+schema again (so a hand-edited file still fails with one clear line) and trained with the run
+directory the launcher made (GEMCTL_RUN_DIR).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from omegaconf import OmegaConf
+from rich.console import Console
+
+from gemctl.errors import UserError
+
+
+def load_resolved(path: str):
+    from gemctl.config.schema import GemConfig
+    from gemctl.config.validate import validate
+
+    cfg = OmegaConf.merge(OmegaConf.structured(GemConfig), OmegaConf.load(path))
+    validate(cfg)
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    from gemctl.cli import quiet_library_logs
+
+    quiet_library_logs()
+    argv = sys.argv[1:] if argv is None else argv
+    rank = int(os.environ.get("RANK", "0"))
+    console = Console() if rank == 0 else None
+    try:
+        cfg = load_resolved(argv[0])
+        from gemctl.train.trainer import train
+
+        result = train(cfg, console=console, run_dir=os.environ.get("GEMCTL_RUN_DIR"))
+    except UserError as err:
+        print(f"gemctl (rank {rank}): error: {err}", file=sys.stderr)
+        return err.exit_code
+    if console is not None:
+        from gemctl.cli import summary_table
+
+        console.print(summary_table(cfg, result))
+        console.print(f"results: {result.run_dir}/summary.json, metrics: {result.run_dir}/metrics.jsonl")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
