@@ -76,6 +76,17 @@ def test_torchrun_run_directory(tmp_path):
     assert summary["eval"]["samples"] == 64
 
 
+def test_scaling_ratio_from_the_single_rank_baseline(tmp_path):
+    summary = _torchrun(tmp_path, 2, ["parallel=fsdp", "data.batch_size=8", "metrics.scaling_baseline_steps=3"])
+    perf = summary["perf"]
+    assert perf["local_baseline"]["steps"] == 3 and perf["local_baseline"]["model_tflops"] > 0
+    assert 0 < perf["scaling_ratio"] and 0 < perf["local_mfu"] < 1
+    assert perf["e2e_mfu"] == pytest.approx(perf["local_mfu"] * perf["scaling_ratio"], rel=1e-9)
+    # The baseline trains a copy: the job's own losses are those of a run without it.
+    plain = _torchrun(tmp_path / "plain", 2, ["parallel=fsdp", "data.batch_size=8"])
+    assert summary["losses"] == plain["losses"]
+
+
 def test_torchrun_command_static_rendezvous():
     from pathlib import Path
 

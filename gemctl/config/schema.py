@@ -172,6 +172,10 @@ class MetricsConfig:
     # Peak dense TFLOP/s used for MFU; null: look the device up in the peak table, or measure
     # a calibration GEMM when it is not there (labelled as measured).
     peak_tflops: Optional[float] = None
+    # Distributed runs: rank 0 first times this many steps of an unsharded copy of the model on
+    # its own local batches (the other ranks wait): Local MFU, and Scaling Ratio = the job's
+    # per-rank model FLOP/s / that single-rank FLOP/s. 0 skips it (Local MFU is then unknown).
+    scaling_baseline_steps: int = 0
 
 
 @dataclass

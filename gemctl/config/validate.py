@@ -119,6 +119,7 @@ def validate(cfg) -> None:
         )
     _positive(cfg, "profile.steps")
     _positive(cfg, "profile.warmup_steps", allow_zero=True)
+    _positive(cfg, "metrics.scaling_baseline_steps", allow_zero=True)
     if cfg.metrics.peak_tflops is not None and cfg.metrics.peak_tflops <= 0:
         raise ConfigError("metrics.peak_tflops", f"must be > 0 or null, got {cfg.metrics.peak_tflops}")
 

@@ -28,7 +28,7 @@ from gemctl.metrics.flops import gem_flops
 from gemctl.metrics.quality import auc, log_loss, normalized_entropy
 from gemctl.metrics.sinks import JsonlSink, RunDir
 from gemctl.model import build_model
-from gemctl.parallel import init_parallel, parallelize
+from gemctl.parallel import ParallelContext, init_parallel, parallelize
 from gemctl.precision import apply_precision
 from gemctl.train.optim import build_optimizers, lr_lambda
 
@@ -70,15 +70,20 @@ class Trainer:
     """Every rank builds the same model from the same seed, then the layout shards it; each rank
     trains on its own part of every step's samples (gemctl.data.shuffle). Rank 0 reports."""
 
-    def __init__(self, cfg, console=None, run_root: str | None = None, run_dir: str | None = None):
+    def __init__(self, cfg, console=None, run_root: str | None = None, run_dir: str | None = None,
+                 ctx: ParallelContext | None = None, source=None):
         self.cfg = cfg
         device_type = resolve_device(cfg.train.device).type
-        self.ctx = init_parallel(cfg, device_type)
+        self.ctx = ctx if ctx is not None else init_parallel(cfg, device_type)
         self.console = console if self.ctx.is_main else None
         self.device = resolve_device(cfg.train.device, self.ctx.local_rank)
         seed_everything(cfg.train.seed, cfg.train.deterministic, self.device)
-        self.source = build_source(cfg.data, cfg.shuffle, self.ctx.world_size, self.ctx.rank)
+        self.source = source or build_source(cfg.data, cfg.shuffle, self.ctx.world_size, self.ctx.rank)
         self.spec = self.source.spec
+        self.local_baseline = None
+        if self.ctx.world_size > 1 and cfg.metrics.scaling_baseline_steps:
+            self.local_baseline = self._local_baseline(cfg.metrics.scaling_baseline_steps)
+            seed_everything(cfg.train.seed, cfg.train.deterministic, self.device)  # same init on every rank
         self.model = build_model(cfg.model, self.spec, device=self.device)
         self.formats = apply_precision(self.model, cfg.precision, cfg.model.num_layers, self.device.type)
         parallelize(self.model, self.ctx, cfg.precision, self.device)
@@ -132,6 +137,39 @@ class Trainer:
                 "label_mean": float(y[:, t].mean()),
             }
         return out
+
+    def _local_baseline(self, steps: int) -> dict | None:
+        """Rank 0 trains an unsharded copy on its own next ``steps`` local batches, alone (one
+        warm-up step first, batches on the device before timing); the other ranks wait. Returns
+        its model FLOP/s: the single-rank throughput the Scaling Ratio divides by."""
+        result = None
+        if self.ctx.is_main:
+            self._say(f"scaling baseline: {steps} steps of one unsharded rank at local batch {self.cfg.data.batch_size}")
+            single = Trainer(self.cfg, ctx=ParallelContext(local_rank=self.ctx.local_rank), source=self.source)
+            loader = TrainLoader(self.source, self.cfg.data, self.device)
+            try:
+                batches = [next(loader) for _ in range(steps + 1)]
+            finally:
+                loader.close()
+            single.train_step(batches[0])
+            flops = sum(gem_flops(self.cfg.model, self.spec, b.seq_lengths_cpu()).train_total for b in batches[1:])
+            self._sync()
+            t0 = time.perf_counter()
+            for batch in batches[1:]:
+                single.train_step(batch)
+            self._sync()
+            seconds = time.perf_counter() - t0
+            result = {"steps": steps, "step_time_ms": 1e3 * seconds / steps, "model_tflops": flops / seconds / 1e12}
+            del single, batches
+        if self.ctx.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+        return result
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _global(self, window: "_Window") -> "_Window":
         """The window with counts summed over ranks (mean data wait); the time stays this rank's,
@@ -218,6 +256,15 @@ class Trainer:
         sink.write({"kind": "eval", "step": tcfg.steps, **result.eval})
         result.baselines = self.source.baselines()
         perf = self._global(totals).record(tcfg.steps, totals.seconds, self.peak, ctx.world_size)
+        if self.local_baseline:
+            # Local MFU from the single-rank copy; Scaling Ratio = per-rank FLOP/s of the job over it,
+            # so E2E MFU = Local MFU x Scaling Ratio holds by construction (and is checked).
+            local = self.local_baseline["model_tflops"]
+            per_rank = perf["model_tflops"] / ctx.world_size
+            perf.update(local_mfu=local / self.peak.tflops, scaling_ratio=mfu_lib.scaling_ratio(per_rank, local),
+                        local_baseline=self.local_baseline)
+            if not math.isclose(perf["local_mfu"] * perf["scaling_ratio"], perf["e2e_mfu"], rel_tol=1e-9):
+                raise AssertionError(f"E2E MFU {perf['e2e_mfu']} != Local MFU x Scaling Ratio ({perf})")
         perf.update(
             train_wall_s=train_wall,
             timed_steps=totals.steps,
@@ -282,7 +329,7 @@ class _Window:
                 "tokens_per_s": self.tokens / seconds,
                 "model_tflops": self.flops / seconds / 1e12,
                 "local_mfu": None,
-                "e2e_mfu": mfu_lib.mfu(self.flops / world_size, seconds, peak),
+                "e2e_mfu": mfu_lib.e2e_mfu(self.flops, world_size, seconds, peak),
                 "wall_mfu": mfu_lib.mfu(self.flops / world_size, seconds, peak),
                 "attention_flop_share": self.attention_flops / self.flops if self.flops else 0.0,
                 "data_wait_ms_per_step": 1e3 * self.data_wait / steps,
