@@ -1,6 +1,7 @@
 """`gemctl` verbs. Thin: parse, compose, validate, hand over.
 
     gemctl train [--recipe NAME|FILE] [overrides...]
+    gemctl plan [--world N] [--json] [--recipe NAME|FILE] [overrides...]
     gemctl config show|validate [--recipe NAME|FILE] [overrides...]
     gemctl recipes list | show NAME | cp NAME DEST
 
@@ -122,6 +123,68 @@ def summary_table(cfg, result) -> Table:
     return table
 
 
+def cmd_plan(args, console: Console) -> int:
+    import json
+
+    from gemctl.config.compose import compose
+    from gemctl.config.validate import validate
+    from gemctl.data.source import build_source
+    from gemctl.parallel.plan import build_plan
+
+    overrides = list(args.overrides)
+    if args.world is not None:
+        gpn = compose(overrides, recipe=args.recipe).parallel.topology.gpus_per_node
+        if args.world < 1 or (args.world > gpn and args.world % gpn):
+            raise UserError(f"--world: {args.world} must be >= 1 and, above one node, a multiple of "
+                            f"parallel.topology.gpus_per_node={gpn}")
+        per_node = min(args.world, gpn)
+        overrides += ["launcher=torchrun", f"launcher.nproc_per_node={per_node}", f"launcher.nnodes={args.world // per_node}"]
+    cfg = compose(overrides, recipe=args.recipe)
+    validate(cfg, check_device=False)
+    plan = build_plan(cfg, build_source(cfg.data, cfg.shuffle))
+    if args.json:
+        print(json.dumps(plan, indent=1))
+    else:
+        for table in plan_tables(plan):
+            console.print(table)
+    return 0
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB"
+
+
+def plan_tables(plan: dict) -> list[Table]:
+    head = Table(title=(f"gemctl plan: {plan['layout']} on {plan['world_size']} ranks "
+                        f"({plan['gpus_per_node']} per node) - model {plan['model']}, "
+                        f"{plan['dense_params'] / 1e6:,.1f}M dense + {plan['embedding_params'] / 1e6:,.1f}M embedding"))
+    head.add_column("mesh dim")
+    head.add_column("groups x size", justify="right")
+    head.add_column("network")
+    head.add_column("ranks (first groups, last group)")
+    for dim in ("dp_replicate", "dp_shard"):
+        g = plan["groups"][dim]
+        head.add_row(dim, f"{g['count']} x {g['size']}", g["tier"], "; ".join(str(x) for x in g["examples"]))
+    mem = Table(title=f"memory per rank (rank 0), local batch {plan['local_batch']}, "
+                      f"mean history {plan['mean_history_length']:.0f} ({plan['mean_history_length_from']})")
+    mem.add_column("what")
+    mem.add_column("bytes", justify="right")
+    for k, v in plan["memory_bytes_rank0"].items():
+        mem.add_row(k.replace("_", " "), _gib(v))
+    comm = Table(title="communication per rank per step")
+    for c in ("collective", "group", "network", "bytes"):
+        comm.add_column(c, justify="right" if c == "bytes" else "left")
+    for c in plan["communication_per_step"] or [{"collective": "none (one rank per replica group)", "group": "",
+                                                 "tier": "", "bytes": 0}]:
+        comm.add_row(c["collective"], c["group"], c["tier"], _gib(c["bytes"]))
+    tables = Table(title="embedding tables")
+    for c in ("table", "rows", "dim", "sharding"):
+        tables.add_column(c)
+    for t in plan["tables"]:
+        tables.add_row(t["table"], f"{t['rows']:,}", str(t["dim"]), t["sharding"])
+    return [head, mem, comm, tables]
+
+
 def cmd_config(args, console: Console) -> int:
     from omegaconf import OmegaConf
 
@@ -175,6 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="profile training steps: time and MFU by category")
     with_overrides(p)
     p.set_defaults(func=cmd_profile)
+    p = sub.add_parser("plan", help="the layout at a world size, without GPUs: groups, memory, communication")
+    p.add_argument("--world", type=int, help="plan for this many ranks (sets launcher=torchrun and its sizes)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    with_overrides(p)
+    p.set_defaults(func=cmd_plan)
     p = sub.add_parser("config", help="show or validate the composed config")
     p.add_argument("action", choices=["show", "validate"])
     with_overrides(p)

@@ -39,6 +39,15 @@ def _torchrun(tmp_path, nproc: int, overrides: list[str]) -> dict:
     return json.loads(open(summary).read())
 
 
+def _plan(nproc: int, overrides: list[str]) -> dict:
+    from gemctl.data.source import build_source
+    from gemctl.parallel.plan import build_plan
+
+    cfg = compose(["launcher=torchrun", f"launcher.nproc_per_node={nproc}", *COMMON, *overrides])
+    validate(cfg)
+    return build_plan(cfg, build_source(cfg.data, cfg.shuffle))
+
+
 def _single(tmp_path, overrides: list[str]) -> dict:
     from gemctl.train.trainer import train
 
@@ -63,6 +72,10 @@ def test_layout_matches_single_process(tmp_path, nproc, layout, global_batch):
     single = _single(tmp_path, [f"data.batch_size={global_batch}"])
     _assert_close(dist["losses"], single["losses"])
     perf = dist["perf"]
+    # `gemctl plan` predicts rank 0's parameter bytes exactly (the FSDP2 shards it measured).
+    plan = _plan(nproc, layout + ["data.batch_size=8"])
+    assert plan["memory_bytes_rank0"]["params"] == perf["param_bytes"]
+    assert plan["memory_bytes_rank0"]["params"] < single["perf"]["param_bytes"]
     assert perf["world_size"] == nproc and perf["local_mfu"] is None
     # Global counts: the summed samples over the timed steps at the global batch.
     assert perf["qps"] == pytest.approx(perf["qps_per_rank"] * nproc)
@@ -85,6 +98,43 @@ def test_scaling_ratio_from_the_single_rank_baseline(tmp_path):
     # The baseline trains a copy: the job's own losses are those of a run without it.
     plain = _torchrun(tmp_path / "plain", 2, ["parallel=fsdp", "data.batch_size=8"])
     assert summary["losses"] == plain["losses"]
+
+
+def test_plan_groups_and_tiers():
+    from gemctl.parallel.plan import _groups
+
+    groups = _groups(rep=4, shard=4, gpn=4, npz=2)  # 16 ranks, 4 nodes of 4, 2 nodes per zone
+    assert groups["dp_shard"] == {"count": 4, "size": 4, "tier": "intra-node (NVLink)",
+                                  "examples": [[0, 1, 2, 3], [4, 5, 6, 7], [12, 13, 14, 15]]}
+    assert groups["dp_replicate"]["examples"][0] == [0, 4, 8, 12]
+    assert groups["dp_replicate"]["tier"] == "cross-zone"
+    assert _groups(rep=2, shard=4, gpn=4, npz=2)["dp_replicate"]["tier"] == "inter-node (zone network)"
+
+
+def test_plan_single_rank_and_hsdp_communication():
+    one = _plan(1, ["launcher.nproc_per_node=1", "parallel=single", "data.batch_size=8"])
+    assert one["communication_per_step"] == [] and one["memory_bytes_rank0"]["gathered_params"] == 0
+    params = one["dense_params"] + one["embedding_params"]
+    assert one["memory_bytes_rank0"]["params"] == 4 * params
+    hsdp = _plan(4, ["parallel=hsdp", "parallel.dp_shard=2", "parallel.topology.gpus_per_node=2", "data.batch_size=8"])
+    kinds = [c["collective"] for c in hsdp["communication_per_step"]]
+    assert kinds == ["all-gather (forward)", "all-gather (backward re-gather)", "reduce-scatter (gradients, fp32)",
+                     "all-reduce (gradient shards, fp32)"]
+    # Reduce-scatter over 2 ranks moves half of the fp32 gradients.
+    assert hsdp["communication_per_step"][2]["bytes"] == 4 * params // 2
+
+
+def test_plan_cli(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "gemctl", "plan", "--world", "64", "--json", "model=small",
+                           "parallel=hsdp"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert (plan["world_size"], plan["dp_replicate"], plan["dp_shard"]) == (64, 8, 8)
+    bad = subprocess.run([sys.executable, "-m", "gemctl", "plan", "--world", "12"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == ("gemctl: error: --world: 12 must be >= 1 and, above one node, a multiple of "
+                                  "parallel.topology.gpus_per_node=8")
 
 
 def test_torchrun_command_static_rendezvous():

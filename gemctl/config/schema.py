@@ -71,6 +71,7 @@ class PrecisionConfig:
 @dataclass
 class TopologyConfig:
     gpus_per_node: int = 8  # ranks that share a node (NVLink domain); torchrun: nproc_per_node
+    nodes_per_zone: int = 0  # nodes per network zone (RoCE inside, oversubscribed across); 0: one zone
 
 
 @dataclass

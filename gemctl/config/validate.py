@@ -36,7 +36,9 @@ def _one_of(value, allowed, path: str) -> None:
         raise ConfigError(path, f"'{value}' is not allowed; allowed: {', '.join(map(str, allowed))}")
 
 
-def validate(cfg) -> None:
+def validate(cfg, check_device: bool = True) -> None:
+    """All cross-field checks; ``check_device=False`` skips the visible-CUDA check (planning a
+    GPU job from a machine without one)."""
     m, d, t, p = cfg.model, cfg.data, cfg.train, cfg.precision
     for f in ("embedding_dim", "d_model", "num_heads", "head_dim", "num_layers", "mlp_ratio",
               "pma_queries", "interaction_rank", "head_hidden"):
@@ -100,7 +102,7 @@ def validate(cfg) -> None:
     validate_layout(cfg)
 
     _one_of(t.device, DEVICES, "train.device")
-    if t.device == "cuda":
+    if t.device == "cuda" and check_device:
         import torch
 
         if not torch.cuda.is_available():
@@ -179,6 +181,7 @@ def validate_layout(cfg) -> None:
         if not re.fullmatch(r"[^:\s]+:\d+", launcher.rdzv_endpoint):
             raise ConfigError("launcher.rdzv_endpoint", f"must be host:port, got '{launcher.rdzv_endpoint}'")
     _positive(cfg, "parallel.topology.gpus_per_node")
+    _positive(cfg, "parallel.topology.nodes_per_zone", allow_zero=True)
     if par.ep != 1:
         raise ConfigError("parallel.ep", f"expert parallelism needs an MoE model, which this version does not have; allowed: 1, got {par.ep}")
     world = world_size(cfg)

@@ -50,9 +50,9 @@ class ParallelContext:
         return out / self.world_size
 
     def close(self, graceful: bool = True) -> None:
-        """Leave the process group. Graceful: all ranks first meet at a barrier (a rank that tears
-        down while another still talks to it can abort at exit: seen 1 in 6 runs on gloo without
-        it). After a failure no barrier: the other ranks may never arrive."""
+        """Leave the process group. Graceful: all ranks first meet at a barrier, so no rank tears
+        its group down while another still uses it. After a failure no barrier: the other ranks
+        may never arrive."""
         if self.world_size > 1 and dist.is_initialized():
             if graceful:
                 dist.barrier()

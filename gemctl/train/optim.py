@@ -27,7 +27,7 @@ class RowWiseAdagrad(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                param, grad = _local(p), _local(p.grad)
+                param, grad = local_tensor(p), local_tensor(p.grad)
                 state = self.state[p]
                 if not state:
                     state["sum"] = torch.full(
@@ -39,7 +39,7 @@ class RowWiseAdagrad(torch.optim.Optimizer):
         return loss
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (in place updates reach the parameter), else the tensor."""
     return t.to_local() if hasattr(t, "to_local") else t
 

@@ -30,7 +30,7 @@ from gemctl.metrics.sinks import JsonlSink, RunDir
 from gemctl.model import build_model
 from gemctl.parallel import ParallelContext, init_parallel, parallelize
 from gemctl.precision import apply_precision
-from gemctl.train.optim import build_optimizers, lr_lambda
+from gemctl.train.optim import build_optimizers, local_tensor, lr_lambda
 
 
 @dataclass
@@ -87,6 +87,9 @@ class Trainer:
         self.model = build_model(cfg.model, self.spec, device=self.device)
         self.formats = apply_precision(self.model, cfg.precision, cfg.model.num_layers, self.device.type)
         parallelize(self.model, self.ctx, cfg.precision, self.device)
+        # This rank's parameter bytes as stored between steps (FSDP2 keeps the root and the last
+        # block gathered after a forward, so this is measured before any).
+        self.param_bytes = sum(local_tensor(p).numel() * p.element_size() for p in self.model.parameters())
         self.dense_opt, self.sparse_opt = build_optimizers(self.model, cfg.train, self.device)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.dense_opt, lr_lambda(cfg.train))
         self.peak = mfu_lib.resolve_peak(self.device, cfg.metrics.peak_tflops)
@@ -266,6 +269,7 @@ class Trainer:
             if not math.isclose(perf["local_mfu"] * perf["scaling_ratio"], perf["e2e_mfu"], rel_tol=1e-9):
                 raise AssertionError(f"E2E MFU {perf['e2e_mfu']} != Local MFU x Scaling Ratio ({perf})")
         perf.update(
+            param_bytes=self.param_bytes,
             train_wall_s=train_wall,
             timed_steps=totals.steps,
             peak=self.peak.describe(),

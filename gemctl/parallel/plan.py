@@ -1,0 +1,180 @@
+"""`gemctl plan`: what a layout does at a given world size, computed without GPUs.
+
+The model is built on the meta device (no memory), cut into the same FSDP units that
+gemctl.parallel.dense makes, and every number follows from parameter shapes and the layout:
+
+- groups: dp_shard consecutive ranks form a shard group; ranks i, i + S, i + 2S, ... a replica
+  group (HSDP); each group's network tier from the topology (NVLink inside a node, the zone
+  network inside a zone, across zones beyond).
+- memory per rank (rank 0, whose shards are the largest): FSDP2 keeps an fp32 shard of
+  ceil(dim0 / S) rows of every parameter, the same for its gradient; AdamW two fp32 states per
+  dense shard; row-wise Adagrad one fp32 per table row of the shard (Adam: two per element);
+  gathered parameters of two units at a time (the one running and the one prefetched) in the
+  parameter dtype (bf16 with bf16 compute on CUDA), plus fp32 unsharded gradients of one unit
+  before its reduce-scatter; activations by the formula in ``activation_bytes`` (an estimate).
+- communication per rank per step: all-gather of every unit in forward and again in backward
+  (units resharded after forward; the last block and the root stay gathered), reduce-scatter of
+  every unit's gradients (fp32), and with HSDP the all-reduce of the gradient shards across
+  replicas. Ring algorithm bytes: (n - 1) / n of the full buffer, twice for an all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gemctl.config.validate import resolve_layout, world_size
+
+F32 = 4
+
+
+def _shard_numel(shape: torch.Size, shards: int) -> int:
+    """Elements of rank 0's FSDP2 shard of a parameter (dim 0 split in ceil-sized chunks)."""
+    if len(shape) == 0:
+        return 1
+    return math.ceil(shape[0] / shards) * math.prod(shape[1:])
+
+
+def meta_model(cfg, spec):
+    import torchrec  # noqa: F401  (imported outside the meta context: its import runs tensor code)
+
+    from gemctl.model import build_model
+
+    with torch.device("meta"):
+        return build_model(cfg.model, spec, device=torch.device("meta"))
+
+
+def fsdp_units(model) -> list[tuple[str, list[tuple[str, torch.nn.Parameter]]]]:
+    """(unit name, its own parameters) in forward order, the root last: as apply_fsdp shards."""
+    from gemctl.parallel.dense import dense_blocks
+
+    names = {id(m): n for n, m in model.named_modules()}
+    units, seen = [], set()
+    for block in dense_blocks(model):
+        params = [(f"{names[id(block)]}.{n}", p) for n, p in block.named_parameters()]
+        seen.update(id(p) for _, p in params)
+        units.append((names[id(block)], params))
+    units.append(("root", [(n, p) for n, p in model.named_parameters() if id(p) not in seen]))
+    return units
+
+
+def _tier(ranks: list[int], gpus_per_node: int, nodes_per_zone: int) -> str:
+    nodes = {r // gpus_per_node for r in ranks}
+    if len(nodes) == 1:
+        return "intra-node (NVLink)"
+    if nodes_per_zone and len({n // nodes_per_zone for n in nodes}) > 1:
+        return "cross-zone"
+    return "inter-node (zone network)"
+
+
+def _groups(rep: int, shard: int, gpn: int, npz: int) -> dict:
+    def describe(groups):
+        shown = groups if len(groups) <= 3 else groups[:2] + groups[-1:]
+        return {"count": len(groups), "size": len(groups[0]), "tier": _tier(groups[0], gpn, npz),
+                "examples": [g if len(g) <= 8 else g[:4] + ["..."] + g[-2:] for g in shown]}
+
+    shard_groups = [list(range(g * shard, (g + 1) * shard)) for g in range(rep)]
+    replica_groups = [list(range(i, rep * shard, shard)) for i in range(shard)]
+    return {"dp_shard": describe(shard_groups), "dp_replicate": describe(replica_groups)}
+
+
+def mean_history_length(source, cfg, samples: int = 4096) -> tuple[float, str]:
+    """Mean history length per sample: drawn from the source's length model where it has one."""
+    if hasattr(source, "unit_lengths"):
+        units = max(1, samples // max(1, getattr(source, "unit_size", cfg.data.batch_size)))
+        lengths = torch.cat([source.unit_lengths(u) for u in range(units)])
+        return float(lengths.float().mean()), f"mean of {lengths.numel()} drawn lengths"
+    return float(cfg.data.max_len), "data.max_len (upper bound: the source has no length model)"
+
+
+def activation_bytes(cfg, tokens: float, batch: int, dtype_bytes: int) -> int:
+    """Estimate of the activations the backward keeps, per rank per step: per token and tower
+    layer the norm inputs and outputs, residual and projection outputs (5 d), q, k, v and the
+    attention output (4 H D), the MLP's hidden and its activation (2 r d); cross-attention adds
+    about a layer's worth without the MLP; PMA, interaction and heads scale with the batch."""
+    m = cfg.model
+    hd = m.num_heads * m.head_dim
+    per_layer = 5 * m.d_model + 4 * hd + 2 * m.mlp_ratio * m.d_model
+    cross = 3 * m.d_model + 4 * hd
+    pooled = batch * (m.pma_queries + 8) * m.d_model * (m.interaction_layers + 4)
+    return int(dtype_bytes * (tokens * (m.num_layers * per_layer + cross) + pooled))
+
+
+def build_plan(cfg, source) -> dict:
+    """The plan of ``cfg`` (launcher and layout give the world) as a JSON-able dict."""
+    world = world_size(cfg)
+    rep, shard = resolve_layout(cfg, world)
+    topo = cfg.parallel.topology
+    on_gpu = cfg.train.device != "cpu"
+    param_dtype = 2 if on_gpu and cfg.precision.compute_dtype == "bf16" else F32
+    model = meta_model(cfg, source.spec)
+    sparse_ids = {id(p) for p in model.sparse_parameters()}
+    units = fsdp_units(model)
+
+    unit_rows = []
+    dense_shard = sparse_shard = table_rows_shard = 0
+    for name, params in units:
+        full = sum(p.numel() for _, p in params)
+        local = sum(_shard_numel(p.shape, shard) for _, p in params)
+        for _, p in params:
+            if id(p) in sparse_ids:
+                sparse_shard += _shard_numel(p.shape, shard)
+                table_rows_shard += math.ceil(p.shape[0] / shard)
+            else:
+                dense_shard += _shard_numel(p.shape, shard)
+        unit_rows.append({"unit": name, "params": full, "shard_params": local})
+
+    tables = [
+        {"table": n.rsplit(".", 1)[0].split(".")[-1], "rows": p.shape[0], "dim": p.shape[1],
+         "sharding": f"FSDP row shards: {math.ceil(p.shape[0] / shard)} rows per rank over dp_shard={shard}"
+         + (f", replicated x{rep}" if rep > 1 else "")}
+        for n, p in model.named_parameters() if id(p) in sparse_ids
+    ]
+
+    # Memory of rank 0.
+    params_b = (dense_shard + sparse_shard) * F32
+    if cfg.train.embedding_optimizer == "rowwise_adagrad":
+        sparse_opt = table_rows_shard * F32
+    else:
+        sparse_opt = 2 * sparse_shard * F32
+    optimizer_b = 2 * dense_shard * F32 + sparse_opt
+    full_units = [u["params"] for u in unit_rows]
+    gathered_b = 0
+    if world > 1:  # one running + one prefetched unit gathered, the last block kept, one unit's fp32 grads
+        gathered_b = param_dtype * (2 * max(full_units) + full_units[-2]) + F32 * max(full_units)
+    mean_len, len_how = mean_history_length(source, cfg)
+    tokens = cfg.data.batch_size * mean_len
+    act_b = activation_bytes(cfg, tokens, cfg.data.batch_size, param_dtype)
+    memory = {"params": params_b, "grads": params_b, "optimizer": optimizer_b, "gathered_params": gathered_b,
+              "activations_estimate": act_b}
+    memory["total"] = sum(memory.values())
+
+    # Communication of one rank per step (bytes on the wire, ring algorithms).
+    comm = []
+    if shard > 1:
+        frac = (shard - 1) / shard
+        resharded = sum(full_units[:-2])  # the last block and the root stay gathered after forward
+        tier = _tier(list(range(shard)), topo.gpus_per_node, topo.nodes_per_zone)
+        comm.append({"collective": "all-gather (forward)", "group": f"dp_shard ({shard})", "tier": tier,
+                     "bytes": int(frac * sum(full_units) * param_dtype)})
+        comm.append({"collective": "all-gather (backward re-gather)", "group": f"dp_shard ({shard})", "tier": tier,
+                     "bytes": int(frac * resharded * param_dtype)})
+        comm.append({"collective": "reduce-scatter (gradients, fp32)", "group": f"dp_shard ({shard})", "tier": tier,
+                     "bytes": int(frac * sum(full_units) * F32)})
+    if rep > 1:
+        replica = list(range(0, rep * shard, shard))
+        comm.append({"collective": "all-reduce (gradient shards, fp32)", "group": f"dp_replicate ({rep})",
+                     "tier": _tier(replica, topo.gpus_per_node, topo.nodes_per_zone),
+                     "bytes": int(2 * (rep - 1) / rep * sum(u["shard_params"] for u in unit_rows) * F32)})
+
+    return {
+        "world_size": world, "dp_replicate": rep, "dp_shard": shard, "layout": cfg.parallel.name,
+        "gpus_per_node": topo.gpus_per_node, "nodes_per_zone": topo.nodes_per_zone,
+        "model": cfg.model.name, "dense_params": sum(p.numel() for p in model.dense_parameters()),
+        "embedding_params": sum(p.numel() for p in model.sparse_parameters()),
+        "param_dtype_bytes": param_dtype, "local_batch": cfg.data.batch_size,
+        "mean_history_length": mean_len, "mean_history_length_from": len_how,
+        "groups": _groups(rep, shard, topo.gpus_per_node, topo.nodes_per_zone),
+        "units": unit_rows, "tables": tables, "memory_bytes_rank0": memory, "communication_per_step": comm,
+    }
