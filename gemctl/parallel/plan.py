@@ -37,9 +37,11 @@ def _shard_numel(shape: torch.Size, shards: int) -> int:
 
 
 def meta_model(cfg, spec):
-    import torchrec  # noqa: F401  (imported outside the meta context: its import runs tensor code)
+    import importlib
 
     from gemctl.model import build_model
+
+    importlib.import_module("torchrec")  # outside the meta context: importing it runs tensor code
 
     with torch.device("meta"):
         return build_model(cfg.model, spec, device=torch.device("meta"))
