@@ -105,13 +105,13 @@ def summary_table(cfg, result) -> Table:
     if perf.get("world_size", 1) > 1:
         table.add_row("ranks (layout)", f"{perf['world_size']} ({cfg.parallel.name})")
         table.add_row("QPS per rank", f"{perf['qps_per_rank']:,.1f}")
-        if perf.get("scaling_ratio") is not None:
-            table.add_row("Local MFU (1-rank baseline)", f"{100 * perf['local_mfu']:.2f}%")
-            table.add_row("Scaling Ratio", f"{perf['scaling_ratio']:.4f}")
-            table.add_row("E2E MFU (= Local x Scaling)", f"{100 * perf['e2e_mfu']:.2f}%")
-        else:
-            table.add_row("E2E MFU", f"{100 * perf['e2e_mfu']:.2f}%")
-            table.add_row("Local MFU, Scaling Ratio", "set metrics.scaling_baseline_steps (1-rank baseline)")
+    if perf.get("scaling_ratio") is not None:
+        table.add_row("Local MFU (1-rank baseline)", f"{100 * perf['local_mfu']:.2f}%")
+        table.add_row("Scaling Ratio", f"{perf['scaling_ratio']:.4f}")
+        table.add_row("E2E MFU (= Local x Scaling)", f"{100 * perf['e2e_mfu']:.2f}%")
+    elif perf.get("world_size", 1) > 1:
+        table.add_row("E2E MFU", f"{100 * perf['e2e_mfu']:.2f}%")
+        table.add_row("Local MFU, Scaling Ratio", "set metrics.scaling_baseline_steps (1-rank baseline)")
     else:
         table.add_row("Local MFU", f"{100 * perf['local_mfu']:.2f}%")
     table.add_row("peak used", perf["peak"])

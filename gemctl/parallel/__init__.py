@@ -12,8 +12,9 @@ from gemctl.parallel.mesh import ParallelContext, init_parallel
 
 
 def parallelize(model, ctx: ParallelContext, precision_cfg, device):
-    """Apply the layout of ``ctx`` to ``model`` (in place); a single rank is left as it is."""
-    if ctx.world_size > 1:
+    """Apply the layout of ``ctx`` to ``model`` (in place); a process outside torchrun is left as
+    it is."""
+    if ctx.sharded:
         apply_fsdp(model, ctx.mesh, precision_cfg, device)
     return model
 

@@ -30,7 +30,7 @@ class ParallelContext:
 
     def describe(self) -> str:
         if self.world_size == 1:
-            return "1 rank"
+            return "1 rank" + (" (FSDP2 over one rank)" if self.sharded else "")
         return f"{self.world_size} ranks: dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard}"
 
     def sum(self, values: list[float], device) -> list[float]:
@@ -49,20 +49,29 @@ class ParallelContext:
         dist.all_reduce(out)
         return out / self.world_size
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the layout is applied (a mesh exists): any torchrun job, even of one rank."""
+        return self.mesh is not None
+
     def close(self, graceful: bool = True) -> None:
         """Leave the process group. Graceful: all ranks first meet at a barrier, so no rank tears
         its group down while another still uses it. After a failure no barrier: the other ranks
         may never arrive."""
-        if self.world_size > 1 and dist.is_initialized():
+        if self.sharded and dist.is_initialized():
             if graceful:
                 dist.barrier()
             dist.destroy_process_group()
 
 
 def init_parallel(cfg, device_type: str) -> ParallelContext:
-    """Join the job's process group and build its mesh (world size from torchrun's environment)."""
+    """Join the job's process group and build its mesh (world size from torchrun's environment).
+
+    A process not started by torchrun is one rank without a group. Under torchrun even one rank
+    gets its group and mesh, so the layout's code path (FSDP2 over one rank) runs, and can be
+    measured, on a single GPU."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
+    if world == 1 and "LOCAL_RANK" not in os.environ:
         return ParallelContext()
     from torch.distributed.device_mesh import init_device_mesh
 

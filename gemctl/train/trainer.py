@@ -81,7 +81,7 @@ class Trainer:
         self.source = source or build_source(cfg.data, cfg.shuffle, self.ctx.world_size, self.ctx.rank)
         self.spec = self.source.spec
         self.local_baseline = None
-        if self.ctx.world_size > 1 and cfg.metrics.scaling_baseline_steps:
+        if self.ctx.sharded and cfg.metrics.scaling_baseline_steps:
             self.local_baseline = self._local_baseline(cfg.metrics.scaling_baseline_steps)
             seed_everything(cfg.train.seed, cfg.train.deterministic, self.device)  # same init on every rank
         self.model = build_model(cfg.model, self.spec, device=self.device)
@@ -196,7 +196,7 @@ class Trainer:
         sink = JsonlSink(run.path / "metrics.jsonl" if run else None)
         self._say(f"run directory: {run.path if run else '-'}")
         self._say(f"device: {mfu_lib.device_name(self.device)}; peak for MFU: {self.peak.describe()}")
-        if ctx.world_size > 1:
+        if ctx.sharded:
             self._say(f"layout '{cfg.parallel.name}': {ctx.describe()}, local batch {cfg.data.batch_size}")
         if self.device.type != "cuda" and cfg.precision.compute_dtype != "fp32":
             self._say(f"precision '{cfg.precision.name}': autocast applies on CUDA only; this run computes in fp32")
@@ -347,6 +347,7 @@ class _Window:
             "tokens_per_s": self.tokens / seconds,
             "model_tflops": self.flops / seconds / 1e12,
             "local_mfu": mfu_lib.mfu(self.flops, compute, peak),
+            "e2e_mfu": mfu_lib.e2e_mfu(self.flops, 1, seconds, peak),
             "wall_mfu": mfu_lib.mfu(self.flops, seconds, peak),
             "attention_flop_share": self.attention_flops / self.flops if self.flops else 0.0,
             "data_wait_ms_per_step": 1e3 * self.data_wait / steps,
