@@ -137,6 +137,25 @@ def test_plan_cli(tmp_path):
                                   "parallel.topology.gpus_per_node=8")
 
 
+def test_fp32_layers_keep_fp32_parameters_under_fsdp():
+    """bf16 gathering on CUDA, except units holding an fp32 layer of the recipe (the task heads in
+    the bf16 recipe run outside autocast and need fp32 weights)."""
+    import torch
+
+    from gemctl.data.source import build_source
+    from gemctl.parallel.dense import unit_param_dtypes
+    from gemctl.parallel.plan import meta_model
+    from gemctl.precision.rules import resolve_formats
+
+    cfg = compose(["precision=bf16", "precision.rules=[{match: 'tower.layers.1.mlp*', format: fp32}]"])
+    model = meta_model(cfg, build_source(cfg.data, cfg.shuffle).spec)
+    formats = resolve_formats(model, cfg.precision, cfg.model.num_layers)
+    dtypes = unit_param_dtypes(model, formats, "cuda", "bf16")
+    assert dtypes["tower.layers.1"] == torch.float32 and dtypes["tower.layers.0"] == torch.bfloat16
+    assert dtypes["cross"] == torch.bfloat16
+    assert set(unit_param_dtypes(model, formats, "cpu", "bf16").values()) == {torch.float32}
+
+
 def test_torchrun_command_static_rendezvous():
     from pathlib import Path
 

@@ -11,11 +11,11 @@ from gemctl.parallel.dense import apply_fsdp
 from gemctl.parallel.mesh import ParallelContext, init_parallel
 
 
-def parallelize(model, ctx: ParallelContext, precision_cfg, device):
+def parallelize(model, ctx: ParallelContext, precision_cfg, device, formats: dict[str, str]):
     """Apply the layout of ``ctx`` to ``model`` (in place); a process outside torchrun is left as
     it is."""
     if ctx.sharded:
-        apply_fsdp(model, ctx.mesh, precision_cfg, device)
+        apply_fsdp(model, ctx.mesh, precision_cfg, device, formats)
     return model
 
 

@@ -4,7 +4,8 @@ feature tokens and, for now, the embedding tables, sharded by rows like any para
 
 On a 1-D layout (dp_replicate = 1) this is FSDP over dp_shard; on a 2-D mesh it is HSDP: shard
 inside each dp_shard group, all-reduce gradients across the dp_replicate groups. On CUDA with
-bf16 compute, parameters are gathered in bf16 and gradients reduced in fp32; CPU runs fp32.
+bf16 compute, parameters are gathered in bf16 and gradients reduced in fp32, except in units that
+hold an fp32 layer of the precision recipe; CPU runs fp32.
 """
 
 from __future__ import annotations
@@ -18,13 +19,36 @@ def dense_blocks(model):
     return [model.cross, *model.tower.layers, model.pma, model.interaction, model.heads]
 
 
-def apply_fsdp(model, mesh, precision_cfg, device) -> None:
+def unit_param_dtypes(model, formats: dict[str, str], device_type: str, compute_dtype: str) -> dict[str, torch.dtype]:
+    """Gathered-parameter dtype per FSDP unit ('root' for the rest): bf16 where the unit computes
+    in bf16 on CUDA; fp32 where any of its modules is an fp32 layer of the precision recipe (its
+    forward runs outside autocast and needs fp32 weights), and on CPU."""
+    names = {id(m): n for n, m in model.named_modules()}
+    units = {names[id(b)]: b for b in dense_blocks(model)}
+    low = device_type == "cuda" and compute_dtype == "bf16"
+
+    def owner(path: str) -> str:
+        return next((u for u in units if path == u or path.startswith(u + ".")), "root")
+
+    dtypes = {u: torch.bfloat16 if low else torch.float32 for u in [*units, "root"]}
+    for path, fmt in formats.items():
+        if fmt == "fp32":
+            dtypes[owner(path)] = torch.float32
+    return dtypes
+
+
+def apply_fsdp(model, mesh, precision_cfg, device, formats: dict[str, str]) -> None:
     mesh = mesh if mesh.size(0) > 1 else mesh["dp_shard"]
-    policy = MixedPrecisionPolicy()
-    if device.type == "cuda" and precision_cfg.compute_dtype == "bf16":
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    dtypes = unit_param_dtypes(model, formats, device.type, precision_cfg.compute_dtype)
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def policy(unit: str) -> MixedPrecisionPolicy:
+        if dtypes[unit] == torch.float32:
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=dtypes[unit], reduce_dtype=torch.float32, cast_forward_inputs=False)
+
     blocks = dense_blocks(model)
     for i, block in enumerate(blocks):
         # The last block's parameters are needed right away by the backward: keep them gathered.
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy(names[id(block)]), reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=policy("root"))

@@ -86,7 +86,7 @@ class Trainer:
             seed_everything(cfg.train.seed, cfg.train.deterministic, self.device)  # same init on every rank
         self.model = build_model(cfg.model, self.spec, device=self.device)
         self.formats = apply_precision(self.model, cfg.precision, cfg.model.num_layers, self.device.type)
-        parallelize(self.model, self.ctx, cfg.precision, self.device)
+        parallelize(self.model, self.ctx, cfg.precision, self.device, self.formats)
         # This rank's parameter bytes as stored between steps (FSDP2 keeps the root and the last
         # block gathered after a forward, so this is measured before any).
         self.param_bytes = sum(local_tensor(p).numel() * p.element_size() for p in self.model.parameters())
