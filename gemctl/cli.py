@@ -107,7 +107,8 @@ def summary_table(cfg, result) -> Table:
         table.add_row("QPS per rank", f"{perf['qps_per_rank']:,.1f}")
     if perf.get("scaling_ratio") is not None:
         table.add_row("Local MFU (1-rank baseline)", f"{100 * perf['local_mfu']:.2f}%")
-        table.add_row("Scaling Ratio", f"{perf['scaling_ratio']:.4f}")
+        note = " (> 1: the baseline ran slower than the job; give it more steps)" if perf["scaling_ratio"] > 1.05 else ""
+        table.add_row("Scaling Ratio", f"{perf['scaling_ratio']:.4f}{note}")
         table.add_row("E2E MFU (= Local x Scaling)", f"{100 * perf['e2e_mfu']:.2f}%")
     elif perf.get("world_size", 1) > 1:
         table.add_row("E2E MFU", f"{100 * perf['e2e_mfu']:.2f}%")

@@ -142,23 +142,27 @@ class Trainer:
         return out
 
     def _local_baseline(self, steps: int) -> dict | None:
-        """Rank 0 trains an unsharded copy on its own next ``steps`` local batches, alone (one
-        warm-up step first, batches on the device before timing); the other ranks wait. Returns
-        its model FLOP/s: the single-rank throughput the Scaling Ratio divides by."""
+        """Rank 0 trains an unsharded copy on its own local batches, alone: the job's
+        train.warmup_timing_steps untimed (kernel tuning, caches), then ``steps`` timed, batches
+        on the device before timing; the other ranks wait. Returns its model FLOP/s: the
+        single-rank throughput the Scaling Ratio divides by."""
         result = None
         if self.ctx.is_main:
-            self._say(f"scaling baseline: {steps} steps of one unsharded rank at local batch {self.cfg.data.batch_size}")
+            warm = self.cfg.train.warmup_timing_steps
+            self._say(f"scaling baseline: {warm} + {steps} steps of one unsharded rank at local batch {self.cfg.data.batch_size}")
             single = Trainer(self.cfg, ctx=ParallelContext(local_rank=self.ctx.local_rank), source=self.source)
             loader = TrainLoader(self.source, self.cfg.data, self.device)
             try:
-                batches = [next(loader) for _ in range(steps + 1)]
+                batches = [next(loader) for _ in range(warm + steps)]
             finally:
                 loader.close()
-            single.train_step(batches[0])
-            flops = sum(gem_flops(self.cfg.model, self.spec, b.seq_lengths_cpu()).train_total for b in batches[1:])
+            for batch in batches[:warm]:
+                single.train_step(batch)
+            batches = batches[warm:]
+            flops = sum(gem_flops(self.cfg.model, self.spec, b.seq_lengths_cpu()).train_total for b in batches)
             self._sync()
             t0 = time.perf_counter()
-            for batch in batches[1:]:
+            for batch in batches:
                 single.train_step(batch)
             self._sync()
             seconds = time.perf_counter() - t0
