@@ -27,12 +27,19 @@ def _compose(args):
     from gemctl.config.validate import validate
 
     cfg = compose(args.overrides, recipe=args.recipe)
-    validate(cfg)
+    # A Slurm job runs on other machines: this one needs no CUDA device to submit it.
+    validate(cfg, check_device=cfg.launcher.kind != "slurm")
     return cfg
 
 
 def cmd_train(args, console: Console) -> int:
     cfg = _compose(args)
+    if args.dry_run and cfg.launcher.kind != "slurm":
+        raise UserError("--dry-run: only launcher=slurm has a job script to print")
+    if cfg.launcher.kind == "slurm":
+        from gemctl.launch import slurm
+
+        return slurm.dry_run(cfg, console) if args.dry_run else slurm.submit(cfg, console)
     if cfg.launcher.kind == "torchrun":
         from gemctl.launch.torchrun import launch
 
@@ -234,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=small train.steps=100")
 
     p = sub.add_parser("train", help="train a model")
+    p.add_argument("--dry-run", action="store_true", help="launcher=slurm: print the job script, submit nothing")
     with_overrides(p)
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("profile", help="profile training steps: time and MFU by category")

@@ -62,6 +62,7 @@ def test_discovery_found_the_known_files():
 COMPANIONS = {
     ("launcher", "torchrun"): ["parallel=fsdp"],
     ("parallel", "hsdp"): ["launcher=torchrun", "launcher.nproc_per_node=8", "launcher.nnodes=2"],
+    ("launcher", "slurm"): ["parallel=hsdp"],
 }
 
 

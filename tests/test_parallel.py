@@ -180,3 +180,47 @@ def test_mis_sized_layout_fails_before_launch(tmp_path):
         "parallel.dp_replicate=-1 cannot fill it"
     ]
     assert not os.listdir(tmp_path)  # nothing written
+
+
+def test_slurm_dry_run_prints_the_job_script(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "gemctl", "train", "--dry-run", "launcher=slurm", "launcher.nnodes=4",
+         "launcher.partition=gpu", "launcher.account=ads", "launcher.time_min=120", "launcher.cpus_per_task=64",
+         "launcher.rdzv_port=29600", "parallel=hsdp", "train.device=cuda", f"run.output_dir={tmp_path}",
+         "run.name=sweep1"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.splitlines()
+    run_dir = out[0].split(": ", 1)[1]
+    assert run_dir.startswith(str(tmp_path / "sweep1"))
+    sbatch = [ln for ln in out if ln.startswith("#SBATCH")]
+    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --partition=gpu", "#SBATCH --account=ads", "#SBATCH --time=120",
+                 "#SBATCH --cpus-per-task=64", "#SBATCH --job-name=gemctl-sweep1",
+                 f"#SBATCH --output={run_dir}/slurm/%j_0_log.out"):
+        assert line in sbatch, line
+    srun = next(ln for ln in out if ln.startswith("srun "))
+    assert srun.endswith(f"-u -m submitit.core._submit {run_dir}/slurm")
+    node = out[-1].split()
+    assert node[1:] == ["-m", "torch.distributed.run", "--nproc_per_node=8", "--nnodes=4", "--max_restarts=0",
+                        "--node_rank=$SLURM_NODEID", "--master_addr=<first", "host", "of", "$SLURM_JOB_NODELIST>",
+                        "--master_port=29600", "-m", "gemctl.launch.worker", f"{run_dir}/config.yaml"]
+    assert not os.listdir(tmp_path)  # a dry run writes nothing
+
+
+def test_slurm_without_slurm_fails_cleanly(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "gemctl", "train", "launcher=slurm", "parallel=hsdp",
+                           f"run.output_dir={tmp_path}"], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PATH="/nonexistent:" + os.path.dirname(sys.executable)))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("gemctl: error: launcher=slurm: no Slurm on this machine (sbatch not found); "
+                                   "add --dry-run to print the job script instead")
+    assert not os.listdir(tmp_path)
+
+
+def test_dry_run_needs_slurm():
+    proc = subprocess.run([sys.executable, "-m", "gemctl", "train", "--dry-run"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert "only launcher=slurm has a job script" in proc.stderr

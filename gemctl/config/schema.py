@@ -138,7 +138,8 @@ class ShuffleConfig:
 @dataclass
 class LauncherConfig:
     """local: this process, one rank. torchrun: the same resolved config on every rank of
-    nnodes x nproc_per_node processes (torch.distributed.run), one run directory for all."""
+    nnodes x nproc_per_node processes (torch.distributed.run), one run directory for all.
+    slurm: a batch job of nnodes nodes, one task per node running torchrun (gemctl.launch.slurm)."""
 
     name: str = "local"
     kind: str = "local"  # local | torchrun
@@ -147,6 +148,15 @@ class LauncherConfig:
     node_rank: int = 0  # torchrun with a static rendezvous: this node's rank
     rdzv_endpoint: str = "localhost:29500"  # host:port of the rendezvous (node 0)
     max_restarts: int = 0
+    # slurm (through submitit): one task per node, each running torchrun on that node's GPUs.
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    time_min: int = 60  # wall-clock limit in minutes
+    cpus_per_task: Optional[int] = None  # per node (the one task); null: the cluster's default
+    mem: Optional[str] = None  # per node, e.g. 512G
+    rdzv_port: int = 29500  # port on the allocation's first node
 
 
 @dataclass

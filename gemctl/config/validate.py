@@ -16,7 +16,7 @@ DEVICES = ("auto", "cpu", "cuda")
 EMBEDDING_OPTIMIZERS = ("rowwise_adagrad", "adam")
 SHUFFLES = ("none", "bbs")
 SHUFFLE_KEYS = ("tokens", "attention")
-LAUNCHERS = ("local", "torchrun")
+LAUNCHERS = ("local", "torchrun", "slurm")
 SOURCES = ("synthetic", "movielens100k")
 GDPA_ACTIVATIONS = ("gelu", "silu")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
@@ -128,7 +128,7 @@ def validate(cfg, check_device: bool = True) -> None:
 
 def world_size(cfg) -> int:
     """Ranks the launcher starts: 1 in-process, nnodes x nproc_per_node under torchrun."""
-    if cfg.launcher.kind == "torchrun":
+    if cfg.launcher.kind in ("torchrun", "slurm"):
         return cfg.launcher.nnodes * cfg.launcher.nproc_per_node
     return 1
 
@@ -180,6 +180,12 @@ def validate_layout(cfg) -> None:
             raise ConfigError("launcher.node_rank", f"must be in [0, launcher.nnodes={launcher.nnodes}), got {launcher.node_rank}")
         if not re.fullmatch(r"[^:\s]+:\d+", launcher.rdzv_endpoint):
             raise ConfigError("launcher.rdzv_endpoint", f"must be host:port, got '{launcher.rdzv_endpoint}'")
+    if launcher.kind == "slurm":
+        _positive(cfg, "launcher.time_min")
+        if not 1 <= launcher.rdzv_port <= 65535:
+            raise ConfigError("launcher.rdzv_port", f"must be a port in [1, 65535], got {launcher.rdzv_port}")
+        if launcher.cpus_per_task is not None:
+            _positive(cfg, "launcher.cpus_per_task")
     _positive(cfg, "parallel.topology.gpus_per_node")
     _positive(cfg, "parallel.topology.nodes_per_zone", allow_zero=True)
     if par.ep != 1:

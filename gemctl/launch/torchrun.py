@@ -18,16 +18,19 @@ from omegaconf import OmegaConf
 from gemctl.metrics.sinks import RunDir
 
 
-def torchrun_command(cfg, config_path: Path) -> list[str]:
-    """The exact command line: standalone rendezvous on one node, a static one across nodes."""
+def torchrun_command(cfg, config_path: Path, node_rank=None, endpoint: str | None = None,
+                     python: str = sys.executable) -> list[str]:
+    """The exact command line: standalone rendezvous on one node, a static one across nodes
+    (node rank and host:port from the launcher config unless given, as a Slurm task does)."""
     launcher = cfg.launcher
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={launcher.nproc_per_node}",
+    cmd = [python, "-m", "torch.distributed.run", f"--nproc_per_node={launcher.nproc_per_node}",
            f"--nnodes={launcher.nnodes}", f"--max_restarts={launcher.max_restarts}"]
     if launcher.nnodes == 1:
         cmd.append("--standalone")  # a free local port: parallel jobs on one machine do not collide
     else:
-        host, port = launcher.rdzv_endpoint.rsplit(":", 1)
-        cmd += [f"--node_rank={launcher.node_rank}", f"--master_addr={host}", f"--master_port={port}"]
+        host, port = (endpoint or launcher.rdzv_endpoint).rsplit(":", 1)
+        node_rank = launcher.node_rank if node_rank is None else node_rank
+        cmd += [f"--node_rank={node_rank}", f"--master_addr={host}", f"--master_port={port}"]
     return cmd + ["-m", "gemctl.launch.worker", str(config_path)]
 
 
