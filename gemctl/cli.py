@@ -1,6 +1,6 @@
 """`gemctl` verbs. Thin: parse, compose, validate, hand over.
 
-    gemctl train [--recipe NAME|FILE] [overrides...]
+    gemctl train [--recipe NAME|FILE] [-m] [--dry-run] [overrides...]
     gemctl plan [--world N] [--json] [--recipe NAME|FILE] [overrides...]
     gemctl config show|validate [--recipe NAME|FILE] [overrides...]
     gemctl recipes list | show NAME | cp NAME DEST
@@ -33,6 +33,12 @@ def _compose(args):
 
 
 def cmd_train(args, console: Console) -> int:
+    if args.multirun:
+        if args.dry_run:
+            raise UserError("--dry-run: not with -m (a multirun runs its jobs here)")
+        from gemctl.launch.multirun import run_sweep
+
+        return run_sweep(args.overrides, args.recipe, console)
     cfg = _compose(args)
     if args.dry_run and cfg.launcher.kind != "slurm":
         raise UserError("--dry-run: only launcher=slurm has a job script to print")
@@ -242,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a model")
     p.add_argument("--dry-run", action="store_true", help="launcher=slurm: print the job script, submit nothing")
+    p.add_argument("-m", "--multirun", action="store_true", help="one run per combination of sweep overrides (a=1,2)")
     with_overrides(p)
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("profile", help="profile training steps: time and MFU by category")

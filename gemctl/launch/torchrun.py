@@ -34,9 +34,10 @@ def torchrun_command(cfg, config_path: Path, node_rank=None, endpoint: str | Non
     return cmd + ["-m", "gemctl.launch.worker", str(config_path)]
 
 
-def launch(cfg, console) -> tuple[int, Path]:
-    """Run the job; returns torchrun's exit code and the run directory."""
-    run = RunDir.create(cfg.run.output_dir, cfg.run.name)
+def launch(cfg, console, run_dir: Path | None = None) -> tuple[int, Path]:
+    """Run the job (in ``run_dir``, or a fresh run directory); returns torchrun's exit code and
+    the run directory."""
+    run = RunDir(Path(run_dir)) if run_dir is not None else RunDir.create(cfg.run.output_dir, cfg.run.name)
     config_path = run.write_text("config.yaml", OmegaConf.to_yaml(cfg))
     cmd = torchrun_command(cfg, config_path)
     env = dict(os.environ, GEMCTL_RUN_DIR=str(run.path))
