@@ -291,6 +291,10 @@ def test_kernel_backends_reach_the_model():
     (["launcher=torchrun", "parallel=fsdp", "launcher.rdzv_endpoint=nohost"], "launcher.rdzv_endpoint", "host:port"),
     (["launcher=torchrun", "parallel=fsdp", "launcher.nnodes=2", "launcher.node_rank=2"], "launcher.node_rank",
      "must be in [0, launcher.nnodes=2)"),
+    (["parallel.sparse.sharding=torchrec"], "parallel.sparse.sharding", "needs launcher=torchrun or launcher=slurm"),
+    (["launcher=torchrun", "parallel=fsdp", "parallel.sparse.sharding=torchrec", "train.embedding_optimizer=adam"],
+     "train.embedding_optimizer", "allowed: rowwise_adagrad"),
+    (["parallel.sparse.sharding_types=[grid_wise]"], "parallel.sparse.sharding_types[0]", "'grid_wise' is not allowed"),
 ])
 def test_mis_sized_layouts(overrides, field, words):
     err = _error(overrides)

@@ -75,6 +75,17 @@ class TopologyConfig:
 
 
 @dataclass
+class SparseParallelConfig:
+    """Embedding tables under a distributed layout. fsdp: row shards of FSDP2 like any parameter
+    (all-gathered for the lookup). torchrec: DistributedModelParallel shards the tables, the
+    planner choosing per table among ``sharding_types``, lookups by all-to-all, row-wise Adagrad
+    fused into the backward (fbgemm)."""
+
+    sharding: str = "fsdp"  # fsdp | torchrec
+    sharding_types: List[str] = field(default_factory=lambda: ["table_wise", "row_wise"])
+
+
+@dataclass
 class ParallelConfig:
     """Dense data-parallel layout over the world: dp_replicate x dp_shard ranks (2-D FSDP/HSDP).
 
@@ -86,6 +97,7 @@ class ParallelConfig:
     dp_replicate: int = 1
     dp_shard: int = 1
     ep: int = 1  # expert-parallel degree (needs an MoE model; not in this version: 1)
+    sparse: SparseParallelConfig = field(default_factory=SparseParallelConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
 
 

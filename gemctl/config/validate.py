@@ -20,6 +20,8 @@ LAUNCHERS = ("local", "torchrun", "slurm")
 SOURCES = ("synthetic", "movielens100k")
 GDPA_ACTIVATIONS = ("gelu", "silu")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
+SPARSE_SHARDINGS = ("fsdp", "torchrec")
+SPARSE_SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
 
 
 def _positive(cfg, path: str, allow_zero: bool = False) -> None:
@@ -188,6 +190,18 @@ def validate_layout(cfg) -> None:
             _positive(cfg, "launcher.cpus_per_task")
     _positive(cfg, "parallel.topology.gpus_per_node")
     _positive(cfg, "parallel.topology.nodes_per_zone", allow_zero=True)
+    _one_of(par.sparse.sharding, SPARSE_SHARDINGS, "parallel.sparse.sharding")
+    if not par.sparse.sharding_types:
+        raise ConfigError("parallel.sparse.sharding_types", f"give at least one of {', '.join(SPARSE_SHARDING_TYPES)}")
+    for i, kind in enumerate(par.sparse.sharding_types):
+        _one_of(kind, SPARSE_SHARDING_TYPES, f"parallel.sparse.sharding_types[{i}]")
+    if par.sparse.sharding == "torchrec":
+        if launcher.kind == "local":
+            raise ConfigError("parallel.sparse.sharding", "torchrec shards the tables across ranks; it needs "
+                              "launcher=torchrun or launcher=slurm (launcher=local runs one process)")
+        if cfg.train.embedding_optimizer != "rowwise_adagrad":
+            raise ConfigError("train.embedding_optimizer", "parallel.sparse.sharding=torchrec fuses row-wise Adagrad "
+                              "into the backward; allowed: rowwise_adagrad")
     if par.ep != 1:
         raise ConfigError("parallel.ep", f"expert parallelism needs an MoE model, which this version does not have; allowed: 1, got {par.ep}")
     world = world_size(cfg)

@@ -37,7 +37,7 @@ def unit_param_dtypes(model, formats: dict[str, str], device_type: str, compute_
     return dtypes
 
 
-def apply_fsdp(model, mesh, precision_cfg, device, formats: dict[str, str]) -> None:
+def apply_fsdp(model, mesh, precision_cfg, device, formats: dict[str, str], ignored_params=None) -> None:
     mesh = mesh if mesh.size(0) > 1 else mesh["dp_shard"]
     dtypes = unit_param_dtypes(model, formats, device.type, precision_cfg.compute_dtype)
     names = {id(m): n for n, m in model.named_modules()}
@@ -51,4 +51,5 @@ def apply_fsdp(model, mesh, precision_cfg, device, formats: dict[str, str]) -> N
     for i, block in enumerate(blocks):
         # The last block's parameters are needed right away by the backward: keep them gathered.
         fully_shard(block, mesh=mesh, mp_policy=policy(names[id(block)]), reshard_after_forward=i < len(blocks) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=policy("root"))
+    # Tables sharded by torchrec are left out (ignored_params): they are not replicated dense rows.
+    fully_shard(model, mesh=mesh, mp_policy=policy("root"), ignored_params=ignored_params)

@@ -86,11 +86,13 @@ class Trainer:
             seed_everything(cfg.train.seed, cfg.train.deterministic, self.device)  # same init on every rank
         self.model = build_model(cfg.model, self.spec, device=self.device)
         self.formats = apply_precision(self.model, cfg.precision, cfg.model.num_layers, self.device.type)
-        parallelize(self.model, self.ctx, cfg.precision, self.device, self.formats)
+        self.table_plan, fused_sparse = parallelize(self.model, self.ctx, cfg, self.device, self.formats)
         # This rank's parameter bytes as stored between steps (FSDP2 keeps the root and the last
         # block gathered after a forward, so this is measured before any).
         self.param_bytes = sum(local_tensor(p).numel() * p.element_size() for p in self.model.parameters())
         self.dense_opt, self.sparse_opt = build_optimizers(self.model, cfg.train, self.device)
+        if fused_sparse is not None:  # torchrec tables update in the backward (fused); step() is a no-op
+            self.sparse_opt = fused_sparse
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.dense_opt, lr_lambda(cfg.train))
         self.peak = mfu_lib.resolve_peak(self.device, cfg.metrics.peak_tflops)
         self.run_root = run_root
@@ -202,6 +204,8 @@ class Trainer:
         self._say(f"device: {mfu_lib.device_name(self.device)}; peak for MFU: {self.peak.describe()}")
         if ctx.sharded:
             self._say(f"layout '{cfg.parallel.name}': {ctx.describe()}, local batch {cfg.data.batch_size}")
+        if self.table_plan:
+            self._say("tables (torchrec): " + ", ".join(f"{t} {p['sharding']} {p['ranks']}" for t, p in self.table_plan.items()))
         if self.device.type != "cuda" and cfg.precision.compute_dtype != "fp32":
             self._say(f"precision '{cfg.precision.name}': autocast applies on CUDA only; this run computes in fp32")
         n_dense = sum(p.numel() for p in self.model.dense_parameters())
@@ -274,6 +278,7 @@ class Trainer:
                 raise AssertionError(f"E2E MFU {perf['e2e_mfu']} != Local MFU x Scaling Ratio ({perf})")
         perf.update(
             param_bytes=self.param_bytes,
+            table_plan=self.table_plan,
             train_wall_s=train_wall,
             timed_steps=totals.steps,
             peak=self.peak.describe(),
