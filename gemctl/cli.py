@@ -165,7 +165,10 @@ def cmd_plan(args, console: Console) -> int:
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:,.2f} GiB"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} B"
 
 
 def plan_tables(plan: dict) -> list[Table]:

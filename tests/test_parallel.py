@@ -86,6 +86,9 @@ def test_layout_matches_single_process(tmp_path, nproc, layout, global_batch):
         kind = layout[-1].split("[")[1].rstrip("]")
         assert {t["sharding"] for t in perf["table_plan"].values()} == {kind}
         assert len(perf["table_plan"]) == 5
+        # `gemctl plan` runs the same planner offline: the same placement as the job's.
+        plan = _plan(nproc, layout + ["data.batch_size=8"])
+        assert {t["table"]: t["torchrec"] for t in plan["tables"]} == perf["table_plan"]
         return
     assert perf["table_plan"] is None
     # `gemctl plan` predicts rank 0's parameter bytes exactly (the FSDP2 shards it measured).

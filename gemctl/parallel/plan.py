@@ -103,6 +103,26 @@ def activation_bytes(cfg, tokens: float, batch: int, dtype_bytes: int) -> int:
     return int(dtype_bytes * (tokens * (m.num_layers * per_layer + cross) + pooled))
 
 
+def _ranks_text(ranks: list[int]) -> str:
+    if not ranks:
+        return "all (data-parallel)"
+    return str(ranks) if len(ranks) <= 6 else f"{ranks[:3]} ... {ranks[-2:]} ({len(ranks)})"
+
+
+def offline_table_plan(sparse_arch, cfg, world: int) -> dict:
+    """torchrec's planner for the layout's topology, without a process group: the table plan
+    `gemctl train` would compute on the cluster (up to the measured hardware it queries there)."""
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+
+    from gemctl.parallel.sparse import _constraints, _sharders, plan_tables
+
+    device = "cpu" if cfg.train.device == "cpu" else "cuda"
+    topology = Topology(world_size=world, compute_device=device,
+                        local_world_size=min(world, cfg.parallel.topology.gpus_per_node))
+    planner = EmbeddingShardingPlanner(topology=topology, constraints=_constraints(sparse_arch, cfg.parallel.sparse.sharding_types))
+    return plan_tables(planner.plan(sparse_arch, _sharders(cfg.train, device == "cpu")))
+
+
 def build_plan(cfg, source) -> dict:
     """The plan of ``cfg`` (launcher and layout give the world) as a JSON-able dict."""
     world = world_size(cfg)
@@ -112,7 +132,10 @@ def build_plan(cfg, source) -> dict:
     param_dtype = 2 if on_gpu and cfg.precision.compute_dtype == "bf16" else F32
     model = meta_model(cfg, source.spec)
     sparse_ids = {id(p) for p in model.sparse_parameters()}
+    torchrec = cfg.parallel.sparse.sharding == "torchrec"
     units = fsdp_units(model)
+    if torchrec:  # the tables leave FSDP's root unit
+        units = [(name, [(n, p) for n, p in params if id(p) not in sparse_ids]) for name, params in units]
 
     unit_rows = []
     dense_shard = sparse_shard = table_rows_shard = 0
@@ -133,14 +156,27 @@ def build_plan(cfg, source) -> dict:
          + (f", replicated x{rep}" if rep > 1 else "")}
         for n, p in model.named_parameters() if id(p) in sparse_ids
     ]
+    table_state_b = table_opt_b = 0
+    if torchrec:
+        table_plan = offline_table_plan(model.sparse, cfg, world)
+        for t in tables:
+            entry = table_plan[t["table"]]
+            mine = [sh for sh, r in zip(entry["shards"], entry["ranks"]) if r == 0] if entry["shards"] else (
+                [[0, 0, t["rows"], t["dim"]]] if 0 in entry["ranks"] or not entry["ranks"] else [])
+            table_state_b += sum(rows * cols * F32 for _, _, rows, cols in mine)
+            table_opt_b += sum(rows * F32 for _, _, rows, _ in mine)  # row-wise Adagrad: one fp32 per row
+            t["sharding"] = f"torchrec {entry['sharding']} on ranks {_ranks_text(entry['ranks'])}"
+            t["torchrec"] = entry
 
     # Memory of rank 0.
-    params_b = (dense_shard + sparse_shard) * F32
-    if cfg.train.embedding_optimizer == "rowwise_adagrad":
-        sparse_opt = table_rows_shard * F32
+    if torchrec:  # tables in torchrec's shards; their gradients are fused into the update, never stored
+        params_b = dense_shard * F32 + table_state_b
+        grads_b = dense_shard * F32
+        optimizer_b = 2 * dense_shard * F32 + table_opt_b
     else:
-        sparse_opt = 2 * sparse_shard * F32
-    optimizer_b = 2 * dense_shard * F32 + sparse_opt
+        params_b = grads_b = (dense_shard + sparse_shard) * F32
+        sparse_opt = table_rows_shard * F32 if cfg.train.embedding_optimizer == "rowwise_adagrad" else 2 * sparse_shard * F32
+        optimizer_b = 2 * dense_shard * F32 + sparse_opt
     full_units = [u["params"] for u in unit_rows]
     gathered_b = 0
     if world > 1:  # one running + one prefetched unit gathered, the last block kept, one unit's fp32 grads
@@ -148,7 +184,7 @@ def build_plan(cfg, source) -> dict:
     mean_len, len_how = mean_history_length(source, cfg)
     tokens = cfg.data.batch_size * mean_len
     act_b = activation_bytes(cfg, tokens, cfg.data.batch_size, param_dtype)
-    memory = {"params": params_b, "grads": params_b, "optimizer": optimizer_b, "gathered_params": gathered_b,
+    memory = {"params": params_b, "grads": grads_b, "optimizer": optimizer_b, "gathered_params": gathered_b,
               "activations_estimate": act_b}
     memory["total"] = sum(memory.values())
 
@@ -164,6 +200,14 @@ def build_plan(cfg, source) -> dict:
                      "bytes": int(frac * resharded * param_dtype)})
         comm.append({"collective": "reduce-scatter (gradients, fp32)", "group": f"dp_shard ({shard})", "tier": tier,
                      "bytes": int(frac * sum(full_units) * F32)})
+    if torchrec and world > 1:
+        # Lookups of this rank's batch come from the tables' owners and their gradients go back:
+        # (W-1)/W of the looked-up embeddings each way, fp32 (an estimate: placement-dependent).
+        spec = source.spec
+        looked_up = (tokens * len(spec.seq_features) + cfg.data.batch_size * len(spec.sparse_features)) * cfg.model.embedding_dim
+        comm.append({"collective": "all-to-all (embedding lookups, fwd + bwd)", "group": f"world ({world})",
+                     "tier": _tier(list(range(world)), topo.gpus_per_node, topo.nodes_per_zone),
+                     "bytes": int(2 * (world - 1) / world * looked_up * F32)})
     if rep > 1:
         replica = list(range(0, rep * shard, shard))
         comm.append({"collective": "all-reduce (gradient shards, fp32)", "group": f"dp_replicate ({rep})",
