@@ -63,6 +63,15 @@ def cmd_train(args, console: Console) -> int:
 
 def cmd_profile(args, console: Console) -> int:
     cfg = _compose(args)
+    if cfg.launcher.kind == "slurm":
+        raise UserError("gemctl profile: launcher=slurm is not supported; use launcher=local or torchrun")
+    if cfg.launcher.kind == "torchrun":
+        from gemctl.launch.torchrun import launch
+
+        code, run_dir = launch(cfg, console, mode="profile")
+        if code:
+            console.print(f"torchrun exited with code {code}; run directory: {run_dir}")
+        return code
     from gemctl.profile.runner import profile
     from gemctl.train.trainer import Trainer, prepare_process
 

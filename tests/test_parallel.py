@@ -243,3 +243,25 @@ def test_dry_run_needs_slurm():
                           timeout=120)
     assert proc.returncode == 2
     assert "only launcher=slurm has a job script" in proc.stderr
+
+
+def test_profile_under_torchrun(tmp_path):
+    """`gemctl profile` on 2 gloo ranks: every rank profiles, rank 0 reports the breakdown with
+    communication, straggler wait and the MFU identity."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-m", "gemctl", "profile", "launcher=torchrun", "launcher.nproc_per_node=2",
+                           "parallel=fsdp", "profile.steps=3", "profile.warmup_steps=2", "data.batch_size=16",
+                           f"run.output_dir={tmp_path}"], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (run,) = glob.glob(str(tmp_path / "default-profile" / "*"))
+    files = set(os.listdir(run))
+    assert {"profile.json", "trace-rank0.json", "trace-rank1.json", "breakdown.png", "waterfall.png"} <= files
+    report = json.loads(open(os.path.join(run, "profile.json")).read())
+    assert report["ranks"] == 2 and [r["rank"] for r in report["per_rank"]] == [0, 1]
+    assert report["categories_s"]["communication"] > 0
+    for r in report["per_rank"]:
+        assert 0 <= r["straggler_wait_s"] <= r["communication_s"]
+        assert r["exposed_communication_s"] == pytest.approx(r["communication_s"] - r["straggler_wait_s"])
+    assert report["accounted_s"] == pytest.approx(report["profiled_step_time_s"], rel=0.05)
+    assert report["e2e_mfu"] == pytest.approx(report["local_mfu"] * report["scaling_ratio"], rel=1e-9)

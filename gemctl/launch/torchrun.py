@@ -19,7 +19,7 @@ from gemctl.metrics.sinks import RunDir
 
 
 def torchrun_command(cfg, config_path: Path, node_rank=None, endpoint: str | None = None,
-                     python: str = sys.executable) -> list[str]:
+                     python: str = sys.executable, mode: str = "train") -> list[str]:
     """The exact command line: standalone rendezvous on one node, a static one across nodes
     (node rank and host:port from the launcher config unless given, as a Slurm task does)."""
     launcher = cfg.launcher
@@ -31,15 +31,16 @@ def torchrun_command(cfg, config_path: Path, node_rank=None, endpoint: str | Non
         host, port = (endpoint or launcher.rdzv_endpoint).rsplit(":", 1)
         node_rank = launcher.node_rank if node_rank is None else node_rank
         cmd += [f"--node_rank={node_rank}", f"--master_addr={host}", f"--master_port={port}"]
-    return cmd + ["-m", "gemctl.launch.worker", str(config_path)]
+    return cmd + ["-m", "gemctl.launch.worker"] + (["--profile"] if mode == "profile" else []) + [str(config_path)]
 
 
-def launch(cfg, console, run_dir: Path | None = None) -> tuple[int, Path]:
+def launch(cfg, console, run_dir: Path | None = None, mode: str = "train") -> tuple[int, Path]:
     """Run the job (in ``run_dir``, or a fresh run directory); returns torchrun's exit code and
-    the run directory."""
-    run = RunDir(Path(run_dir)) if run_dir is not None else RunDir.create(cfg.run.output_dir, cfg.run.name)
+    the run directory. ``mode="profile"`` runs `gemctl profile` on every rank instead."""
+    name = cfg.run.name + ("-profile" if mode == "profile" else "")
+    run = RunDir(Path(run_dir)) if run_dir is not None else RunDir.create(cfg.run.output_dir, name)
     config_path = run.write_text("config.yaml", OmegaConf.to_yaml(cfg))
-    cmd = torchrun_command(cfg, config_path)
+    cmd = torchrun_command(cfg, config_path, mode=mode)
     env = dict(os.environ, GEMCTL_RUN_DIR=str(run.path))
     # One intra-op thread per rank unless the user says otherwise (torchrun's default, stated).
     env.setdefault("OMP_NUM_THREADS", "1")

@@ -30,10 +30,15 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_library_logs()
     argv = sys.argv[1:] if argv is None else argv
+    mode = "train"
+    if argv and argv[0] == "--profile":
+        mode, argv = "profile", argv[1:]
     rank = int(os.environ.get("RANK", "0"))
     console = Console() if rank == 0 else None
     try:
         cfg = load_resolved(argv[0])
+        if mode == "profile":
+            return _profile(cfg, console)
         from gemctl.train.trainer import train
 
         result = train(cfg, console=console, run_dir=os.environ.get("GEMCTL_RUN_DIR"))
@@ -45,6 +50,26 @@ def main(argv: list[str] | None = None) -> int:
 
         console.print(summary_table(cfg, result))
         console.print(f"results: {result.run_dir}/summary.json, metrics: {result.run_dir}/metrics.jsonl")
+    return 0
+
+
+def _profile(cfg, console) -> int:
+    from gemctl.profile.runner import profile
+    from gemctl.train.trainer import Trainer, prepare_process
+
+    prepare_process()
+    trainer = Trainer(cfg, console=console)
+    try:
+        report = profile(trainer, console=console, run_dir=os.environ.get("GEMCTL_RUN_DIR"))
+    except BaseException:
+        trainer.ctx.close(graceful=False)
+        raise
+    trainer.ctx.close()
+    if console is not None:
+        from gemctl.cli import profile_table
+
+        console.print(profile_table(report))
+        console.print(f"profile: {report['run_dir']}/profile.json, trace-rank<r>.json, breakdown.png, waterfall.png")
     return 0
 
 

@@ -5,11 +5,16 @@
     profile       the same number of steps under torch.profiler -> breakdown by category/module
     report        rich table, profile.json, trace.json (Chrome), breakdown.png, waterfall.png
 
-MFU decomposition (ARCHITECTURE.md), for one rank:
+MFU decomposition (ARCHITECTURE.md), for the average rank:
     Local MFU     = FLOPs / ((step time - data stall - exposed comm - straggler wait) x peak)
     Scaling Ratio = (step time - data stall - exposed comm - straggler wait) / step time
-    E2E MFU       = FLOPs x ranks / (ranks x step time x peak) = Local MFU x Scaling Ratio
-Single-process runs have no communication and no stragglers; both are reported as 0.
+    E2E MFU       = global FLOPs / (ranks x step time x peak) = Local MFU x Scaling Ratio
+with FLOPs the mean over ranks and the times the means of every rank's own measurement.
+Under torchrun every rank profiles its own steps (trace-rank<r>.json). A rank's communication
+time (collectives in its profile) includes waiting for slower ranks: with work = step time -
+communication - data stall, a rank's straggler wait is (the slowest rank's work - its own work),
+at most its communication time, and the rest of its communication is exposed communication.
+A single process has no communication and no stragglers; both are reported as 0.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import json
 import os
 import resource
 import time
+from pathlib import Path
 
 import torch
 
@@ -59,11 +65,15 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def profile(trainer, out_root: str | None = None, console=None) -> dict:
+def profile(trainer, out_root: str | None = None, console=None, run_dir: str | None = None) -> dict:
     cfg = trainer.cfg
     device = trainer.device
     pcfg = cfg.profile
-    run = RunDir.create(out_root or cfg.run.output_dir, f"{cfg.run.name}-profile")
+    ctx = trainer.ctx
+    if run_dir is not None:  # made by the launcher, shared by every rank
+        run = RunDir(Path(run_dir))
+    else:
+        run = RunDir.create(out_root or cfg.run.output_dir, f"{cfg.run.name}-profile")
     loader = TrainLoader(trainer.source, cfg.data, device)
     handles = _install_module_ranges(trainer.model)
     try:
@@ -104,19 +114,31 @@ def profile(trainer, out_root: str | None = None, console=None) -> dict:
         loader.close()
         for h in handles:
             h.remove()
-    prof.export_chrome_trace(str(run.path / "trace.json"))
+    trace_name = f"trace-rank{ctx.rank}.json" if ctx.sharded else "trace.json"
+    prof.export_chrome_trace(str(run.path / trace_name))
     bd = breakdown(prof.events(), pcfg.steps, device.type)
 
     peak = trainer.peak
-    step_flops = flops / pcfg.steps
-    data_stall = wait / pcfg.steps
-    comm = bd.category_s.get("communication", 0.0)
-    exposed_comm = comm  # one stream: communication is never hidden behind compute here
-    straggler = 0.0  # one rank
+    mine = {"rank": ctx.rank, "step_time_s": measured_s, "data_stall_s": wait / pcfg.steps,
+            "communication_s": bd.category_s.get("communication", 0.0), "flops_per_step": flops / pcfg.steps,
+            "samples_per_step": samples / pcfg.steps}
+    ranks = _gather(ctx, mine)
+    slowest_work = max(r["step_time_s"] - r["communication_s"] - r["data_stall_s"] for r in ranks)
+    for r in ranks:
+        work = r["step_time_s"] - r["communication_s"] - r["data_stall_s"]
+        r["straggler_wait_s"] = min(max(slowest_work - work, 0.0), r["communication_s"])
+        r["exposed_communication_s"] = r["communication_s"] - r["straggler_wait_s"]
+
+    def mean(key):
+        return sum(r[key] for r in ranks) / len(ranks)
+
+    step_flops = mean("flops_per_step")
+    measured_s = mean("step_time_s")
+    data_stall, exposed_comm, straggler = mean("data_stall_s"), mean("exposed_communication_s"), mean("straggler_wait_s")
     compute_s = max(measured_s - data_stall - exposed_comm - straggler, 1e-12)
     local = mfu_lib.mfu(step_flops, compute_s, peak)
     scaling = compute_s / measured_s
-    e2e = mfu_lib.e2e_mfu(step_flops, 1, measured_s, peak)
+    e2e = mfu_lib.e2e_mfu(step_flops * len(ranks), len(ranks), measured_s, peak)
     gemm_flops = (flops - attention_flops) / pcfg.steps
     attn_flops = attention_flops / pcfg.steps
     cat = bd.category_s
@@ -135,7 +157,9 @@ def profile(trainer, out_root: str | None = None, console=None) -> dict:
         "steps": pcfg.steps,
         "step_time_s": measured_s,
         "profiled_step_time_s": profiled_s,
-        "qps": samples / pcfg.steps / measured_s,
+        "ranks": len(ranks),
+        "per_rank": ranks,
+        "qps": sum(r["samples_per_step"] for r in ranks) / measured_s,
         "model_tflops_per_step": step_flops / 1e12,
         "local_mfu": local,
         "scaling_ratio": scaling,
@@ -157,13 +181,25 @@ def profile(trainer, out_root: str | None = None, console=None) -> dict:
         "modules_s": bd.module_s,
         "waterfall": _waterfall(cat, idle, gemm_flops, attn_flops, peak.tflops * 1e12),
     }
+    report["run_dir"] = str(run.path)
+    if not ctx.is_main:  # rank 0 writes the report (its own categories; every rank's times)
+        return report
     run.write_text("profile.json", json.dumps(report, indent=1))
     from gemctl.profile.plots import plot_breakdown, plot_waterfall
 
     plot_breakdown(report, run.path / "breakdown.png")
     plot_waterfall(report, run.path / "waterfall.png")
-    report["run_dir"] = str(run.path)
     return report
+
+
+def _gather(ctx, mine: dict) -> list[dict]:
+    if ctx.world_size == 1:
+        return [mine]
+    import torch.distributed as dist
+
+    out: list = [None] * ctx.world_size
+    dist.all_gather_object(out, mine)
+    return out
 
 
 def _waterfall(cat: dict, idle: float, gemm_flops: float, attn_flops: float, peak: float) -> list[tuple[str, float]]:
