@@ -264,4 +264,5 @@ def test_profile_under_torchrun(tmp_path):
         assert 0 <= r["straggler_wait_s"] <= r["communication_s"]
         assert r["exposed_communication_s"] == pytest.approx(r["communication_s"] - r["straggler_wait_s"])
     assert report["accounted_s"] == pytest.approx(report["profiled_step_time_s"], rel=0.05)
+    assert report["straggler_skew"]["work_time"] >= 1 and report["straggler_skew"]["flops"] >= 1
     assert report["e2e_mfu"] == pytest.approx(report["local_mfu"] * report["scaling_ratio"], rel=1e-9)

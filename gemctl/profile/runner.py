@@ -132,6 +132,11 @@ def profile(trainer, out_root: str | None = None, console=None, run_dir: str | N
     def mean(key):
         return sum(r[key] for r in ranks) / len(ranks)
 
+    works = [r["step_time_s"] - r["communication_s"] - r["data_stall_s"] for r in ranks]
+    flops_all = [r["flops_per_step"] for r in ranks]
+    skew = {"work_time": max(works) / (sum(works) / len(works)) if sum(works) > 0 else 1.0,
+            "flops": max(flops_all) / (sum(flops_all) / len(flops_all)) if sum(flops_all) > 0 else 1.0}
+
     step_flops = mean("flops_per_step")
     measured_s = mean("step_time_s")
     data_stall, exposed_comm, straggler = mean("data_stall_s"), mean("exposed_communication_s"), mean("straggler_wait_s")
@@ -159,6 +164,7 @@ def profile(trainer, out_root: str | None = None, console=None, run_dir: str | N
         "profiled_step_time_s": profiled_s,
         "ranks": len(ranks),
         "per_rank": ranks,
+        "straggler_skew": skew,  # max / mean over ranks: measured work time, and FLOPs from lengths
         "qps": sum(r["samples_per_step"] for r in ranks) / measured_s,
         "model_tflops_per_step": step_flops / 1e12,
         "local_mfu": local,
