@@ -73,13 +73,17 @@ def _tables(kind: str) -> list[str]:
     (2, _tables("table_wise"), 16),
     (2, _tables("row_wise"), 16),
     (2, _tables("column_wise"), 16),
-], ids=["fsdp-2", "hsdp-2x2", "tables-table_wise", "tables-row_wise", "tables-column_wise"])
+    # The load-balancing loss is per rank (its local tokens, as Switch computes it per device), so
+    # with a nonzero weight the global loss is not one process's; the MoE itself must match.
+    (2, ["parallel=fsdp", "model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.aux_loss_weight=0"], 16),
+], ids=["fsdp-2", "hsdp-2x2", "tables-table_wise", "tables-row_wise", "tables-column_wise", "fsdp-2-moe"])
 def test_layout_matches_single_process(tmp_path, nproc, layout, global_batch):
     """Measured max relative loss difference over the 8 steps: 1.2e-7 (FSDP, HSDP, table-wise,
     column-wise), 1.1e-7 (row-wise); the torchrec runs use fbgemm's fused row-wise Adagrad, the
     single process gemctl's own."""
     dist = _torchrun(tmp_path, nproc, layout + ["data.batch_size=8"])
-    single = _single(tmp_path, [f"data.batch_size={global_batch}"])
+    model = [o for o in layout if o.startswith("model.")]
+    single = _single(tmp_path, model + [f"data.batch_size={global_batch}"])
     _assert_close(dist["losses"], single["losses"])
     perf = dist["perf"]
     if "parallel.sparse.sharding=torchrec" in layout:

@@ -24,6 +24,15 @@ class KernelsConfig:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture of experts in the sequence tower's MLPs (gemctl.model.moe); 0 experts: dense MLP."""
+
+    n_experts: int = 0
+    top_k: int = 2
+    aux_loss_weight: float = 0.01  # x the Switch load-balancing loss, summed over layers
+
+
+@dataclass
 class ModelConfig:
     name: str = "tiny"
     embedding_dim: int = 32  # width of every embedding table
@@ -46,6 +55,7 @@ class ModelConfig:
     interaction_rank: int = 64
     head_hidden: int = 128  # hidden width of each task head
     kernels: KernelsConfig = field(default_factory=KernelsConfig)  # e.g. model.kernels.gdpa=torch
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass
@@ -96,7 +106,7 @@ class ParallelConfig:
     name: str = "single"
     dp_replicate: int = 1
     dp_shard: int = 1
-    ep: int = 1  # expert-parallel degree (needs an MoE model; not in this version: 1)
+    ep: int = 1  # expert-parallel degree (not in this version: 1; MoE experts live on every rank)
     sparse: SparseParallelConfig = field(default_factory=SparseParallelConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
 

@@ -52,6 +52,12 @@ def validate(cfg, check_device: bool = True) -> None:
     if m.head_dim % 8:
         raise ConfigError("model.head_dim", f"must be a multiple of 8 (kernels tile it), got {m.head_dim}")
     _one_of(m.gdpa_activation, GDPA_ACTIVATIONS, "model.gdpa_activation")
+    moe = m.moe
+    _positive(cfg, "model.moe.n_experts", allow_zero=True)
+    if moe.n_experts and not 1 <= moe.top_k <= moe.n_experts:
+        raise ConfigError("model.moe.top_k", f"must be in [1, model.moe.n_experts={moe.n_experts}], got {moe.top_k}")
+    if moe.aux_loss_weight < 0:
+        raise ConfigError("model.moe.aux_loss_weight", f"must be >= 0, got {moe.aux_loss_weight}")
     for op in ("jagged_attention", "gdpa", "block_attention"):
         _one_of(getattr(m.kernels, op), KERNEL_BACKENDS, f"model.kernels.{op}")
     kinds = list(m.attention)
@@ -203,7 +209,8 @@ def validate_layout(cfg) -> None:
             raise ConfigError("train.embedding_optimizer", "parallel.sparse.sharding=torchrec fuses row-wise Adagrad "
                               "into the backward; allowed: rowwise_adagrad")
     if par.ep != 1:
-        raise ConfigError("parallel.ep", f"expert parallelism needs an MoE model, which this version does not have; allowed: 1, got {par.ep}")
+        raise ConfigError("parallel.ep", f"expert parallelism is not in this version (an MoE model, model.moe.n_experts, "
+                          f"keeps every expert on every rank); allowed: 1, got {par.ep}")
     world = world_size(cfg)
     _, shard = resolve_layout(cfg, world)
     gpn = par.topology.gpus_per_node

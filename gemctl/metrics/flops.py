@@ -110,7 +110,12 @@ def gem_flops(model_cfg, spec, seq_lengths: torch.Tensor) -> FlopCount:
 
     for i, kind in enumerate(layer_kinds(c)):
         fc.add("tower.proj", gemm(n, d, 3 * inner) + gemm(n, inner, d))
-        fc.add("tower.mlp", 2 * gemm(n, d, c.mlp_ratio * d))
+        moe = getattr(c, "moe", None)
+        if moe is not None and moe.n_experts:  # router + top_k expert MLPs per token (dropless)
+            fc.add("tower.router", gemm(n, d, moe.n_experts))
+            fc.add("tower.mlp", moe.top_k * 2 * gemm(n, d, c.mlp_ratio * d))
+        else:
+            fc.add("tower.mlp", 2 * gemm(n, d, c.mlp_ratio * d))
         name, block = parse_attention_kind(kind)
         if name == "block":
             pairs = block_attention_pairs(lengths, block)

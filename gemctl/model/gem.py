@@ -43,6 +43,11 @@ class GemModel(nn.Module):
         if device is not None:
             self.to(device)
 
+    def aux_loss(self):
+        """Sum over MoE layers of their load-balancing loss from the last forward (None: no MoE)."""
+        losses = [m.aux_loss for m in self.modules() if getattr(m, "aux_loss", None) is not None and m is not self]
+        return sum(losses) if losses else None
+
     def dense_parameters(self):
         return [p for n, p in self.named_parameters() if not n.startswith("sparse.")]
 

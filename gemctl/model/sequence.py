@@ -29,7 +29,13 @@ class SequenceLayer(nn.Module):
             relpos_buckets=cfg.relpos_buckets, relpos_max_distance=cfg.relpos_max_distance,
         )
         self.mlp_norm = RMSNorm(d)
-        self.mlp = MLP(d, cfg.mlp_ratio * d)
+        moe = getattr(cfg, "moe", None)
+        if moe is not None and moe.n_experts:
+            from gemctl.model.moe import MoEMLP
+
+            self.mlp = MoEMLP(d, cfg.mlp_ratio * d, moe.n_experts, moe.top_k)
+        else:
+            self.mlp = MLP(d, cfg.mlp_ratio * d)
 
     def forward(self, x, offsets, max_len, backend):
         x = x + self.attn(self.attn_norm(x), offsets, max_len, backend)

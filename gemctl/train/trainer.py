@@ -111,6 +111,9 @@ class Trainer:
             with autocast_context(self.device, self.cfg.precision):
                 logits = self.model(batch)
             loss = compute_loss(logits, batch.labels)
+            aux = self.model.aux_loss() if self.cfg.model.moe.n_experts else None
+            if aux is not None and self.cfg.model.moe.aux_loss_weight:
+                loss = loss + self.cfg.model.moe.aux_loss_weight * aux
         self.dense_opt.zero_grad(set_to_none=True)
         self.sparse_opt.zero_grad(set_to_none=True)
         with record("gemctl.backward"):
