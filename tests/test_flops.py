@@ -77,7 +77,9 @@ def test_block_layers_count_blocks():
     assert fc.forward["tower.attention"] == per_pair * cfg.model.num_layers * (4 + 4 + 1)
 
 
-@pytest.mark.parametrize("overrides", [[], ["model.attention=[full,block:8]", "model.pma_queries=3"]])
+@pytest.mark.parametrize("overrides", [
+    [], ["model.attention=[full,block:8]", "model.pma_queries=3"], ["model.moe.n_experts=4", "model.moe.top_k=2"],
+])
 def test_every_gemm_matches_torch_flop_counter(overrides):
     """Run the real model under FlopCounterMode: its mm/addmm FLOPs (all the Linear layers) must
     equal our analytic GEMM count, so the counter cannot drift from the model's structure."""
