@@ -63,6 +63,8 @@ COMPANIONS = {
     ("launcher", "torchrun"): ["parallel=fsdp"],
     ("parallel", "hsdp"): ["launcher=torchrun", "launcher.nproc_per_node=8", "launcher.nnodes=2"],
     ("launcher", "slurm"): ["parallel=hsdp"],
+    ("parallel", "hsdp_ep"): ["launcher=torchrun", "launcher.nproc_per_node=8", "launcher.nnodes=2",
+                              "model.moe.n_experts=16"],
 }
 
 
@@ -286,7 +288,10 @@ def test_kernel_backends_reach_the_model():
       "parallel.dp_shard=6", "parallel.topology.gpus_per_node=4"], "parallel.dp_shard", "spans nodes unevenly"),
     (["parallel=fsdp", "parallel.dp_replicate=-1"], "parallel.dp_replicate", "only one of"),
     (["parallel.dp_shard=0"], "parallel.dp_shard", "must be >= 1 or -1"),
-    (["parallel.ep=2"], "parallel.ep", "expert parallelism is not in this version"),
+    (["launcher=torchrun", "parallel=fsdp", "launcher.nproc_per_node=4", "parallel.ep=2"], "parallel.ep",
+     "2 must divide model.moe.n_experts=0"),
+    (["launcher=torchrun", "parallel=fsdp", "launcher.nproc_per_node=4", "parallel.ep=3", "model.moe.n_experts=6"],
+     "parallel.ep", "3 must divide parallel.dp_shard=4"),
     (["launcher.nproc_per_node=2"], "launcher.nproc_per_node", "launcher=local runs one process"),
     (["launcher=torchrun", "parallel=fsdp", "launcher.rdzv_endpoint=nohost"], "launcher.rdzv_endpoint", "host:port"),
     (["launcher=torchrun", "parallel=fsdp", "launcher.nnodes=2", "launcher.node_rank=2"], "launcher.node_rank",

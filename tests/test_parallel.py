@@ -76,7 +76,12 @@ def _tables(kind: str) -> list[str]:
     # The load-balancing loss is per rank (its local tokens, as Switch computes it per device), so
     # with a nonzero weight the global loss is not one process's; the MoE itself must match.
     (2, ["parallel=fsdp", "model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.aux_loss_weight=0"], 16),
-], ids=["fsdp-2", "hsdp-2x2", "tables-table_wise", "tables-row_wise", "tables-column_wise", "fsdp-2-moe"])
+    (2, ["parallel=fsdp", "parallel.ep=2", "parallel.topology.gpus_per_node=2", "model.moe.n_experts=4",
+         "model.moe.top_k=2", "model.moe.aux_loss_weight=0"], 16),
+    (4, ["parallel=hsdp", "parallel.dp_shard=2", "parallel.ep=2", "parallel.topology.gpus_per_node=2",
+         "model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.aux_loss_weight=0"], 32),
+], ids=["fsdp-2", "hsdp-2x2", "tables-table_wise", "tables-row_wise", "tables-column_wise", "fsdp-2-moe",
+        "ep-2-moe", "hsdp-2x2-ep-2-moe"])
 def test_layout_matches_single_process(tmp_path, nproc, layout, global_batch):
     """Measured max relative loss difference over the 8 steps: 1.2e-7 (FSDP, HSDP, table-wise,
     column-wise), 1.1e-7 (row-wise); the torchrec runs use fbgemm's fused row-wise Adagrad, the
@@ -95,6 +100,8 @@ def test_layout_matches_single_process(tmp_path, nproc, layout, global_batch):
         assert {t["table"]: t["torchrec"] for t in plan["tables"]} == perf["table_plan"]
         return
     assert perf["table_plan"] is None
+    if "parallel.ep=2" in layout:
+        return  # experts split over ranks: plan's memory does not model EP yet
     # `gemctl plan` predicts rank 0's parameter bytes exactly (the FSDP2 shards it measured).
     plan = _plan(nproc, layout + ["data.batch_size=8"])
     assert plan["memory_bytes_rank0"]["params"] == perf["param_bytes"]

@@ -106,7 +106,7 @@ class ParallelConfig:
     name: str = "single"
     dp_replicate: int = 1
     dp_shard: int = 1
-    ep: int = 1  # expert-parallel degree (not in this version: 1; MoE experts live on every rank)
+    ep: int = 1  # expert-parallel degree: MoE experts split over groups of ep ranks (gemctl.parallel.expert)
     sparse: SparseParallelConfig = field(default_factory=SparseParallelConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
 

@@ -208,12 +208,18 @@ def validate_layout(cfg) -> None:
         if cfg.train.embedding_optimizer != "rowwise_adagrad":
             raise ConfigError("train.embedding_optimizer", "parallel.sparse.sharding=torchrec fuses row-wise Adagrad "
                               "into the backward; allowed: rowwise_adagrad")
-    if par.ep != 1:
-        raise ConfigError("parallel.ep", f"expert parallelism is not in this version (an MoE model, model.moe.n_experts, "
-                          f"keeps every expert on every rank); allowed: 1, got {par.ep}")
+    _positive(cfg, "parallel.ep")
     world = world_size(cfg)
     _, shard = resolve_layout(cfg, world)
     gpn = par.topology.gpus_per_node
+    if par.ep > 1:
+        experts = cfg.model.moe.n_experts
+        if not experts or experts % par.ep:
+            raise ConfigError("parallel.ep", f"{par.ep} must divide model.moe.n_experts={experts} (expert parallelism "
+                              "splits the experts of an MoE model)")
+        if shard % par.ep or gpn % par.ep:
+            raise ConfigError("parallel.ep", f"{par.ep} must divide parallel.dp_shard={shard} and "
+                              f"parallel.topology.gpus_per_node={gpn} (EP groups stay inside a node and a shard group)")
     if shard > gpn and shard % gpn:
         raise ConfigError(
             "parallel.dp_shard",

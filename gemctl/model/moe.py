@@ -36,6 +36,7 @@ class MoEMLP(nn.Module):
         for w, fan_in in ((self.up, d_model), (self.down, hidden)):  # nn.Linear's default bound
             nn.init.uniform_(w, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
         self.aux_loss: torch.Tensor | None = None
+        self.ep = None  # gemctl.parallel.expert.ExpertGroups when the experts are split over ranks
 
     def route(self, x: torch.Tensor):
         """(gates [N, k] summing to 1, expert ids [N, k], router probabilities [N, E] in fp32)."""
@@ -50,13 +51,11 @@ class MoEMLP(nn.Module):
         order = torch.argsort(flat, stable=True)
         token = order // self.top_k
         counts = torch.bincount(flat, minlength=self.n_experts)
-        sizes = counts.tolist()  # host copy: one sync per MoE layer
         xs = x[token]  # [N * k, d], grouped by expert
-        outs = []
-        for e, rows in enumerate(torch.split(xs, sizes)):
-            if rows.shape[0]:
-                outs.append(F.silu(rows @ self.up[e].to(rows.dtype)) @ self.down[e].to(rows.dtype))
-        y = torch.cat(outs) if outs else xs.new_zeros(0, x.shape[1])
+        if self.ep is None:
+            y = self._experts(xs, counts.tolist())  # host copy of the counts: one sync per layer
+        else:
+            y = self._experts_parallel(xs, counts)
         y = y * gates.reshape(-1)[order, None].to(y.dtype)
         out = torch.zeros(n, x.shape[1], dtype=y.dtype, device=x.device).index_add_(0, token, y)
         if n:
@@ -65,3 +64,36 @@ class MoEMLP(nn.Module):
         else:
             self.aux_loss = probs.sum() * 0.0
         return out.to(x.dtype)
+
+    def _experts(self, xs: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Rows grouped by (local) expert, ``sizes[e]`` rows for expert e -> their outputs."""
+        outs = []
+        for e, rows in enumerate(torch.split(xs, sizes)):
+            if rows.shape[0]:
+                outs.append(F.silu(rows @ self.up[e].to(rows.dtype)) @ self.down[e].to(rows.dtype))
+        return torch.cat(outs) if outs else xs.new_zeros(0, xs.shape[1])
+
+    def _experts_parallel(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+        from torch.distributed.nn.functional import all_to_all_single
+
+        ep, group = self.ep.ep, self.ep.group
+        local = self.n_experts // ep
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=group)  # [ep, local]: rows each source sends me
+        send = counts.view(ep, local).sum(1).tolist()
+        recv_by = recv_counts.view(ep, local).tolist()
+        recv = [sum(r) for r in recv_by]
+        got = all_to_all_single(xs.new_empty(sum(recv), xs.shape[1]), xs, recv, send, group=group)
+        # Received rows are ordered (source, expert); the experts want them (expert, source).
+        starts, pos = [], 0
+        for src in range(ep):
+            starts.append([])
+            for j in range(local):
+                starts[src].append(pos)
+                pos += recv_by[src][j]
+        order = [torch.arange(starts[s][j], starts[s][j] + recv_by[s][j]) for j in range(local) for s in range(ep)]
+        order = torch.cat(order).to(xs.device) if order else torch.zeros(0, dtype=torch.long, device=xs.device)
+        out = self._experts(got[order], [sum(recv_by[s][j] for s in range(ep)) for j in range(local)])
+        back = torch.empty_like(out).index_copy(0, order, out)  # (source, expert) order again
+        return all_to_all_single(xs.new_empty(xs.shape[0], out.shape[1]), back, send, recv, group=group)

@@ -3,27 +3,46 @@ model in one fixed order (STYLE.md, after torchtitan's parallelize):
 
     1. sparse sharding      - parallel.sparse.sharding=torchrec: DistributedModelParallel over the
                               tables (gemctl.parallel.sparse); fsdp: tables are FSDP row shards
+    1b. expert parallelism  - parallel.ep > 1: MoE experts split over EP groups (gemctl.parallel.expert)
     2. activation checkpointing - not yet
     3. torch.compile        - not yet
     4. FSDP2 / HSDP          - every dense block, then the root (gemctl.parallel.dense)
 """
 
+from dataclasses import dataclass, field
+
 from gemctl.parallel.dense import apply_fsdp
 from gemctl.parallel.mesh import ParallelContext, init_parallel
 
 
-def parallelize(model, ctx: ParallelContext, cfg, device, formats: dict[str, str]):
+@dataclass
+class Parallelized:
+    table_plan: dict | None = None  # torchrec placement per table
+    fused_sparse: object = None  # the tables' fused optimizer (torchrec)
+    expert_groups: object = None  # gemctl.parallel.expert.ExpertGroups (ep > 1)
+    expert_params: list = field(default_factory=list)
+
+
+def parallelize(model, ctx: ParallelContext, cfg, device, formats: dict[str, str]) -> Parallelized:
     """Apply the layout of ``ctx`` to ``model`` (in place); a process outside torchrun is left as
-    it is. Returns (the torchrec table plan, the fused optimizer of the tables) or (None, None)."""
-    fused = tables = None
-    if ctx.sharded and cfg.parallel.sparse.sharding == "torchrec":
+    it is."""
+    out = Parallelized()
+    if not ctx.sharded:
+        return out
+    ignored = set()
+    if cfg.parallel.sparse.sharding == "torchrec":
         from gemctl.parallel.sparse import shard_tables
 
-        tables, fused = shard_tables(model, ctx, cfg, device)
-    if ctx.sharded:
-        ignored = set(model.sparse.parameters()) if fused is not None else None
-        apply_fsdp(model, ctx.mesh, cfg.precision, device, formats, ignored_params=ignored)
-    return tables, fused
+        out.table_plan, out.fused_sparse = shard_tables(model, ctx, cfg, device)
+        ignored |= set(model.sparse.parameters())
+    if cfg.parallel.ep > 1:
+        from gemctl.parallel.expert import build_groups, shard_experts
+
+        out.expert_groups = build_groups(ctx.world_size, ctx.rank, cfg.parallel.ep)
+        out.expert_params = shard_experts(model, out.expert_groups)
+        ignored |= set(out.expert_params)
+    apply_fsdp(model, ctx.mesh, cfg.precision, device, formats, ignored_params=ignored or None)
+    return out
 
 
 __all__ = ["ParallelContext", "init_parallel", "parallelize", "apply_fsdp"]

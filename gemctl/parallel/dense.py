@@ -50,6 +50,8 @@ def apply_fsdp(model, mesh, precision_cfg, device, formats: dict[str, str], igno
     blocks = dense_blocks(model)
     for i, block in enumerate(blocks):
         # The last block's parameters are needed right away by the backward: keep them gathered.
-        fully_shard(block, mesh=mesh, mp_policy=policy(names[id(block)]), reshard_after_forward=i < len(blocks) - 1)
-    # Tables sharded by torchrec are left out (ignored_params): they are not replicated dense rows.
+        fully_shard(block, mesh=mesh, mp_policy=policy(names[id(block)]), reshard_after_forward=i < len(blocks) - 1,
+                    ignored_params=ignored_params)
+    # Parameters already split by another layout (torchrec tables, expert-parallel experts) are left
+    # out of every unit (ignored_params): they are not replicas FSDP could shard.
     fully_shard(model, mesh=mesh, mp_policy=policy("root"), ignored_params=ignored_params)

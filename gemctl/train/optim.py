@@ -44,9 +44,16 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def build_optimizers(model, train_cfg, device: torch.device):
+def build_optimizers(model, train_cfg, device: torch.device, separate: list | None = None):
+    """AdamW over the dense parameters (``separate`` ones - expert-parallel weights, plain tensors
+    among FSDP2 DTensors - in their own group, so no fused step mixes the two) and the embedding
+    optimizer."""
+    ids = {id(p) for p in separate or []}
+    groups = [{"params": [p for p in model.dense_parameters() if id(p) not in ids]}]
+    if ids:
+        groups.append({"params": list(separate)})
     dense = torch.optim.AdamW(
-        model.dense_parameters(),
+        groups,
         lr=train_cfg.lr,
         betas=tuple(train_cfg.betas),
         weight_decay=train_cfg.weight_decay,

@@ -86,11 +86,13 @@ class Trainer:
             seed_everything(cfg.train.seed, cfg.train.deterministic, self.device)  # same init on every rank
         self.model = build_model(cfg.model, self.spec, device=self.device)
         self.formats = apply_precision(self.model, cfg.precision, cfg.model.num_layers, self.device.type)
-        self.table_plan, fused_sparse = parallelize(self.model, self.ctx, cfg, self.device, self.formats)
+        par = parallelize(self.model, self.ctx, cfg, self.device, self.formats)
+        self.table_plan, fused_sparse = par.table_plan, par.fused_sparse
+        self.expert_groups, self.expert_params = par.expert_groups, par.expert_params
         # This rank's parameter bytes as stored between steps (FSDP2 keeps the root and the last
         # block gathered after a forward, so this is measured before any).
         self.param_bytes = sum(local_tensor(p).numel() * p.element_size() for p in self.model.parameters())
-        self.dense_opt, self.sparse_opt = build_optimizers(self.model, cfg.train, self.device)
+        self.dense_opt, self.sparse_opt = build_optimizers(self.model, cfg.train, self.device, self.expert_params)
         if fused_sparse is not None:  # torchrec tables update in the backward (fused); step() is a no-op
             self.sparse_opt = fused_sparse
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.dense_opt, lr_lambda(cfg.train))
@@ -119,7 +121,15 @@ class Trainer:
         with record("gemctl.backward"):
             loss.backward()
         with record("gemctl.optimizer"):
-            if self.cfg.train.grad_clip > 0:
+            if self.expert_params:
+                from gemctl.parallel.expert import clip_grad_norm, sync_expert_grads
+
+                sync_expert_grads(self.expert_params, self.expert_groups)
+                if self.cfg.train.grad_clip > 0:
+                    experts = {id(p) for p in self.expert_params}
+                    dense = [p for p in self.model.dense_parameters() if id(p) not in experts]
+                    clip_grad_norm(dense, self.expert_params, self.cfg.train.grad_clip, self.expert_groups)
+            elif self.cfg.train.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.model.dense_parameters(), self.cfg.train.grad_clip)
             self.dense_opt.step()
             self.sparse_opt.step()
