@@ -136,6 +136,16 @@ def build_plan(cfg, source) -> dict:
     units = fsdp_units(model)
     if torchrec:  # the tables leave FSDP's root unit
         units = [(name, [(n, p) for n, p in params if id(p) not in sparse_ids]) for name, params in units]
+    ep = cfg.parallel.ep
+    expert_ids, expert_local = set(), 0
+    if ep > 1:  # expert weights leave FSDP: each rank keeps E / ep experts whole
+        from gemctl.parallel.expert import moe_layers
+
+        for layer in moe_layers(model):
+            for w in (layer.up, layer.down):
+                expert_ids.add(id(w))
+                expert_local += w.numel() // ep
+        units = [(name, [(n, p) for n, p in params if id(p) not in expert_ids]) for name, params in units]
 
     unit_rows = []
     dense_shard = sparse_shard = table_rows_shard = 0
@@ -169,6 +179,7 @@ def build_plan(cfg, source) -> dict:
             t["torchrec"] = entry
 
     # Memory of rank 0.
+    dense_shard += expert_local  # AdamW-trained, fp32, like the FSDP shards
     if torchrec:  # tables in torchrec's shards; their gradients are fused into the update, never stored
         params_b = dense_shard * F32 + table_state_b
         grads_b = dense_shard * F32
@@ -208,6 +219,18 @@ def build_plan(cfg, source) -> dict:
         comm.append({"collective": "all-to-all (embedding lookups, fwd + bwd)", "group": f"world ({world})",
                      "tier": _tier(list(range(world)), topo.gpus_per_node, topo.nodes_per_zone),
                      "bytes": int(2 * (world - 1) / world * looked_up * F32)})
+    if ep > 1 and cfg.model.moe.n_experts:
+        # Every assignment (token x top_k) of this rank travels to its expert's rank and back, in
+        # the forward and again (gradients) in the backward; (ep-1)/ep of them leave the rank.
+        moe = cfg.model.moe
+        rows = tokens * moe.top_k * cfg.model.num_layers
+        comm.append({"collective": "all-to-all (MoE dispatch + combine, fwd + bwd)", "group": f"ep ({ep})",
+                     "tier": _tier(list(range(ep)), topo.gpus_per_node, topo.nodes_per_zone),
+                     "bytes": int(4 * (ep - 1) / ep * rows * cfg.model.d_model * param_dtype)})
+        if world > ep:
+            comm.append({"collective": "all-reduce (expert gradients, fp32)", "group": f"expert replicas ({world // ep})",
+                         "tier": _tier(list(range(0, world, ep)), topo.gpus_per_node, topo.nodes_per_zone),
+                         "bytes": int(2 * (world // ep - 1) / (world // ep) * expert_local * F32)})
     if rep > 1:
         replica = list(range(0, rep * shard, shard))
         comm.append({"collective": "all-reduce (gradient shards, fp32)", "group": f"dp_replicate ({rep})",
