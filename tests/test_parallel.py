@@ -275,3 +275,16 @@ def test_profile_under_torchrun(tmp_path):
     assert report["accounted_s"] == pytest.approx(report["profiled_step_time_s"], rel=0.05)
     assert report["straggler_skew"]["work_time"] >= 1 and report["straggler_skew"]["flops"] >= 1
     assert report["e2e_mfu"] == pytest.approx(report["local_mfu"] * report["scaling_ratio"], rel=1e-9)
+
+
+def test_fsdp_exact_resume(tmp_path):
+    """FSDP over 2 ranks: each rank writes its shards; a run resumed from step 4 continues with
+    exactly the uninterrupted run's losses."""
+    ckpts = tmp_path / "ckpt"
+    full = _torchrun(tmp_path / "full", 2, ["parallel=fsdp", "data.batch_size=8", "train.checkpoint_every=4",
+                                            f"train.checkpoint_dir={ckpts}", "train.keep_last=0"])
+    assert sorted(os.listdir(ckpts)) == ["step-00000004", "step-00000008"]
+    assert {"rank0.pt", "rank1.pt", "meta.json", ".metadata"} <= set(os.listdir(ckpts / "step-00000004"))
+    resumed = _torchrun(tmp_path / "resumed", 2, ["parallel=fsdp", "data.batch_size=8",
+                                                  f"train.resume={ckpts / 'step-00000004'}"])
+    assert resumed["losses"] == full["losses"][4:]

@@ -198,6 +198,10 @@ class TrainConfig:
     log_every: int = 10
     warmup_timing_steps: int = 5  # steps left out of the throughput averages (compilation, caches)
     deterministic: bool = True  # deterministic algorithms on CPU
+    checkpoint_every: int = 0  # steps between checkpoints (0: none); gemctl/train/checkpoint.py
+    keep_last: int = 3  # published checkpoints kept (0: all)
+    checkpoint_dir: Optional[str] = None  # null: <run directory>/checkpoints
+    resume: str = "none"  # none | auto (newest checkpoint in checkpoint_dir) | a path
 
 
 @dataclass

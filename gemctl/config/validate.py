@@ -116,6 +116,16 @@ def validate(cfg, check_device: bool = True) -> None:
         if not torch.cuda.is_available():
             raise ConfigError("train.device", "'cuda' requested but no CUDA device is visible; allowed here: auto, cpu")
     _one_of(t.embedding_optimizer, EMBEDDING_OPTIMIZERS, "train.embedding_optimizer")
+    _positive(cfg, "train.checkpoint_every", allow_zero=True)
+    _positive(cfg, "train.keep_last", allow_zero=True)
+    if t.checkpoint_every or t.resume != "none":
+        if cfg.parallel.sparse.sharding == "torchrec":
+            raise ConfigError("train.checkpoint_every", "checkpoints of torchrec-sharded tables are not in this version; "
+                              "use parallel.sparse.sharding=fsdp")
+        if cfg.parallel.ep > 1:
+            raise ConfigError("train.checkpoint_every", "checkpoints with expert parallelism are not in this version; "
+                              "allowed: parallel.ep=1")
+
     for f in ("steps", "lr", "embedding_lr", "log_every"):
         _positive(cfg, f"train.{f}")
     for f in ("warmup_steps", "grad_clip", "eval_every", "eval_batches", "weight_decay", "warmup_timing_steps"):

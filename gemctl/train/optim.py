@@ -30,13 +30,25 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                 param, grad = local_tensor(p), local_tensor(p.grad)
                 state = self.state[p]
                 if not state:
-                    state["sum"] = torch.full(
+                    local = torch.full(
                         (param.shape[0], 1), group["initial_accumulator_value"], dtype=torch.float32, device=param.device
                     )
-                row_sq = grad.float().pow(2).mean(dim=1, keepdim=True)
-                state["sum"].add_(row_sq)
-                param.addcdiv_(grad, state["sum"].sqrt().add_(group["eps"]).to(param.dtype), value=-group["lr"])
+                    state["sum"] = _shaped_like(p, local)
+                acc = local_tensor(state["sum"])
+                acc.add_(grad.float().pow(2).mean(dim=1, keepdim=True))
+                param.addcdiv_(grad, acc.sqrt().add_(group["eps"]).to(param.dtype), value=-group["lr"])
         return loss
+
+
+def _shaped_like(param, local: torch.Tensor):
+    """The row accumulator as the parameter holds it: a DTensor sharded like a DTensor parameter
+    (so checkpoints save every rank's rows), else the plain tensor."""
+    if not hasattr(param, "to_local"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                              shape=torch.Size((param.shape[0], 1)), stride=(1, 1))
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -226,7 +226,15 @@ class Trainer:
         self._say(f"model '{cfg.model.name}': {n_dense / 1e6:.2f}M dense, {n_sparse / 1e6:.2f}M embedding parameters")
 
         result = TrainResult(run_dir=run.path if run else None)
-        loader = TrainLoader(self.source, cfg.data, self.device)
+        from gemctl.train import checkpoint
+
+        ckpt_root = Path(tcfg.checkpoint_dir or Path(self.run_dir or (run.path if run else ".")) / "checkpoints")
+        start = 0
+        resume_from = checkpoint.find(tcfg.resume, ckpt_root)
+        if resume_from is not None:
+            start = checkpoint.load(self, resume_from)
+            self._say(f"resumed from {resume_from} at step {start}")
+        loader = TrainLoader(self.source, cfg.data, self.device, start_step=start)
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -239,7 +247,7 @@ class Trainer:
         t_window = t_start
         with TrainProgress(tcfg.steps, enabled=cfg.run.progress and self.console is not None, console=self.console) as progress:
             try:
-                for step in range(tcfg.steps):
+                for step in range(start, tcfg.steps):
                     batch = next(loader)
                     window.data_wait += loader.last_wait_s
                     flops = gem_flops(cfg.model, self.spec, batch.seq_lengths_cpu())
@@ -268,6 +276,10 @@ class Trainer:
                         t_window = time.perf_counter()
                     else:
                         progress.advance(step + 1)
+                    if tcfg.checkpoint_every and (step + 1) % tcfg.checkpoint_every == 0:
+                        t_save = time.perf_counter()
+                        checkpoint.save(self, step + 1, ckpt_root, tcfg.keep_last)
+                        t_window += time.perf_counter() - t_save  # keep checkpoint time out of throughput
                     if tcfg.eval_every and (step + 1) % tcfg.eval_every == 0 and not last:
                         ev = self.evaluate()
                         sink.write({"kind": "eval", "step": step + 1, **ev})

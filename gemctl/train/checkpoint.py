@@ -1,0 +1,111 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): model, dense and embedding optimizer
+states (FSDP2 shards stay sharded: every rank writes its own), LR schedule, step, RNG states per
+rank and the resolved config.
+
+Layout: ``<dir>/step-00000100/`` (DCP files + ``rank<r>.pt`` with the rank's RNG states +
+``meta.json``). Atomic: everything is written into ``<dir>/.tmp-step-00000100/``; after every
+rank has finished (a barrier) rank 0 renames it to its final name, the POSIX-atomic publish, and
+prunes beyond ``keep_last``. A directory without its final name is never loaded. Loading reads
+``rank<r>.pt`` with ``weights_only=True`` (tensors and plain values only).
+
+The data position is the step: sources make batch k of a rank from (seed, step, rank) alone
+(gemctl.data), Base Batch Shuffling included, so resuming at step k replays exactly the batches an
+uninterrupted run would see next.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+_STEP = re.compile(r"^step-(\d{8})$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Published checkpoints under ``root``, oldest first (temporary directories are skipped)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _STEP.match(p.name) and (p / "meta.json").exists()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def _barrier(ctx) -> None:
+    if ctx.world_size > 1:
+        dist.barrier()
+
+
+def save(trainer, step: int, root: Path, keep_last: int) -> Path:
+    ctx = trainer.ctx
+    final = step_dir(root, step)
+    tmp = final.with_name(".tmp-" + final.name)
+    if ctx.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # a torn earlier attempt at this step
+        tmp.mkdir(parents=True)
+    _barrier(ctx)
+    model_sd, optim_sd = get_state_dict(trainer.model, [trainer.dense_opt, trainer.sparse_opt])
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    torch.save({"cpu_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state(trainer.device) if trainer.device.type == "cuda" else torch.empty(0)},
+               tmp / f"rank{ctx.rank}.pt")
+    _barrier(ctx)
+    if ctx.is_main:
+        meta = {"step": step, "world_size": ctx.world_size, "schedule": trainer.schedule.state_dict(),
+                "config": OmegaConf.to_yaml(trainer.cfg)}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=lambda o: None))
+        tmp.rename(final)  # publish
+        for old in complete_checkpoints(root)[:-keep_last] if keep_last else []:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier(ctx)
+    return final
+
+
+def find(resume: str, root: Path) -> Path | None:
+    """The checkpoint to resume from: ``none``; ``auto`` (the newest published one under root, if
+    any); or a path (a step directory, or a directory of them: its newest)."""
+    if resume == "none":
+        return None
+    base = Path(root) if resume == "auto" else Path(resume)
+    if _STEP.match(base.name) and (base / "meta.json").exists():
+        return base
+    found = complete_checkpoints(base)
+    if not found and resume != "auto":
+        from gemctl.errors import UserError
+
+        raise UserError(f"train.resume: no published checkpoint (step-NNNNNNNN with meta.json) at {base}")
+    return found[-1] if found else None
+
+
+def load(trainer, path: Path) -> int:
+    """Restore ``trainer`` from ``path``; returns the step to continue from."""
+    ctx = trainer.ctx
+    meta = json.loads((Path(path) / "meta.json").read_text())
+    if meta["world_size"] != ctx.world_size:
+        from gemctl.errors import UserError
+
+        raise UserError(f"train.resume: {path} was written by {meta['world_size']} ranks, this job has "
+                        f"{ctx.world_size}; resharding on load is not supported yet")
+    model_sd, optim_sd = get_state_dict(trainer.model, [trainer.dense_opt, trainer.sparse_opt])
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(trainer.model, [trainer.dense_opt, trainer.sparse_opt], model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    schedule = {k: v for k, v in meta["schedule"].items() if k != "lr_lambdas"}
+    trainer.schedule.load_state_dict({**trainer.schedule.state_dict(), **schedule})
+    rng = torch.load(Path(path) / f"rank{ctx.rank}.pt", weights_only=True)
+    torch.set_rng_state(rng["cpu_rng"])
+    if trainer.device.type == "cuda" and rng["cuda_rng"].numel():
+        torch.cuda.set_rng_state(rng["cuda_rng"], trainer.device)
+    return int(meta["step"])

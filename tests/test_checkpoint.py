@@ -1,0 +1,62 @@
+"""Checkpoints: exact resume (losses and final parameters of a run resumed from step k equal the
+uninterrupted run's), unpublished (torn) checkpoints never loaded, keep-last-N, clear errors."""
+
+import os
+
+import pytest
+import torch
+
+from gemctl.config.compose import compose
+from gemctl.config.validate import validate
+from gemctl.errors import ConfigError, UserError
+
+RUN = ["train.steps=8", "train.warmup_timing_steps=1", "train.log_every=2", "run.progress=false",
+       "data.synthetic.eval_samples=64", "data.eval_batch_size=64", "data.batch_size=16", "shuffle=bbs",
+       "shuffle.sub_batch_size=8"]
+
+
+def _train(tmp_path, name, overrides):
+    from gemctl.train.trainer import Trainer, prepare_process
+
+    cfg = compose(RUN + [f"run.name={name}"] + overrides)
+    validate(cfg)
+    prepare_process()
+    trainer = Trainer(cfg, run_root=str(tmp_path))
+    result = trainer.fit()
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return result, params
+
+
+def test_exact_resume(tmp_path):
+    ckpts = tmp_path / "ckpt"
+    full, full_params = _train(tmp_path, "full", ["train.checkpoint_every=4", f"train.checkpoint_dir={ckpts}",
+                                                  "train.keep_last=0"])
+    assert sorted(os.listdir(ckpts)) == ["step-00000004", "step-00000008"]
+    resumed, resumed_params = _train(tmp_path, "resumed", [f"train.resume={ckpts / 'step-00000004'}"])
+    assert resumed.losses == full.losses[4:]  # exactly: same batches, states and RNG
+    for name, value in full_params.items():
+        assert torch.equal(resumed_params[name], value), name
+    assert resumed.eval == full.eval
+
+
+def test_torn_checkpoint_is_never_loaded_and_keep_last(tmp_path):
+    from gemctl.train import checkpoint
+
+    ckpts = tmp_path / "ckpt"
+    _train(tmp_path, "a", ["train.checkpoint_every=2", f"train.checkpoint_dir={ckpts}", "train.keep_last=2"])
+    assert sorted(os.listdir(ckpts)) == ["step-00000006", "step-00000008"]  # older ones pruned
+    (ckpts / ".tmp-step-00000010").mkdir()  # a save interrupted mid-write
+    (ckpts / "step-00000012").mkdir()  # a directory without meta.json is not a checkpoint either
+    assert checkpoint.find("auto", ckpts) == ckpts / "step-00000008"
+    assert checkpoint.find(str(ckpts), ckpts) == ckpts / "step-00000008"
+
+
+def test_resume_errors(tmp_path):
+    from gemctl.train import checkpoint
+
+    assert checkpoint.find("auto", tmp_path / "nothing") is None  # auto with nothing: a fresh start
+    with pytest.raises(UserError, match="train.resume: no published checkpoint"):
+        checkpoint.find(str(tmp_path / "nothing"), tmp_path)
+    with pytest.raises(ConfigError, match="checkpoints of torchrec-sharded tables"):
+        validate(compose(["launcher=torchrun", "parallel=fsdp", "parallel.sparse.sharding=torchrec",
+                          "train.checkpoint_every=10"]))
