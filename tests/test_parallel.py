@@ -247,6 +247,16 @@ def test_slurm_without_slurm_fails_cleanly(tmp_path):
     assert not os.listdir(tmp_path)
 
 
+@pytest.mark.parametrize("field,value", [("launcher.partition", "gpu;rm -rf ~"), ("launcher.account", "a b"),
+                                         ("run.name", "x$(id)"), ("launcher.constraint", "h200`id`")])
+def test_slurm_refuses_shell_metacharacters(tmp_path, field, value):
+    from gemctl.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        validate(compose(["launcher=slurm", "parallel=hsdp", f"{field}='{value}'"]))
+    assert info.value.field == field and "a Slurm script would interpret" in str(info.value)
+
+
 def test_dry_run_needs_slurm():
     proc = subprocess.run([sys.executable, "-m", "gemctl", "train", "--dry-run"], capture_output=True, text=True,
                           timeout=120)

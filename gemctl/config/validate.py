@@ -21,6 +21,7 @@ SOURCES = ("synthetic", "movielens100k")
 GDPA_ACTIVATIONS = ("gelu", "silu")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 SPARSE_SHARDINGS = ("fsdp", "torchrec")
+_SLURM_SAFE = re.compile(r"[A-Za-z0-9_.,:@%+=/-]+")
 SPARSE_SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
 
 
@@ -199,6 +200,15 @@ def validate_layout(cfg) -> None:
         if not re.fullmatch(r"[^:\s]+:\d+", launcher.rdzv_endpoint):
             raise ConfigError("launcher.rdzv_endpoint", f"must be host:port, got '{launcher.rdzv_endpoint}'")
     if launcher.kind == "slurm":
+        # Values that reach the sbatch script (#SBATCH lines, the srun command's log paths) must be
+        # plain words: refused, not quoted, since submitit writes them verbatim.
+        for name, value in (("launcher.partition", launcher.partition), ("launcher.account", launcher.account),
+                            ("launcher.qos", launcher.qos), ("launcher.constraint", launcher.constraint),
+                            ("launcher.mem", launcher.mem), ("run.name", cfg.run.name),
+                            ("run.output_dir", cfg.run.output_dir)):
+            if value is not None and not _SLURM_SAFE.fullmatch(str(value)):
+                raise ConfigError(name, f"{str(value)!r} has characters a Slurm script would interpret; "
+                                  "allowed: letters, digits and _ . , : @ % + = / -")
         _positive(cfg, "launcher.time_min")
         if not 1 <= launcher.rdzv_port <= 65535:
             raise ConfigError("launcher.rdzv_port", f"must be a port in [1, 65535], got {launcher.rdzv_port}")
