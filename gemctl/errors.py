@@ -27,3 +27,10 @@ class DataError(UserError):
         self.feature = feature
         # One-argument form: torch's DataLoader re-raises worker errors as exc_type(text).
         super().__init__(feature if message is None else f"data feature '{feature}': {message}")
+
+
+class NumericalFault(UserError):
+    """Training produced a non-finite loss or gradient (train.nonfinite=stop): the message names
+    the step, the first non-finite tensor and the batch's sample ids. Exit code 3."""
+
+    exit_code = 3

@@ -202,6 +202,10 @@ class TrainConfig:
     keep_last: int = 3  # published checkpoints kept (0: all)
     checkpoint_dir: Optional[str] = None  # null: <run directory>/checkpoints
     resume: str = "none"  # none | auto (newest checkpoint in checkpoint_dir) | a path
+    # Non-finite loss or gradients: stop (checked when losses are read, every log_every steps;
+    # exit 3 naming the step, tensor and sample ids) | skip (checked every step, one device sync:
+    # the step's update is dropped, warned and counted in the summary).
+    nonfinite: str = "stop"
 
 
 @dataclass

@@ -117,6 +117,7 @@ def validate(cfg, check_device: bool = True) -> None:
         if not torch.cuda.is_available():
             raise ConfigError("train.device", "'cuda' requested but no CUDA device is visible; allowed here: auto, cpu")
     _one_of(t.embedding_optimizer, EMBEDDING_OPTIMIZERS, "train.embedding_optimizer")
+    _one_of(t.nonfinite, ("stop", "skip"), "train.nonfinite")
     _positive(cfg, "train.checkpoint_every", allow_zero=True)
     _positive(cfg, "train.keep_last", allow_zero=True)
     if t.checkpoint_every or t.resume != "none":

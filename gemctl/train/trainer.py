@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from gemctl.data.loader import TrainLoader, eval_batches
+from gemctl.errors import NumericalFault
 from gemctl.data.source import build_source
 from gemctl.metrics import mfu as mfu_lib
 from gemctl.metrics.flops import gem_flops
@@ -99,6 +100,8 @@ class Trainer:
         self.peak = mfu_lib.resolve_peak(self.device, cfg.metrics.peak_tflops)
         self.run_root = run_root
         self.run_dir = run_dir  # an existing directory (made by the launcher) instead of a new one
+        self.step_index = 0  # the step being trained (0-based), for reports
+        self.skipped: list[dict] = []  # steps whose update was dropped (train.nonfinite=skip)
 
     # ------------------------------------------------------------------------------------------
     def _say(self, text: str) -> None:
@@ -120,6 +123,16 @@ class Trainer:
         self.sparse_opt.zero_grad(set_to_none=True)
         with record("gemctl.backward"):
             loss.backward()
+        if self.cfg.train.nonfinite == "skip":
+            bad = self._first_nonfinite(loss)
+            if bad is not None:
+                self.skipped.append({"step": self.step_index + 1, "tensor": bad,
+                                     "sample_ids": batch.sample_ids[:8].tolist()})
+                self._say(f"[yellow]step {self.step_index + 1}: non-finite {bad}; update skipped "
+                          f"({len(self.skipped)} so far)[/yellow]")
+                self.dense_opt.zero_grad(set_to_none=True)
+                self.sparse_opt.zero_grad(set_to_none=True)
+                return loss.detach()
         with record("gemctl.optimizer"):
             if self.expert_params:
                 from gemctl.parallel.expert import clip_grad_norm, sync_expert_grads
@@ -135,6 +148,21 @@ class Trainer:
             self.sparse_opt.step()
             self.schedule.step()
         return loss.detach()
+
+    def _first_nonfinite(self, loss) -> str | None:
+        """'loss' or the name of the first parameter with a non-finite gradient (this rank; the
+        verdict is shared by all ranks so they skip together); None when all are finite."""
+        local = None if bool(torch.isfinite(loss)) else "loss"
+        if local is None:
+            for name, p in self.model.named_parameters():
+                if p.grad is not None and not bool(torch.isfinite(local_tensor(p.grad)).all()):
+                    local = f"gradient of {name}"
+                    break
+        if self.ctx.world_size > 1:
+            flags = self.ctx.sum([0.0 if local is None else 1.0], self.device)
+            if flags[0] and local is None:
+                local = "gradient on another rank"
+        return local
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -243,12 +271,15 @@ class Trainer:
         window = _Window()
         totals = _Window()
         pending: list[torch.Tensor] = []
+        pending_ids: list[torch.Tensor] = []  # first sample ids of each pending step (fault reports)
         t_start = time.perf_counter()
         t_window = t_start
         with TrainProgress(tcfg.steps, enabled=cfg.run.progress and self.console is not None, console=self.console) as progress:
             try:
                 for step in range(start, tcfg.steps):
                     batch = next(loader)
+                    self.step_index = step
+                    pending_ids.append(batch.sample_ids[:8])
                     window.data_wait += loader.last_wait_s
                     flops = gem_flops(cfg.model, self.spec, batch.seq_lengths_cpu())
                     window.add(batch.batch_size, batch.num_tokens, flops.train_total, flops.attention_total * 3)
@@ -260,12 +291,19 @@ class Trainer:
                         now = time.perf_counter()
                         losses = ctx.mean(torch.stack(pending).float()).cpu().tolist()  # over ranks
                         pending.clear()
-                        if any(not math.isfinite(x) for x in losses):
-                            raise FloatingPointError(f"non-finite training loss at step {step + 1}: {losses[-1]}")
+                        bad = [i for i, x in enumerate(losses) if not math.isfinite(x)]
+                        if bad and tcfg.nonfinite == "stop":
+                            first = step + 1 - len(losses) + bad[0] + 1
+                            raise NumericalFault(
+                                f"non-finite training loss at step {first} ({losses[bad[0]]}); tensor: loss; batch sample "
+                                f"ids {pending_ids[bad[0]].tolist()}...; train.nonfinite=skip drops such steps instead"
+                            )
+                        pending_ids.clear()
                         result.losses.extend(losses)
                         elapsed = now - t_window
                         rec = self._global(window).record(step + 1, elapsed, self.peak, ctx.world_size)
-                        rec["loss"] = sum(losses) / len(losses)
+                        finite = [x for x in losses if math.isfinite(x)]  # skipped steps are reported apart
+                        rec["loss"] = sum(finite) / len(finite) if finite else float("nan")
                         rec["lr"] = self.schedule.get_last_lr()[0]
                         sink.write({"kind": "train", **rec})
                         if step + 1 > tcfg.warmup_timing_steps:
@@ -303,6 +341,7 @@ class Trainer:
                 raise AssertionError(f"E2E MFU {perf['e2e_mfu']} != Local MFU x Scaling Ratio ({perf})")
         perf.update(
             param_bytes=self.param_bytes,
+            skipped_steps=self.skipped,
             table_plan=self.table_plan,
             train_wall_s=train_wall,
             timed_steps=totals.steps,
