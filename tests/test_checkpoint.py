@@ -60,3 +60,22 @@ def test_resume_errors(tmp_path):
     with pytest.raises(ConfigError, match="checkpoints of torchrec-sharded tables"):
         validate(compose(["launcher=torchrun", "parallel=fsdp", "parallel.sparse.sharding=torchrec",
                           "train.checkpoint_every=10"]))
+
+
+def test_corrupt_newest_falls_back_to_the_previous(tmp_path):
+    ckpts = tmp_path / "ckpt"
+    full, _ = _train(tmp_path, "full", ["train.checkpoint_every=2", f"train.checkpoint_dir={ckpts}", "train.keep_last=0"])
+    data = ckpts / "step-00000008" / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:100])  # the newest, truncated
+    resumed, _ = _train(tmp_path, "resumed", [f"train.resume={ckpts}"])
+    assert resumed.losses == full.losses[6:8]  # from step 6, the newest readable one
+    with pytest.raises(UserError, match="is unreadable"):  # asked for that step: no fallback
+        _train(tmp_path, "again", [f"train.resume={ckpts / 'step-00000008'}"])
+
+
+def test_mismatched_checkpoint_names_the_tensor(tmp_path):
+    ckpts = tmp_path / "ckpt"
+    _train(tmp_path, "a", ["train.checkpoint_every=4", f"train.checkpoint_dir={ckpts}"])
+    with pytest.raises(UserError, match=r"tensor sparse\.seq\.embeddings\.seq_item_id\.weight is \[20000, 32\] in .* "
+                                        r"but \[30000, 32\] in this model"):
+        _train(tmp_path, "b", [f"train.resume={ckpts}", "data.synthetic.num_items=30000"])

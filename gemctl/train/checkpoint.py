@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 _STEP = re.compile(r"^step-(\d{8})$")
@@ -88,6 +89,52 @@ def find(resume: str, root: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def candidates(resume: str, root: Path) -> list[Path]:
+    """Checkpoints to try, newest first: the one asked for, then (``auto`` or a directory of
+    checkpoints) the older ones, used when a newer one is unreadable."""
+    first = find(resume, root)
+    if first is None:
+        return []
+    if _STEP.match(Path(resume).name):  # a specific step was asked for: that one only
+        return [first]
+    older = [p for p in complete_checkpoints(first.parent) if p.name < first.name]
+    return [first] + older[::-1]
+
+
+def load_newest_readable(trainer, paths: list[Path], say) -> tuple[int, Path | None]:
+    """Load the first readable checkpoint of ``paths``; a corrupt or truncated one is skipped with
+    a warning. A checkpoint that does not fit the model (a tensor's shape, a missing tensor) is an
+    error naming the tensor: an older one would not fit either."""
+    from gemctl.errors import UserError
+
+    for i, path in enumerate(paths):
+        try:
+            return load(trainer, path), path
+        except UserError:
+            raise
+        except (Exception, CheckpointException) as exc:  # unreadable: truncated, corrupt, missing files
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}" if str(exc) else type(exc).__name__
+            if i + 1 == len(paths):
+                raise UserError(f"train.resume: checkpoint {path} is unreadable ({reason}) and there is no older one")
+            say(f"[yellow]checkpoint {path} is unreadable ({reason}); trying {paths[i + 1]}[/yellow]")
+    return 0, None
+
+
+def _check_fits(path: Path, model_sd: dict) -> None:
+    """Every model tensor is in the checkpoint with the model's shape (else one line naming it)."""
+    from gemctl.errors import UserError
+
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for name, value in model_sd.items():
+        key = f"model.{name}"
+        if key not in stored:
+            raise UserError(f"train.resume: {path} has no tensor {name}; it was written for another model")
+        size = getattr(stored[key], "size", None)
+        if size is not None and tuple(size) != tuple(value.shape):
+            raise UserError(f"train.resume: tensor {name} is {list(size)} in {path} but {list(value.shape)} in this "
+                            "model (a changed model or table size)")
+
+
 def load(trainer, path: Path) -> int:
     """Restore ``trainer`` from ``path``; returns the step to continue from."""
     ctx = trainer.ctx
@@ -98,6 +145,7 @@ def load(trainer, path: Path) -> int:
         raise UserError(f"train.resume: {path} was written by {meta['world_size']} ranks, this job has "
                         f"{ctx.world_size}; resharding on load is not supported yet")
     model_sd, optim_sd = get_state_dict(trainer.model, [trainer.dense_opt, trainer.sparse_opt])
+    _check_fits(Path(path), model_sd)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(trainer.model, [trainer.dense_opt, trainer.sparse_opt], model_state_dict=state["model"],

@@ -257,10 +257,8 @@ class Trainer:
         from gemctl.train import checkpoint
 
         ckpt_root = Path(tcfg.checkpoint_dir or Path(self.run_dir or (run.path if run else ".")) / "checkpoints")
-        start = 0
-        resume_from = checkpoint.find(tcfg.resume, ckpt_root)
+        start, resume_from = checkpoint.load_newest_readable(self, checkpoint.candidates(tcfg.resume, ckpt_root), self._say)
         if resume_from is not None:
-            start = checkpoint.load(self, resume_from)
             self._say(f"resumed from {resume_from} at step {start}")
         loader = TrainLoader(self.source, cfg.data, self.device, start_step=start)
         cuda = self.device.type == "cuda"
