@@ -40,12 +40,16 @@ class GemModel(nn.Module):
         self.pma = PMA(cfg)
         self.interaction = Interaction(cfg.pma_queries + self.ns_tokens.num_tokens, d, cfg.interaction_layers, cfg.interaction_rank)
         self.heads = TaskHeads(spec.tasks, d, cfg.head_hidden)
+        from gemctl.model.moe import MoEMLP
+
+        # Plain list (not a ModuleList): the layers stay registered once, under the tower.
+        self.moe_layers = [m for m in self.tower.modules() if isinstance(m, MoEMLP)]
         if device is not None:
             self.to(device)
 
     def aux_loss(self):
         """Sum over MoE layers of their load-balancing loss from the last forward (None: no MoE)."""
-        losses = [m.aux_loss for m in self.modules() if getattr(m, "aux_loss", None) is not None and m is not self]
+        losses = [m.aux_loss for m in self.moe_layers if m.aux_loss is not None]
         return sum(losses) if losses else None
 
     def dense_parameters(self):

@@ -47,17 +47,11 @@ def build_groups(world: int, rank: int, ep: int) -> ExpertGroups:
     return ExpertGroups(ep, rank % ep, mine, replicas)
 
 
-def moe_layers(model) -> list:
-    from gemctl.model.moe import MoEMLP
-
-    return [m for m in model.modules() if isinstance(m, MoEMLP)]
-
-
 def shard_experts(model, groups: ExpertGroups) -> list[nn.Parameter]:
     """Keep this rank's experts in every MoE layer; returns the expert parameters (FSDP ignores
     them, ``sync_expert_grads`` averages their gradients)."""
     params = []
-    for layer in moe_layers(model):
+    for layer in model.moe_layers:
         if layer.n_experts % groups.ep:
             raise ValueError(f"{layer.n_experts} experts cannot be split over ep={groups.ep}")
         local = layer.n_experts // groups.ep

@@ -41,6 +41,14 @@ class ParallelContext:
         dist.all_reduce(t)
         return t.tolist()
 
+    def gather(self, obj) -> list:
+        """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+        if self.world_size == 1:
+            return [obj]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
     def mean(self, tensor: torch.Tensor) -> torch.Tensor:
         """Mean over ranks of a tensor of the same shape on every rank."""
         if self.world_size == 1:

@@ -139,9 +139,7 @@ def build_plan(cfg, source) -> dict:
     ep = cfg.parallel.ep
     expert_ids, expert_local = set(), 0
     if ep > 1:  # expert weights leave FSDP: each rank keeps E / ep experts whole
-        from gemctl.parallel.expert import moe_layers
-
-        for layer in moe_layers(model):
+        for layer in model.moe_layers:
             for w in (layer.up, layer.down):
                 expert_ids.add(id(w))
                 expert_local += w.numel() // ep

@@ -122,7 +122,7 @@ def profile(trainer, out_root: str | None = None, console=None, run_dir: str | N
     mine = {"rank": ctx.rank, "step_time_s": measured_s, "data_stall_s": wait / pcfg.steps,
             "communication_s": bd.category_s.get("communication", 0.0), "flops_per_step": flops / pcfg.steps,
             "samples_per_step": samples / pcfg.steps}
-    ranks = _gather(ctx, mine)
+    ranks = ctx.gather(mine)
     slowest_work = max(r["step_time_s"] - r["communication_s"] - r["data_stall_s"] for r in ranks)
     for r in ranks:
         work = r["step_time_s"] - r["communication_s"] - r["data_stall_s"]
@@ -197,15 +197,6 @@ def profile(trainer, out_root: str | None = None, console=None, run_dir: str | N
     plot_waterfall(report, run.path / "waterfall.png")
     return report
 
-
-def _gather(ctx, mine: dict) -> list[dict]:
-    if ctx.world_size == 1:
-        return [mine]
-    import torch.distributed as dist
-
-    out: list = [None] * ctx.world_size
-    dist.all_gather_object(out, mine)
-    return out
 
 
 def _waterfall(cat: dict, idle: float, gemm_flops: float, attn_flops: float, peak: float) -> list[tuple[str, float]]:

@@ -152,12 +152,12 @@ class Trainer:
     def _first_nonfinite(self, loss) -> str | None:
         """'loss' or the name of the first parameter with a non-finite gradient (this rank; the
         verdict is shared by all ranks so they skip together); None when all are finite."""
-        local = None if bool(torch.isfinite(loss)) else "loss"
-        if local is None:
-            for name, p in self.model.named_parameters():
-                if p.grad is not None and not bool(torch.isfinite(local_tensor(p.grad)).all()):
-                    local = f"gradient of {name}"
-                    break
+        named = [(n, local_tensor(p.grad)) for n, p in self.model.named_parameters() if p.grad is not None]
+        flags = torch.stack([torch.isfinite(loss).all()] + [torch.isfinite(g).all() for _, g in named])
+        local = None
+        if not bool(flags.all()):  # the step's one device sync; names are looked up only on a fault
+            first = int((~flags).nonzero()[0])
+            local = "loss" if first == 0 else f"gradient of {named[first - 1][0]}"
         if self.ctx.world_size > 1:
             flags = self.ctx.sum([0.0 if local is None else 1.0], self.device)
             if flags[0] and local is None:
