@@ -245,3 +245,26 @@ def test_constructor_is_fast():
     elapsed = time.perf_counter() - t
     print(f"MovieLensSource() took {elapsed:.3f} s")
     assert elapsed < 3.0
+
+
+def test_every_sample_once_per_epoch_across_ranks_and_an_interruption():
+    """Two ranks with Base Batch Shuffling, the stream cut at a step inside the second epoch and
+    resumed there (as a restart from a checkpoint does): per epoch, the samples of both ranks are
+    distinct, and the cut stream is the uninterrupted one."""
+    from gemctl.config.schema import ShuffleConfig
+    from gemctl.data.shuffle import build_dealer
+
+    cfg = make_cfg(batch_size=2048)
+    shuffle = ShuffleConfig(name="bbs", kind="bbs", sub_batch_size=256)
+    ranks = [MovieLensSource(cfg, dealer=build_dealer(shuffle, 2048, 2, r)) for r in range(2)]
+    n = ranks[0].batches_per_epoch
+    cut = n + n // 2 + 1
+    for src in ranks:
+        whole = [b.sample_ids for b in itertools.islice(src.train_batches(), 2 * n)]
+        resumed = [b.sample_ids for b in itertools.islice(src.train_batches(), cut)]
+        resumed += [b.sample_ids for b in itertools.islice(src.train_batches(start_step=cut), 2 * n - cut)]
+        assert all(torch.equal(a, b) for a, b in zip(whole, resumed, strict=True))
+        src.ids = resumed
+    for epoch in range(2):
+        ids = torch.cat([i for src in ranks for i in src.ids[epoch * n:(epoch + 1) * n]])
+        assert ids.numel() == n * 2 * 2048 and ids.unique().numel() == ids.numel()

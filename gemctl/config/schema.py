@@ -206,6 +206,10 @@ class TrainConfig:
     # exit 3 naming the step, tensor and sample ids) | skip (checked every step, one device sync:
     # the step's update is dropped, warned and counted in the summary).
     nonfinite: str = "stop"
+    # One JSON line per trained step and rank with the step's sample ids, in
+    # <run directory>/samples/rank<r>.jsonl (gemctl/train/ledger.py): proves across restarts that
+    # no sample was lost or trained twice (scripts/fault_inject.py reads it).
+    sample_ledger: bool = False
 
 
 @dataclass

@@ -103,6 +103,7 @@ class TrainLoader:
         self.device = device
         self.pin = device.type == "cuda"
         self.last_wait_s = 0.0
+        self.last_sample_ids: torch.Tensor | None = None  # host copy of the last batch's ids
         validate = bool(data_cfg.validate)
         if data_cfg.num_workers > 0 and hasattr(source, "train_batch"):
             loader = torch.utils.data.DataLoader(
@@ -137,6 +138,7 @@ class TrainLoader:
             t0 = time.perf_counter()
             batch = next(self._it)
             self.last_wait_s = time.perf_counter() - t0
+            self.last_sample_ids = batch.sample_ids
             # the host-to-device copy is data time too (asynchronous from pinned memory)
             return batch.to(self.device, non_blocking=True) if self.device.type != "cpu" else batch
 

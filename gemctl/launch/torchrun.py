@@ -45,5 +45,9 @@ def launch(cfg, console, run_dir: Path | None = None, mode: str = "train") -> tu
     # One intra-op thread per rank unless the user says otherwise (torchrun's default, stated).
     env.setdefault("OMP_NUM_THREADS", "1")
     console.print(f"run directory: {run.path}")
+    if cfg.launcher.max_restarts and mode == "train":
+        console.print(f"restarts: up to {cfg.launcher.max_restarts}; a restart resumes from the newest complete "
+                      "checkpoint" + ("" if cfg.train.checkpoint_every else
+                                      " [yellow](train.checkpoint_every=0: none is written, a restart starts over)[/yellow]"))
     console.print("launching: " + " ".join(cmd))
     return subprocess.run(cmd, env=env).returncode, run.path

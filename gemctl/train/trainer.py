@@ -256,10 +256,21 @@ class Trainer:
         result = TrainResult(run_dir=run.path if run else None)
         from gemctl.train import checkpoint
 
-        ckpt_root = Path(tcfg.checkpoint_dir or Path(self.run_dir or (run.path if run else ".")) / "checkpoints")
-        start, resume_from = checkpoint.load_newest_readable(self, checkpoint.candidates(tcfg.resume, ckpt_root), self._say)
+        from gemctl.train.ledger import SampleLedger, restart_count
+
+        run_path = Path(self.run_dir or (run.path if run else "."))
+        ckpt_root = Path(tcfg.checkpoint_dir or run_path / "checkpoints")
+        attempt = restart_count()
+        paths = checkpoint.candidates(tcfg.resume, ckpt_root)
+        if attempt:  # torchrun restarted the workers after a failure: continue from this run's newest checkpoint
+            paths = checkpoint.candidates("auto", ckpt_root) or paths
+            self._say(f"[yellow]restart {attempt} of at most {cfg.launcher.max_restarts}: "
+                      + (f"resuming from the newest complete checkpoint under {ckpt_root}[/yellow]" if paths
+                         else "no checkpoint was written yet; starting over[/yellow]"))
+        start, resume_from = checkpoint.load_newest_readable(self, paths, self._say)
         if resume_from is not None:
             self._say(f"resumed from {resume_from} at step {start}")
+        ledger = SampleLedger(run_path, ctx.rank) if tcfg.sample_ledger else None
         loader = TrainLoader(self.source, cfg.data, self.device, start_step=start)
         cuda = self.device.type == "cuda"
         if cuda:
@@ -282,6 +293,8 @@ class Trainer:
                     flops = gem_flops(cfg.model, self.spec, batch.seq_lengths_cpu())
                     window.add(batch.batch_size, batch.num_tokens, flops.train_total, flops.attention_total * 3)
                     pending.append(self.train_step(batch))
+                    if ledger is not None:
+                        ledger.write(step + 1, loader.last_sample_ids)
                     last = step + 1 == tcfg.steps
                     if (step + 1) % tcfg.log_every == 0 or last or step + 1 == tcfg.warmup_timing_steps:
                         if cuda:
@@ -303,6 +316,8 @@ class Trainer:
                         finite = [x for x in losses if math.isfinite(x)]  # skipped steps are reported apart
                         rec["loss"] = sum(finite) / len(finite) if finite else float("nan")
                         rec["lr"] = self.schedule.get_last_lr()[0]
+                        if attempt:
+                            rec["attempt"] = attempt
                         sink.write({"kind": "train", **rec})
                         if step + 1 > tcfg.warmup_timing_steps:
                             totals.merge(window, elapsed)
@@ -322,6 +337,8 @@ class Trainer:
                         t_window = time.perf_counter()  # keep eval time out of throughput
             finally:
                 loader.close()
+                if ledger is not None:
+                    ledger.close()
         train_wall = time.perf_counter() - t_start
 
         result.eval = self.evaluate()
