@@ -137,10 +137,13 @@ def run(workdir: Path, kills: int, nproc: int = 2, steps: int = 24, every: int =
     events = []
     try:
         run_dir = _run_dir(workdir / "faulty")
-        for attempt in range(kills):
+        attempt = 0
+        for kill in range(kills):
             # The attempt's first step: 1 on the first attempt, the resumed checkpoint's step + 1 later.
             while not _progress(run_dir, attempt) and proc.poll() is None:
                 time.sleep(0.02)
+            if proc.poll() is not None:
+                raise RuntimeError(f"the job ended before kill {kill + 1}")
             first = min(step for step, _ in _progress(run_dir, attempt).values())
             target = rng.randint(first, max(first, steps - 2))
             victim = rng.randrange(nproc)
@@ -150,14 +153,18 @@ def run(workdir: Path, kills: int, nproc: int = 2, steps: int = 24, every: int =
                     break
                 time.sleep(0.01)
             if proc.poll() is not None:
-                raise RuntimeError(f"the job ended before kill {attempt + 1} (target step {target})")
+                raise RuntimeError(f"the job ended before kill {kill + 1} (target step {target})")
             time.sleep(rng.uniform(0.0, 0.05))
             step, pid = _progress(run_dir, attempt)[victim]
             os.kill(pid, signal.SIGKILL)
             events.append({"attempt": attempt, "rank": victim, "pid": pid, "target_step": target,
                            "last_logged_step": _progress(run_dir, attempt)[victim][0]})
-            say(f"  kill {attempt + 1}: SIGKILL rank {victim} (pid {pid}) after step {events[-1]['last_logged_step']}")
-            while not _progress(run_dir, attempt + 1) and proc.poll() is None:  # wait for the restart
+            say(f"  kill {kill + 1}: SIGKILL rank {victim} (pid {pid}) after step {events[-1]['last_logged_step']}")
+            while proc.poll() is None:  # wait for a restarted attempt to train
+                later = [rec["attempt"] for lines in ledger.read(run_dir).values() for rec in lines if rec["attempt"] > attempt]
+                if later:
+                    attempt = min(later)
+                    break
                 time.sleep(0.02)
         code = proc.wait(timeout=timeout)
     finally:

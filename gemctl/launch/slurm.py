@@ -20,7 +20,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from gemctl.errors import UserError
-from gemctl.launch.torchrun import torchrun_command
+from gemctl.launch.torchrun import torchrun_command, worker_env
 from gemctl.metrics.sinks import RunDir
 
 
@@ -52,7 +52,7 @@ class NodeTask:
 
         env = submitit.JobEnvironment()
         cmd = self.command(env.node, env.hostnames[0])
-        run_env = dict(os.environ, GEMCTL_RUN_DIR=self.run_dir)
+        run_env = worker_env(self.run_dir)
         code = subprocess.run(cmd, env=run_env).returncode
         if code:
             raise RuntimeError(f"torchrun on node {env.node} exited with code {code}")

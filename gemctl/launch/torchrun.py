@@ -34,6 +34,15 @@ def torchrun_command(cfg, config_path: Path, node_rank=None, endpoint: str | Non
     return cmd + ["-m", "gemctl.launch.worker"] + (["--profile"] if mode == "profile" else []) + [str(config_path)]
 
 
+def worker_env(run_dir) -> dict:
+    """Environment of torchrun and its workers: the run directory, and a rendezvous store per
+    attempt. torchrun shares one store across restarts by default, so a restarted worker can read
+    the previous attempt's connection keys and fail to connect (pytorch/pytorch#135712)."""
+    env = dict(os.environ, GEMCTL_RUN_DIR=str(run_dir))
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    return env
+
+
 def launch(cfg, console, run_dir: Path | None = None, mode: str = "train") -> tuple[int, Path]:
     """Run the job (in ``run_dir``, or a fresh run directory); returns torchrun's exit code and
     the run directory. ``mode="profile"`` runs `gemctl profile` on every rank instead."""
@@ -41,7 +50,7 @@ def launch(cfg, console, run_dir: Path | None = None, mode: str = "train") -> tu
     run = RunDir(Path(run_dir)) if run_dir is not None else RunDir.create(cfg.run.output_dir, name)
     config_path = run.write_text("config.yaml", OmegaConf.to_yaml(cfg))
     cmd = torchrun_command(cfg, config_path, mode=mode)
-    env = dict(os.environ, GEMCTL_RUN_DIR=str(run.path))
+    env = worker_env(run.path)
     # One intra-op thread per rank unless the user says otherwise (torchrun's default, stated).
     env.setdefault("OMP_NUM_THREADS", "1")
     console.print(f"run directory: {run.path}")

@@ -6,7 +6,9 @@ Layout: ``<dir>/step-00000100/`` (DCP files + ``rank<r>.pt`` with the rank's RNG
 ``meta.json``). Atomic: everything is written into ``<dir>/.tmp-step-00000100/``; after every
 rank has finished (a barrier) rank 0 renames it to its final name, the POSIX-atomic publish, and
 prunes beyond ``keep_last``. A directory without its final name is never loaded. Loading reads
-``rank<r>.pt`` with ``weights_only=True`` (tensors and plain values only).
+``rank<r>.pt`` with ``weights_only=True`` (tensors and plain values only) and DCP's pickled
+``.metadata`` through an allowlist of DCP's own types (SafeReader): nothing in a checkpoint can
+make loading run code.
 
 The data position is the step: sources make batch k of a rank from (seed, step, rank) alone
 (gemctl.data), Base Batch Shuffling included, so resuming at step k replays exactly the batches an
@@ -16,6 +18,7 @@ uninterrupted run would see next.
 from __future__ import annotations
 
 import json
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -28,6 +31,42 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 _STEP = re.compile(r"^step-(\d{8})$")
+
+# What a DCP ``.metadata`` pickle may refer to. torch's own reader unpickles it without limits (a
+# crafted file could run code on load); SafeReader refuses anything outside this list.
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
+_METADATA_NAMES = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        allowed = (module in _METADATA_MODULES or (module, name) in _METADATA_NAMES
+                   or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+        if not allowed:
+            raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a checkpoint never "
+                                         "holds; refusing to load it")
+        return super().find_class(module, name)
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader, with the metadata unpickled through an allowlist of DCP's own types
+    (tensor data is read by DCP with ``weights_only`` loading already)."""
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        rank = kwargs.get("rank")
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        with open(Path(self.path) / name, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -124,7 +163,7 @@ def _check_fits(path: Path, model_sd: dict) -> None:
     """Every model tensor is in the checkpoint with the model's shape (else one line naming it)."""
     from gemctl.errors import UserError
 
-    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    stored = SafeReader(str(path)).read_metadata().state_dict_metadata
     for name, value in model_sd.items():
         key = f"model.{name}"
         if key not in stored:
@@ -147,7 +186,7 @@ def load(trainer, path: Path) -> int:
     model_sd, optim_sd = get_state_dict(trainer.model, [trainer.dense_opt, trainer.sparse_opt])
     _check_fits(Path(path), model_sd)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, storage_reader=SafeReader(str(path)))
     set_state_dict(trainer.model, [trainer.dense_opt, trainer.sparse_opt], model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     schedule = {k: v for k, v in meta["schedule"].items() if k != "lr_lambdas"}
