@@ -8,7 +8,7 @@ import torch
 
 from gemctl.config.compose import compose
 from gemctl.config.validate import validate
-from gemctl.errors import ConfigError, UserError
+from gemctl.errors import UserError
 
 RUN = ["train.steps=8", "train.warmup_timing_steps=1", "train.log_every=2", "run.progress=false",
        "data.synthetic.eval_samples=64", "data.eval_batch_size=64", "data.batch_size=16", "shuffle=bbs",
@@ -57,9 +57,6 @@ def test_resume_errors(tmp_path):
     assert checkpoint.find("auto", tmp_path / "nothing") is None  # auto with nothing: a fresh start
     with pytest.raises(UserError, match="train.resume: no published checkpoint"):
         checkpoint.find(str(tmp_path / "nothing"), tmp_path)
-    with pytest.raises(ConfigError, match="checkpoints of torchrec-sharded tables"):
-        validate(compose(["launcher=torchrun", "parallel=fsdp", "parallel.sparse.sharding=torchrec",
-                          "train.checkpoint_every=10"]))
 
 
 def test_corrupt_newest_falls_back_to_the_previous(tmp_path):

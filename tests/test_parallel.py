@@ -18,6 +18,7 @@ import pytest
 
 from gemctl.config.compose import compose
 from gemctl.config.validate import validate
+from gemctl.errors import UserError
 
 COMMON = [
     "train.steps=8", "train.warmup_timing_steps=2", "train.log_every=2", "run.progress=false",
@@ -297,4 +298,43 @@ def test_fsdp_exact_resume(tmp_path):
     assert {"rank0.pt", "rank1.pt", "meta.json", ".metadata"} <= set(os.listdir(ckpts / "step-00000004"))
     resumed = _torchrun(tmp_path / "resumed", 2, ["parallel=fsdp", "data.batch_size=8",
                                                   f"train.resume={ckpts / 'step-00000004'}"])
+    assert resumed["losses"] == full["losses"][4:]
+    # Another world size: DCP reshards the FSDP2 shards into one unsharded process (same global
+    # batch, so the same samples per step): the losses continue as the 2-rank run's.
+    single = _single(tmp_path, ["data.batch_size=16", f"train.resume={ckpts / 'step-00000004'}"])
+    _assert_close(single["losses"], full["losses"][4:])
+
+
+def test_resume_layout_changes_that_cannot_load():
+    from types import SimpleNamespace
+
+    from gemctl.train.checkpoint import _check_layout
+
+    def job(world, sharding):
+        return SimpleNamespace(ctx=SimpleNamespace(world_size=world),
+                               cfg=SimpleNamespace(parallel=SimpleNamespace(sparse=SimpleNamespace(sharding=sharding))))
+
+    said = []
+    _check_layout(job(4, "fsdp"), "ck", {"world_size": 2, "sparse_sharding": "fsdp"}, said.append)
+    assert "resharded" in said[0]
+    with pytest.raises(UserError, match="written with parallel.sparse.sharding=fsdp, this job uses torchrec"):
+        _check_layout(job(2, "torchrec"), "ck", {"world_size": 2, "sparse_sharding": "fsdp"}, said.append)
+    with pytest.raises(UserError, match="torchrec table shards of 2 ranks, this job has 4"):
+        _check_layout(job(4, "torchrec"), "ck", {"world_size": 2, "sparse_sharding": "torchrec"}, said.append)
+
+
+@pytest.mark.parametrize("layout", [
+    ["parallel=fsdp", "parallel.ep=2", "parallel.topology.gpus_per_node=2", "model.moe.n_experts=4",
+     "model.moe.top_k=2"],
+    _tables("row_wise"),
+    _tables("table_wise"),
+], ids=["ep-2-moe", "tables-row_wise", "tables-table_wise"])
+def test_exact_resume_with_experts_and_sharded_tables(tmp_path, layout):
+    """Expert-parallel experts (each EP rank saves its slice, replicas deduplicated) and torchrec's
+    sharded tables with their fused optimizer state: resumed from step 4, the losses continue
+    exactly as the uninterrupted run's."""
+    ckpts = tmp_path / "ckpt"
+    full = _torchrun(tmp_path / "full", 2, layout + ["data.batch_size=8", "train.checkpoint_every=4",
+                                                     f"train.checkpoint_dir={ckpts}", "train.keep_last=0"])
+    resumed = _torchrun(tmp_path / "resumed", 2, layout + ["data.batch_size=8", f"train.resume={ckpts / 'step-00000004'}"])
     assert resumed["losses"] == full["losses"][4:]

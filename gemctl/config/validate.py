@@ -120,13 +120,6 @@ def validate(cfg, check_device: bool = True) -> None:
     _one_of(t.nonfinite, ("stop", "skip"), "train.nonfinite")
     _positive(cfg, "train.checkpoint_every", allow_zero=True)
     _positive(cfg, "train.keep_last", allow_zero=True)
-    if t.checkpoint_every or t.resume != "none":
-        if cfg.parallel.sparse.sharding == "torchrec":
-            raise ConfigError("train.checkpoint_every", "checkpoints of torchrec-sharded tables are not in this version; "
-                              "use parallel.sparse.sharding=fsdp")
-        if cfg.parallel.ep > 1:
-            raise ConfigError("train.checkpoint_every", "checkpoints with expert parallelism are not in this version; "
-                              "allowed: parallel.ep=1")
 
     for f in ("steps", "lr", "embedding_lr", "log_every"):
         _positive(cfg, f"train.{f}")

@@ -13,7 +13,7 @@ nonzero weight the loss is not exactly that of one process on the global batch.
 
 Dispatch sorts the assignments by expert and runs one GEMM pair per expert on its contiguous
 rows; the per-expert counts are read on the host (one device sync per MoE layer). Expert
-parallelism (parallel.ep) is not in this version.
+parallelism (parallel.ep): gemctl/parallel/expert.py.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
@@ -87,6 +88,94 @@ def _barrier(ctx) -> None:
         dist.barrier()
 
 
+class _LoadPlanner(dcp.DefaultLoadPlanner):
+    """DCP's load planner without its pre-2.4 key-format guess. The guess fires whenever the
+    checkpoint holds keys this rank does not ask for, which is normal here: with table-wise
+    sharding, each rank's fused optimizer state names only its own tables."""
+
+    def create_local_plan(self):
+        from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+
+        return create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
+
+
+def _expert_mesh(trainer):
+    """(replica, ep) mesh of the expert layout: EP groups are ``ep`` consecutive ranks, so rank r
+    holds expert slice r % ep, replicated over the world / ep groups."""
+    if getattr(trainer, "_ckpt_expert_mesh", None) is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        ep = trainer.expert_groups.ep
+        trainer._ckpt_expert_mesh = init_device_mesh(trainer.device.type, (trainer.ctx.world_size // ep, ep),
+                                                     mesh_dim_names=("ep_replica", "ep"))
+    return trainer._ckpt_expert_mesh
+
+
+def _states(trainer) -> tuple[dict, list[str]]:
+    """The state DCP saves and loads: ``model`` and ``optim`` (dense and embedding optimizers).
+
+    Expert-parallel weights are plain tensors that differ between the ranks of an EP group; DCP
+    would take one rank's copy for all, so they (and their optimizer moments) are presented as
+    DTensors sharded over the EP dimension and replicated over the EP groups. Returns the state
+    and the keys so wrapped (unwrapped again by ``_unwrap`` after a load).
+    """
+    if trainer.table_plan:  # torchrec's DistributedModelParallel holds the tables: saved apart
+        model_sd, optim_sd = get_state_dict(_dense_view(trainer.model), [trainer.dense_opt])
+        model_sd.update({f"sparse.{k}": v for k, v in trainer.model.sparse.state_dict().items()})
+        state = {"model": model_sd, "optim": optim_sd, "sparse_optim": trainer.sparse_opt.state_dict()}
+    else:
+        model_sd, optim_sd = get_state_dict(trainer.model, [trainer.dense_opt, trainer.sparse_opt])
+        state = {"model": model_sd, "optim": optim_sd}
+    wrapped = []
+    if trainer.expert_params:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        mesh, place = _expert_mesh(trainer), [Replicate(), Shard(0)]
+        names = {id(p): n for n, p in trainer.model.named_parameters()}
+        for p in trainer.expert_params:
+            fqn = names[id(p)]
+            model_sd[fqn] = DTensor.from_local(model_sd[fqn], mesh, place, run_check=False)
+            # a copy: the inner dicts of the optimizer state dict are the optimizer's own
+            moments = optim_sd["state"][fqn] = dict(optim_sd["state"].get(fqn, {}))
+            for key, value in moments.items():
+                if torch.is_tensor(value) and value.shape == p.shape:
+                    moments[key] = DTensor.from_local(value, mesh, place, run_check=False)
+            wrapped.append(fqn)
+    return state, wrapped
+
+
+def _dense_view(model) -> nn.Module:
+    """The model without its torchrec tables (same module objects, same names): DCP's state-dict
+    helpers cannot walk into DistributedModelParallel, whose tables are saved by their own
+    state dict (ShardedTensors) and fused optimizer."""
+    if any(True for _ in model.parameters(recurse=False)):
+        raise RuntimeError("checkpoint: the model root holds parameters; the dense view would miss them")
+    return nn.ModuleDict({name: child for name, child in model.named_children() if name != "sparse"})
+
+
+def _apply(trainer, state: dict) -> None:
+    """Copy a loaded state into the model and the optimizers."""
+    if trainer.table_plan:
+        dense = {k: v for k, v in state["model"].items() if not k.startswith("sparse.")}
+        set_state_dict(_dense_view(trainer.model), [trainer.dense_opt], model_state_dict=dense,
+                       optim_state_dict=state["optim"])
+        tables = {k[len("sparse."):]: v for k, v in state["model"].items() if k.startswith("sparse.")}
+        trainer.model.sparse.load_state_dict(tables)
+        trainer.sparse_opt.load_state_dict(state["sparse_optim"])
+    else:
+        set_state_dict(trainer.model, [trainer.dense_opt, trainer.sparse_opt], model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+
+
+def _unwrap(state: dict, wrapped: list[str]) -> None:
+    for fqn in wrapped:
+        state["model"][fqn] = state["model"][fqn].to_local()
+        moments = state["optim"]["state"].get(fqn, {})
+        for key, value in moments.items():
+            if hasattr(value, "to_local"):
+                moments[key] = value.to_local()
+
+
 def save(trainer, step: int, root: Path, keep_last: int) -> Path:
     ctx = trainer.ctx
     final = step_dir(root, step)
@@ -95,15 +184,15 @@ def save(trainer, step: int, root: Path, keep_last: int) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)  # a torn earlier attempt at this step
         tmp.mkdir(parents=True)
     _barrier(ctx)
-    model_sd, optim_sd = get_state_dict(trainer.model, [trainer.dense_opt, trainer.sparse_opt])
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    state, _ = _states(trainer)
+    dcp.save(state, checkpoint_id=str(tmp))
     torch.save({"cpu_rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state(trainer.device) if trainer.device.type == "cuda" else torch.empty(0)},
                tmp / f"rank{ctx.rank}.pt")
     _barrier(ctx)
     if ctx.is_main:
-        meta = {"step": step, "world_size": ctx.world_size, "schedule": trainer.schedule.state_dict(),
-                "config": OmegaConf.to_yaml(trainer.cfg)}
+        meta = {"step": step, "world_size": ctx.world_size, "sparse_sharding": trainer.cfg.parallel.sparse.sharding,
+                "schedule": trainer.schedule.state_dict(), "config": OmegaConf.to_yaml(trainer.cfg)}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=lambda o: None))
         tmp.rename(final)  # publish
         for old in complete_checkpoints(root)[:-keep_last] if keep_last else []:
@@ -148,7 +237,7 @@ def load_newest_readable(trainer, paths: list[Path], say) -> tuple[int, Path | N
 
     for i, path in enumerate(paths):
         try:
-            return load(trainer, path), path
+            return load(trainer, path, say), path
         except UserError:
             raise
         except (Exception, CheckpointException) as exc:  # unreadable: truncated, corrupt, missing files
@@ -168,31 +257,51 @@ def _check_fits(path: Path, model_sd: dict) -> None:
         key = f"model.{name}"
         if key not in stored:
             raise UserError(f"train.resume: {path} has no tensor {name}; it was written for another model")
-        size = getattr(stored[key], "size", None)
-        if size is not None and tuple(size) != tuple(value.shape):
-            raise UserError(f"train.resume: tensor {name} is {list(size)} in {path} but {list(value.shape)} in this "
+        size, shape = getattr(stored[key], "size", None), tuple(value.size())  # global shapes (sharded too)
+        if size is not None and tuple(size) != shape:
+            raise UserError(f"train.resume: tensor {name} is {list(size)} in {path} but {list(shape)} in this "
                             "model (a changed model or table size)")
 
 
-def load(trainer, path: Path) -> int:
+def _check_layout(trainer, path: Path, meta: dict, say) -> None:
+    """A checkpoint loads into another world size when DCP can reshard it: FSDP2/HSDP shards and
+    expert slices (DTensors) can, torchrec's table shards and fused optimizer state are only
+    loaded at the same world size, and the embedding optimizer state differs between the two
+    sparse shardings (one line naming the field otherwise)."""
+    from gemctl.errors import UserError
+
+    ctx, cfg = trainer.ctx, trainer.cfg
+    written = meta.get("sparse_sharding", "fsdp")
+    if written != cfg.parallel.sparse.sharding:
+        raise UserError(f"train.resume: {path} was written with parallel.sparse.sharding={written}, this job uses "
+                        f"{cfg.parallel.sparse.sharding}; resume with the same sparse sharding")
+    if meta["world_size"] == ctx.world_size:
+        return
+    if written == "torchrec":
+        raise UserError(f"train.resume: {path} holds torchrec table shards of {meta['world_size']} ranks, this job has "
+                        f"{ctx.world_size}; torchrec checkpoints load at the same world size only")
+    if say is not None:
+        say(f"[yellow]{path} was written by {meta['world_size']} ranks, this job has {ctx.world_size}: parameters "
+            "and optimizer states are resharded; the data stream continues at the same step with this job's "
+            "global batch (samples per step change with the world size)[/yellow]")
+
+
+def load(trainer, path: Path, say=None) -> int:
     """Restore ``trainer`` from ``path``; returns the step to continue from."""
     ctx = trainer.ctx
     meta = json.loads((Path(path) / "meta.json").read_text())
-    if meta["world_size"] != ctx.world_size:
-        from gemctl.errors import UserError
-
-        raise UserError(f"train.resume: {path} was written by {meta['world_size']} ranks, this job has "
-                        f"{ctx.world_size}; resharding on load is not supported yet")
-    model_sd, optim_sd = get_state_dict(trainer.model, [trainer.dense_opt, trainer.sparse_opt])
-    _check_fits(Path(path), model_sd)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, storage_reader=SafeReader(str(path)))
-    set_state_dict(trainer.model, [trainer.dense_opt, trainer.sparse_opt], model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    _check_layout(trainer, Path(path), meta, say)
+    state, wrapped = _states(trainer)
+    _check_fits(Path(path), state["model"])
+    dcp.load(state, storage_reader=SafeReader(str(path)), planner=_LoadPlanner())
+    _unwrap(state, wrapped)
+    _apply(trainer, state)
     schedule = {k: v for k, v in meta["schedule"].items() if k != "lr_lambdas"}
     trainer.schedule.load_state_dict({**trainer.schedule.state_dict(), **schedule})
-    rng = torch.load(Path(path) / f"rank{ctx.rank}.pt", weights_only=True)
-    torch.set_rng_state(rng["cpu_rng"])
-    if trainer.device.type == "cuda" and rng["cuda_rng"].numel():
-        torch.cuda.set_rng_state(rng["cuda_rng"], trainer.device)
+    rng_file = Path(path) / f"rank{ctx.rank}.pt"
+    if ctx.rank < meta["world_size"] or rng_file.exists():  # a rank the writing job did not have keeps its seed
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["cpu_rng"])
+        if trainer.device.type == "cuda" and rng["cuda_rng"].numel():
+            torch.cuda.set_rng_state(rng["cuda_rng"], trainer.device)
     return int(meta["step"])
