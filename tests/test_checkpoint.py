@@ -76,3 +76,17 @@ def test_mismatched_checkpoint_names_the_tensor(tmp_path):
     with pytest.raises(UserError, match=r"tensor sparse\.seq\.embeddings\.seq_item_id\.weight is \[20000, 32\] in .* "
                                         r"but \[30000, 32\] in this model"):
         _train(tmp_path, "b", [f"train.resume={ckpts}", "data.synthetic.num_items=30000"])
+
+
+def test_async_checkpoints_resume_exactly(tmp_path):
+    """train.async_checkpoint: the state is copied at the step and written in the background; every
+    checkpoint is published (the last one at the end of training) and resumes exactly."""
+    ckpts = tmp_path / "ckpt"
+    full, full_params = _train(tmp_path, "full", ["train.checkpoint_every=2", f"train.checkpoint_dir={ckpts}",
+                                                  "train.keep_last=0", "train.async_checkpoint=true"])
+    assert sorted(os.listdir(ckpts)) == [f"step-0000000{s}" for s in (2, 4, 6, 8)]
+    assert full.perf["checkpoint_blocking_s"] > 0
+    resumed, resumed_params = _train(tmp_path, "resumed", [f"train.resume={ckpts / 'step-00000004'}"])
+    assert resumed.losses == full.losses[4:]
+    for name, value in full_params.items():
+        assert torch.equal(resumed_params[name], value), name

@@ -293,7 +293,8 @@ def test_fsdp_exact_resume(tmp_path):
     exactly the uninterrupted run's losses."""
     ckpts = tmp_path / "ckpt"
     full = _torchrun(tmp_path / "full", 2, ["parallel=fsdp", "data.batch_size=8", "train.checkpoint_every=4",
-                                            f"train.checkpoint_dir={ckpts}", "train.keep_last=0"])
+                                            f"train.checkpoint_dir={ckpts}", "train.keep_last=0",
+                                            "train.async_checkpoint=true"])  # written in the background
     assert sorted(os.listdir(ckpts)) == ["step-00000004", "step-00000008"]
     assert {"rank0.pt", "rank1.pt", "meta.json", ".metadata"} <= set(os.listdir(ckpts / "step-00000004"))
     resumed = _torchrun(tmp_path / "resumed", 2, ["parallel=fsdp", "data.batch_size=8",

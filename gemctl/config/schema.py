@@ -202,6 +202,9 @@ class TrainConfig:
     keep_last: int = 3  # published checkpoints kept (0: all)
     checkpoint_dir: Optional[str] = None  # null: <run directory>/checkpoints
     resume: str = "none"  # none | auto (newest checkpoint in checkpoint_dir) | a path
+    # Copy the state to host memory at the checkpoint step and write it in a background thread
+    # (published once every rank has finished, at the next checkpoint or the end of training).
+    async_checkpoint: bool = False
     # Non-finite loss or gradients: stop (checked when losses are read, every log_every steps;
     # exit 3 naming the step, tensor and sample ids) | skip (checked every step, one device sync:
     # the step's update is dropped, warned and counted in the summary).

@@ -176,7 +176,12 @@ def _unwrap(state: dict, wrapped: list[str]) -> None:
                 moments[key] = value.to_local()
 
 
-def save(trainer, step: int, root: Path, keep_last: int) -> Path:
+def save(trainer, step: int, root: Path, keep_last: int, asynchronous: bool = False) -> Path:
+    """Write the checkpoint of ``step`` into a temporary directory and publish it. With
+    ``asynchronous`` the state is copied to host memory now and written by a background thread
+    while training goes on; it is published (renamed) at the next save or by ``finish``, after
+    every rank's write has completed, so a run that dies meanwhile never leaves it half-visible."""
+    finish(trainer)  # the previous asynchronous checkpoint first: publishes stay in step order
     ctx = trainer.ctx
     final = step_dir(root, step)
     tmp = final.with_name(".tmp-" + final.name)
@@ -185,20 +190,50 @@ def save(trainer, step: int, root: Path, keep_last: int) -> Path:
         tmp.mkdir(parents=True)
     _barrier(ctx)
     state, _ = _states(trainer)
-    dcp.save(state, checkpoint_id=str(tmp))
     torch.save({"cpu_rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state(trainer.device) if trainer.device.type == "cuda" else torch.empty(0)},
                tmp / f"rank{ctx.rank}.pt")
-    _barrier(ctx)
+    meta = {"step": step, "world_size": ctx.world_size, "sparse_sharding": trainer.cfg.parallel.sparse.sharding,
+            "schedule": trainer.schedule.state_dict(), "config": OmegaConf.to_yaml(trainer.cfg)}
+    if asynchronous:
+        future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=_async_group(trainer))
+        trainer._ckpt_pending = (future, tmp, final, meta, root, keep_last)
+        return final
+    dcp.save(state, checkpoint_id=str(tmp))
+    _publish(trainer, tmp, final, meta, root, keep_last)
+    return final
+
+
+def finish(trainer) -> None:
+    """Wait for the pending asynchronous checkpoint, if any, and publish it."""
+    pending = getattr(trainer, "_ckpt_pending", None)
+    if pending is None:
+        return
+    trainer._ckpt_pending = None
+    future, tmp, final, meta, root, keep_last = pending
+    future.result()
+    _publish(trainer, tmp, final, meta, root, keep_last)
+
+
+def _async_group(trainer):
+    """A gloo group for the background writer's collectives: the training collectives keep the
+    default group (NCCL on GPUs) to themselves, and DCP's async save needs a CPU backend."""
+    if trainer.ctx.world_size == 1 or not dist.is_initialized():
+        return None
+    if getattr(trainer, "_ckpt_group", None) is None:
+        trainer._ckpt_group = dist.new_group(backend="gloo")
+    return trainer._ckpt_group
+
+
+def _publish(trainer, tmp: Path, final: Path, meta: dict, root: Path, keep_last: int) -> None:
+    ctx = trainer.ctx
+    _barrier(ctx)  # every rank has written its part
     if ctx.is_main:
-        meta = {"step": step, "world_size": ctx.world_size, "sparse_sharding": trainer.cfg.parallel.sparse.sharding,
-                "schedule": trainer.schedule.state_dict(), "config": OmegaConf.to_yaml(trainer.cfg)}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=lambda o: None))
         tmp.rename(final)  # publish
         for old in complete_checkpoints(root)[:-keep_last] if keep_last else []:
             shutil.rmtree(old, ignore_errors=True)
     _barrier(ctx)
-    return final
 
 
 def find(resume: str, root: Path) -> Path | None:

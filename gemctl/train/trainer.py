@@ -281,6 +281,7 @@ class Trainer:
         totals = _Window()
         pending: list[torch.Tensor] = []
         pending_ids: list[torch.Tensor] = []  # first sample ids of each pending step (fault reports)
+        checkpoint_s = 0.0  # time training waited for checkpoints
         t_start = time.perf_counter()
         t_window = t_start
         with TrainProgress(tcfg.steps, enabled=cfg.run.progress and self.console is not None, console=self.console) as progress:
@@ -329,12 +330,17 @@ class Trainer:
                         progress.advance(step + 1)
                     if tcfg.checkpoint_every and (step + 1) % tcfg.checkpoint_every == 0:
                         t_save = time.perf_counter()
-                        checkpoint.save(self, step + 1, ckpt_root, tcfg.keep_last)
-                        t_window += time.perf_counter() - t_save  # keep checkpoint time out of throughput
+                        checkpoint.save(self, step + 1, ckpt_root, tcfg.keep_last, tcfg.async_checkpoint)
+                        blocked = time.perf_counter() - t_save
+                        checkpoint_s += blocked
+                        t_window += blocked  # keep checkpoint time out of throughput
                     if tcfg.eval_every and (step + 1) % tcfg.eval_every == 0 and not last:
                         ev = self.evaluate()
                         sink.write({"kind": "eval", "step": step + 1, **ev})
                         t_window = time.perf_counter()  # keep eval time out of throughput
+                t_save = time.perf_counter()
+                checkpoint.finish(self)  # the last asynchronous checkpoint, published
+                checkpoint_s += time.perf_counter() - t_save
             finally:
                 loader.close()
                 if ledger is not None:
@@ -357,6 +363,7 @@ class Trainer:
         perf.update(
             param_bytes=self.param_bytes,
             skipped_steps=self.skipped,
+            checkpoint_blocking_s=checkpoint_s,
             table_plan=self.table_plan,
             train_wall_s=train_wall,
             timed_steps=totals.steps,
