@@ -1,7 +1,7 @@
 """Benchmark gemctl's Triton jagged attention against FA2 varlen (aten), flex_attention with a
 document mask (compiled) and padded SDPA, on the GEM-like workloads, in one process.
 
-    python scripts/bench_jagged_attention.py [--out results.json] [--quick]
+    python scripts/bench_jagged_attention.py [--out results.json] [--quick] [--causal] [--window 256 ...]
 
 Effective TFLOP/s count useful FLOPs only (gemctl.metrics.flops): forward 4*H*D*pairs with pairs
 = sum_i Lq_i*Lk_i (non-causal) or the exact causal pair count; backward 2.5x forward (dQ, dK, dV
@@ -54,7 +54,7 @@ def make_inputs(w, device="cuda", dtype=torch.bfloat16, seed=0):
     return q, k, v, qo, ko, qo_h, ko_h, grad
 
 
-def run_ours(w, causal, with_bias):
+def run_ours(w, causal, with_bias, window=None):
     q, k, v, qo, ko, _, _, grad = make_inputs(w)
     mq, mk = int(w.q_lengths.max()), int(w.k_lengths.max())
     bias = None
@@ -63,7 +63,8 @@ def run_ours(w, causal, with_bias):
         bias = ops.RelativePositionBias(table, 1024)
 
     def fwd():
-        return ops.jagged_attention(q, k, v, qo, ko, mq, mk, bias=bias, causal=causal, backend="triton")
+        return ops.jagged_attention(q, k, v, qo, ko, mq, mk, bias=bias, causal=causal, window=window,
+                                    backend="triton")
 
     out = fwd()
     out.backward(grad, retain_graph=True)
@@ -152,6 +153,8 @@ def main() -> None:
     ap.add_argument("--out", default="bench_jagged_attention.json")
     ap.add_argument("--quick", action="store_true", help="self-* heavy-tailed workloads only, no flex")
     ap.add_argument("--causal", action="store_true", help="also run causal variants")
+    ap.add_argument("--window", type=int, action="append", default=[],
+                    help="sliding windows to time (ours, causal, self-* workloads), against no window")
     args = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
     meta = {
@@ -201,7 +204,16 @@ def main() -> None:
                 else:
                     cells.append(f"{name} {r['fwd_tflops']:.0f}/{r['fwdbwd_tflops']:.0f}(f+b)")
             print(f"{w.name:>18} causal={int(causal)} | " + " | ".join(cells), flush=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    windows = []
+    for w in [w for w in workloads if w.name.startswith("self")] if args.window else []:
+        full_f, full_b = run_ours(w, True, False)
+        for win in args.window:
+            ms_f, ms_b = run_ours(w, True, False, window=win)
+            windows.append({"workload": w.name, "window": win, "fwd_ms": ms_f, "bwd_ms": ms_b,
+                            "full_causal_fwd_ms": full_f, "full_causal_bwd_ms": full_b})
+            print(f"{w.name:>18} window={win:<5} fwd {ms_f:.3f} ms ({full_f / ms_f:.2f}x vs causal full) | "
+                  f"bwd {ms_b:.3f} ms ({full_b / ms_b:.2f}x)", flush=True)
+    Path(args.out).write_text(json.dumps({"meta": meta, "results": results, "windows": windows}, indent=1))
 
 
 if __name__ == "__main__":

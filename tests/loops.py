@@ -7,7 +7,9 @@ import torch
 from gemctl.ops.bias import relative_position_bucket
 
 
-def attention_loop(q, k, v, q_offsets, k_offsets, *, causal=False, scale=None, bias=None):
+def attention_loop(q, k, v, q_offsets, k_offsets, *, causal=False, scale=None, bias=None, window=None):
+    """``window = w``: keys at aligned distance d = i + Lk - Lq - j with 0 <= d < w (causal) or
+    |d| < w (not causal) only."""
     q, k, v = q.double(), k.double(), v.double()
     d = q.shape[2]
     scale = d**-0.5 if scale is None else scale
@@ -26,6 +28,8 @@ def attention_loop(q, k, v, q_offsets, k_offsets, *, causal=False, scale=None, b
             bucket = relative_position_bucket(dist, bias.table.shape[1], bias.max_distance)
             s = s + bias.table.double()[:, bucket]
         allowed = (dist >= 0) if causal else torch.ones(lq, lk, dtype=torch.bool)
+        if window is not None:
+            allowed = allowed & (dist < window) & ((dist >= 0) if causal else (dist > -window))
         has_key = allowed.any(-1)
         s = s.masked_fill(~allowed[None], float("-inf")).masked_fill(~has_key[None, :, None], 0.0)
         p = torch.softmax(s, dim=-1) * has_key[None, :, None]  # rows with no key -> zeros

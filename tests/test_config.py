@@ -147,7 +147,22 @@ def test_recipe_header(path):
     assert lines[0] == "# @package _global_"
     comments = [ln for ln in lines[1:] if ln.startswith("#")]
     assert lines[1].startswith("#"), "the line after the package header must be a comment"
-    assert comments[0] == f"# gemctl train --recipe {path.stem}"
+    # A recipe that declares its sweep (hydra.sweeper.params) is run as a multirun.
+    sweep = ((_recipe_yaml(path).get("hydra") or {}).get("sweeper") or {}).get("params")
+    assert comments[0] == f"# gemctl train --recipe {path.stem}" + (" -m" if sweep else "")
+
+
+def test_ablation_recipes_sweep_the_attention_kinds():
+    for name in ("ablation_attention", "ablation_attention_movielens"):
+        raw = _recipe_yaml(RECIPES / f"{name}.yaml")
+        assert raw["hydra"]["sweeper"]["params"]["model.attention"] == "[full],[window:256],[block:64]"
+        for kind in ("full", "window:256", "block:64"):
+            cfg = compose([f"model.attention=[{kind}]"], recipe=name)
+            validate(cfg)
+            assert cfg.model.attention == [kind] and cfg.model.rope_base == 10000
+        # Usable on the GPU through overrides.
+        cfg = compose(["model=small", "train.device=cuda"], recipe=name)
+        assert cfg.model.name == "small" and cfg.train.device == "cuda"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -251,6 +266,36 @@ def test_bad_attention_kind_names_its_index():
 def test_good_attention_kinds():
     validate(compose(["model.attention=[block:16]"]))
     validate(compose(["model.attention=[full,block:8]"]))  # one per layer (tiny: 2 layers)
+    validate(compose(["model.attention=[window:1]"]))
+    validate(compose(["model.attention=[window:256,block:64]", "model.rope_base=10000"]))
+
+
+@pytest.mark.parametrize("kind", ["window:0", "window:", "window:-4", "window:2.5", "window:x", "Window:8"])
+def test_bad_window_kind(kind):
+    err = _error([f"model.attention=[full,{kind}]"])
+    assert err.field == "model.attention[1]"
+    assert f"'{kind}' is not allowed" in str(err)
+    assert "window:<window> (integers >= 1)" in str(err)
+
+
+def test_bad_window_kind_exits_2_with_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "gemctl", "config", "validate", "model.attention=[window:0]"],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "gemctl: error: model.attention[0]: 'window:0' is not allowed; allowed: full | block:<block_size> | "
+        "window:<window> (integers >= 1)"
+    ]
+
+
+@pytest.mark.parametrize("base", [-1, 0.5, 1])
+def test_bad_rope_base(base):
+    err = _error([f"model.rope_base={base}"])
+    assert err.field == "model.rope_base"
+    assert "must be 0 (off) or > 1" in str(err)
 
 
 def test_wrong_number_of_attention_entries():
@@ -277,6 +322,30 @@ def test_kernel_backends_reach_the_model():
     assert model.backends == {"jagged_attention": "triton", "gdpa": "torch", "block_attention": "auto"}
     forced = build_model(cfg.model, spec, backend="torch")  # an explicit backend overrides every op
     assert set(forced.backends.values()) == {"torch"}
+
+
+def test_attention_kinds_reach_the_model():
+    """model.attention per layer: window keeps the relative-position bias, block gets RoPE tables
+    (positions from the sequence start) when model.rope_base > 0; the model trains a step."""
+    from gemctl.data.synthetic import SyntheticSource
+    from gemctl.model import build_model
+    from gemctl.model.attention import rope_tables
+
+    cfg = compose(["model.attention=[window:3,block:4]", "model.rope_base=10000", "data.batch_size=8"])
+    validate(cfg)
+    src = SyntheticSource(cfg.data)
+    model = build_model(cfg.model, src.spec, backend="torch")
+    window, block = (layer.attn for layer in model.tower.layers)
+    assert (window.kind, window.window, window.relpos is not None) == ("window", 3, True)
+    assert (block.kind, block.block_size, block.rope_base, block.relpos) == ("block", 4, 10000.0, None)
+    logits = model(src.train_batch(0))
+    logits.sum().backward()
+    assert torch.isfinite(logits).all() and window.relpos.grad is not None
+    cos, sin = rope_tables(10, 4, 8, 10000.0, "cpu")
+    assert cos.shape == (16, 4)  # 10 rounded up to whole blocks (12), then to a power of two
+    freq = 10000.0 ** (-torch.arange(4, dtype=torch.float64) / 4)
+    assert torch.allclose(sin[5].double(), torch.sin(5 * freq), atol=1e-6)
+    assert rope_tables(9, 4, 8, 10000.0, "cpu")[0] is cos  # built once per length bucket
 
 
 @pytest.mark.parametrize("overrides,field,words", [
@@ -317,10 +386,10 @@ def test_layouts_resolve_against_the_world():
     assert resolve_layout(cfg, world_size(cfg)) == (1, 2)
 
 
-def test_precision_format_not_allowed_yet():
-    err = _error(["precision.rules=[{match: '*', format: mxfp8}]"])
+def test_precision_format_not_allowed():
+    err = _error(["precision.rules=[{match: '*', format: mxfp4}]"])
     assert err.field == "precision.rules[0].format"
-    assert "'mxfp8' is not allowed; allowed: bf16, fp32" in str(err)
+    assert "'mxfp4' is not allowed; allowed: bf16, fp32, mxfp8" in str(err)
 
 
 def test_compute_dtype_not_allowed():

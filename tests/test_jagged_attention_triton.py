@@ -3,7 +3,8 @@
 CPU tier: the interpreter (TRITON_INTERPRET=1, 16x16 tiles), fp32, small hostile shapes.
 GPU tier (marked gpu): bf16 on the H200; the error must stay within 2x the error of the bf16
 PyTorch reference path on the same inputs (plus a small floor), and gradients are bitwise
-identical across runs.
+identical across runs. Sliding windows: smaller than a tile, a tile's width, the length of a
+sequence, larger than every length, and 1 (each query sees only its own aligned key).
 """
 
 import pytest
@@ -19,6 +20,10 @@ SELF_CPU = [[0, 1, 15, 16, 17, 33, 3], [70, 1, 2, 0, 5], [1], [0, 0, 4]]
 CROSS_CPU = [([3, 0, 17, 40, 1], [20, 4, 0, 3, 16]), ([33, 16, 15], [1, 2, 50])]
 SELF_GPU = [[0, 1, 63, 64, 65, 127, 128, 129, 7], [1000] + [3, 17, 0, 64] * 8, [200] * 16]
 CROSS_GPU = [([5, 0, 130, 64, 1000], [300, 7, 0, 64, 32]), ([64, 65, 1], [1, 2, 900])]
+# Windows against the lengths above: 1, below a tile, a tile (16 on CPU), tile + 1, the longest
+# length (33) and beyond every length.
+WINDOW_CPU = [1, 7, 16, 17, 33, 100]
+WINDOW_GPU = [1, 63, 64, 256, 2000]
 
 
 
@@ -34,9 +39,9 @@ def _inputs(q_lengths, k_lengths, heads, dim, device, dtype, seed, with_bias):
     return qo, ko, q, k, v, table, grad_out
 
 
-def _run(backend, q, k, v, table, qo, ko, mq, mk, causal):
+def _run(backend, q, k, v, table, qo, ko, mq, mk, causal, window=None):
     bias = None if table is None else ops.RelativePositionBias(table, 40)
-    out = ops.jagged_attention(q, k, v, qo, ko, mq, mk, bias=bias, causal=causal, backend=backend)
+    out = ops.jagged_attention(q, k, v, qo, ko, mq, mk, bias=bias, causal=causal, window=window, backend=backend)
     return out
 
 
@@ -45,20 +50,21 @@ def _grads(out, tensors, grad_out):
     return torch.autograd.grad(out, wanted, grad_out, allow_unused=True)
 
 
-def _check(q_lengths, k_lengths, causal, with_bias, device, dtype, heads=2, dim=32, seed=0, factor=None, tol=None):
+def _check(q_lengths, k_lengths, causal, with_bias, device, dtype, heads=2, dim=32, seed=0, factor=None, tol=None,
+           window=None):
     qo, ko, q, k, v, table, grad_out = _inputs(q_lengths, k_lengths, heads, dim, device, dtype, seed, with_bias)
     mq, mk = max(q_lengths), max(k_lengths)
-    out = _run("triton", q, k, v, table, qo, ko, mq, mk, causal)
+    out = _run("triton", q, k, v, table, qo, ko, mq, mk, causal, window)
     assert torch.isfinite(out).all()
     grads = _grads(out, [q, k, v, table], grad_out)
 
     ref_in = [t.detach().double().cpu().requires_grad_(True) if t is not None else None for t in (q, k, v, table)]
     ref_bias = None if table is None else ops.RelativePositionBias(ref_in[3], 40)
-    ref = attention_loop(ref_in[0], ref_in[1], ref_in[2], qo.cpu(), ko.cpu(), causal=causal, bias=ref_bias)
+    ref = attention_loop(ref_in[0], ref_in[1], ref_in[2], qo.cpu(), ko.cpu(), causal=causal, bias=ref_bias, window=window)
     ref_grads = _grads(ref, ref_in, grad_out.double().cpu())
 
     if factor is not None:  # bound by the low-precision PyTorch path's own error
-        base = _run("torch", q, k, v, table, qo, ko, mq, mk, causal)
+        base = _run("torch", q, k, v, table, qo, ko, mq, mk, causal, window)
         base_grads = _grads(base, [q, k, v, table], grad_out)
     names = ["out", "dq", "dk", "dv", "dbias"]
     pairs = [(out, ref, base if factor else None)] + [
@@ -89,6 +95,57 @@ def test_self_cpu(lengths, causal, with_bias):
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_cross_cpu(q_lengths, k_lengths, causal, with_bias):
     _check(q_lengths, k_lengths, causal, with_bias, "cpu", torch.float32, tol=2e-5)
+
+
+@pytest.mark.parametrize("window", WINDOW_CPU)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_window_self_cpu(window, causal, with_bias):
+    _check(SELF_CPU[0], SELF_CPU[0], causal, with_bias, "cpu", torch.float32, tol=2e-5, window=window)
+
+
+@pytest.mark.parametrize("window", [5, 16, 20])
+@pytest.mark.parametrize("causal", [False, True])
+def test_window_long_among_short_cpu(window, causal):
+    # 70 tokens: several query and key tiles lie entirely outside the band and are skipped.
+    _check(SELF_CPU[1], SELF_CPU[1], causal, True, "cpu", torch.float32, tol=2e-5, window=window)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_window_cross_cpu(causal):
+    _check(*CROSS_CPU[0], causal, True, "cpu", torch.float32, tol=2e-5, window=6)
+    _check(*CROSS_CPU[1], causal, False, "cpu", torch.float32, tol=2e-5, window=17)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_window_skips_tiles_outside_the_band_cpu(causal):
+    """Keys in tiles no query's window reaches are never read: NaN there must not reach any output
+    or gradient (a masked tile would still turn 0 * NaN into NaN), and their dK, dV are 0."""
+    qo, ko = offsets([16]), offsets([64])  # queries aligned to key positions 48..63
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(16, 2, 32, generator=gen, requires_grad=True)
+    k, v = (torch.randn(64, 2, 32, generator=gen) for _ in range(2))
+    k[:32], v[:32] = float("nan"), float("nan")  # tiles [0, 16) and [16, 32) of 16 keys
+    k.requires_grad_(True), v.requires_grad_(True)
+    table = torch.randn(2, 16, generator=gen, requires_grad=True)
+    bias = ops.RelativePositionBias(table, 40)
+    out = ops.jagged_attention(q, k, v, qo, ko, 16, 64, bias=bias, causal=causal, window=16, backend="triton")
+    dq, dk, dv, dtable = torch.autograd.grad(out.square().sum(), [q, k, v, table])
+    for t in (out, dq, dk, dv, dtable):
+        assert torch.isfinite(t).all()
+    assert torch.equal(dk[:32], torch.zeros_like(dk[:32])) and torch.equal(dv[:32], torch.zeros_like(dv[:32]))
+    clean_k, clean_v = k.detach()[32:], v.detach()[32:]  # the same attention without the far keys
+    ref = attention_loop(q, clean_k, clean_v, qo, offsets([32]), causal=causal, window=16,
+                         bias=ops.RelativePositionBias(table, 40))
+    assert rel_err(out, ref) < 2e-5
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.5, True])
+def test_window_must_be_a_positive_int(window):
+    x = torch.zeros(1, 1, 16)
+    off = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="window"):
+        ops.jagged_attention(x, x, x, off, off, 1, 1, window=window, backend="triton")
 
 
 def test_large_negative_bias_rows_cpu():
@@ -130,6 +187,32 @@ def test_self_gpu(lengths, causal, with_bias, dim):
 @pytest.mark.parametrize("causal", [False, True])
 def test_cross_gpu(q_lengths, k_lengths, causal):
     _check(q_lengths, k_lengths, causal, True, "cuda", torch.bfloat16, heads=4, dim=128, factor=2.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", SELF_GPU)
+@pytest.mark.parametrize("window", WINDOW_GPU)
+@pytest.mark.parametrize("causal", [False, True])
+def test_window_self_gpu(lengths, window, causal):
+    _check(lengths, lengths, causal, True, "cuda", torch.bfloat16, heads=4, dim=128, factor=2.0, window=window)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_window_cross_gpu(causal):
+    _check(*CROSS_GPU[0], causal, True, "cuda", torch.bfloat16, heads=4, dim=64, factor=2.0, window=100)
+
+
+@pytest.mark.gpu
+def test_window_backward_is_deterministic_gpu():
+    lengths = [1000] + [3, 17, 0, 64, 129] * 10
+    qo, ko, q, k, v, table, grad_out = _inputs(lengths, lengths, 4, 128, "cuda", torch.bfloat16, 3, True)
+    runs = []
+    for _ in range(2):
+        out = _run("triton", q, k, v, table, qo, ko, 1000, 1000, True, 256)
+        runs.append([out] + list(_grads(out, [q, k, v, table], grad_out)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from gemctl.launch.multirun import expand
+from gemctl.launch.multirun import comparison_rows, expand, markdown_table, recipe_sweep
 
 SHORT = ["train.steps=4", "train.warmup_timing_steps=1", "train.log_every=2", "data.synthetic.eval_samples=64",
          "data.eval_batch_size=64", "data.batch_size=16", "run.progress=false"]
@@ -25,7 +25,7 @@ def test_multirun_one_directory_per_job(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     (sweep_dir,) = os.listdir(tmp_path / "default")
     root = tmp_path / "default" / sweep_dir
-    assert sweep_dir.startswith("multirun-") and sorted(os.listdir(root)) == ["0", "1", "sweep.json"]
+    assert sweep_dir.startswith("multirun-") and sorted(os.listdir(root)) == ["0", "1", "sweep.json", "sweep.md"]
     sweep = json.loads((root / "sweep.json").read_text())
     assert sweep["keys"] == ["model.num_layers"]
     assert [j["overrides"][0] for j in sweep["jobs"]] == ["model.num_layers=1", "model.num_layers=2"]
@@ -44,3 +44,47 @@ def test_multirun_validates_every_job_first(tmp_path):
         + " ".join([f"run.output_dir={tmp_path}", *SHORT]) + ")"
     ]
     assert not os.listdir(tmp_path)
+
+
+def test_comparison_table_by_hand():
+    results = [
+        {"job": 0, "overrides": ["model.attention=[full]", "train.steps=4"], "exit_code": 0,
+         "eval": {"samples": 64, "ctr": {"ne": 0.91234, "auc": 0.7}, "cvr": {"ne": 0.8, "auc": 0.75}},
+         "perf": {"step_time_ms": 12.345, "qps": 1234.5, "local_mfu": 0.0123, "e2e_mfu": 0.0123}},
+        {"job": 1, "overrides": ["model.attention=[window\\:256]", "train.steps=4"], "exit_code": 1},
+    ]
+    rows = comparison_rows(["model.attention"], results)
+    assert rows[0] == {"job": 0, "model.attention": "[full]", "exit_code": 0, "ctr.ne": 0.91234, "ctr.auc": 0.7,
+                       "cvr.ne": 0.8, "cvr.auc": 0.75, "step_time_ms": 12.345, "qps": 1234.5, "mfu": 0.0123}
+    assert rows[1]["model.attention"] == "[window:256]"  # Hydra's escape of ':' is not shown
+    assert markdown_table(["model.attention"], rows).splitlines() == [
+        "| job | model.attention | ctr NE | ctr AUC | cvr NE | cvr AUC | step ms | QPS | MFU |",
+        "|---|---|---|---|---|---|---|---|---|",
+        "| 0 | [full] | 0.9123 | 0.7000 | 0.8000 | 0.7500 | 12.3 | 1,234 | 1.23% |",
+        "| 1 | [window:256] | exit 1 |  |  |  |  |  |  |",
+    ]
+
+
+def test_recipe_declares_its_sweep(tmp_path):
+    recipe = tmp_path / "kinds.yaml"
+    recipe.write_text("# @package _global_\n# gemctl train --recipe kinds -m\n"
+                      "hydra:\n  sweeper:\n    params:\n      model.attention: '[full],[window:2],[block:4]'\n"
+                      "      train.seed: 0,1\n")
+    assert recipe_sweep(str(recipe), ["train.seed=3"]) == ["model.attention=[full],[window:2],[block:4]"]
+    proc = subprocess.run([sys.executable, "-m", "gemctl", "train", "--recipe", str(recipe), "-m", "train.seed=3",
+                           "model.rope_base=10000", f"run.output_dir={tmp_path}", *SHORT],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (sweep_dir,) = os.listdir(tmp_path / "default")
+    root = tmp_path / "default" / sweep_dir
+    assert sorted(os.listdir(root)) == ["0", "1", "2", "sweep.json", "sweep.md"]
+    sweep = json.loads((root / "sweep.json").read_text())
+    assert sweep["keys"] == ["model.attention"]  # the command line's train.seed=3 replaced the recipe's sweep
+    assert [row["model.attention"] for row in sweep["table"]] == ["[full]", "[window:2]", "[block:4]"]
+    for row in sweep["table"]:
+        assert row["exit_code"] == 0 and row["step_time_ms"] > 0 and row["qps"] > 0
+        assert 0 < row["ctr.auc"] < 1 and row["ctr.ne"] > 0
+    md = (root / "sweep.md").read_text()
+    assert "| job | model.attention | ctr NE | ctr AUC | cvr NE | cvr AUC | step ms | QPS | MFU |" in md
+    assert "| 1 | [window:2] |" in md
+    assert "ctr NE" in proc.stdout and "step ms" in proc.stdout

@@ -78,6 +78,46 @@ def test_jagged_attention_self(device, dtype, tol, lengths, causal, with_bias):
 
 
 @pytest.mark.parametrize("device,dtype,tol", DEVICES)
+@pytest.mark.parametrize("lengths", CASES_SELF[:2])
+@pytest.mark.parametrize("window", [1, 16, 64, 300])
+@pytest.mark.parametrize("causal", [False, True])
+def test_jagged_attention_window(device, dtype, tol, lengths, window, causal):
+    """Sliding window (causal: the w most recent keys; otherwise |d| < w), with the bias."""
+    gen = torch.Generator().manual_seed(sum(lengths) + window)
+    h, d = 2, 32
+    off = offsets(lengths, device)
+    n, max_len = int(off[-1]), max(lengths)
+    q, k, v = (make(n, h, d, device, dtype, gen) for _ in range(3))
+    table = (torch.randn(h, 8, generator=gen, dtype=torch.float64)).to(device, torch.float32).requires_grad_(True)
+
+    def run(q, k, v, t, loop=False):
+        bias = ops.RelativePositionBias(t, max_distance=32)
+        if loop:
+            return attention_loop(q, k, v, off.cpu(), off.cpu(), causal=causal, bias=bias, window=window)
+        return ops.jagged_attention(q, k, v, off, off, max_len, max_len, bias=bias, causal=causal, window=window,
+                                    backend="torch")
+
+    compare(run, lambda *a: run(*a, loop=True), [q, k, v, table], tol, gen)
+
+
+def test_window_semantics():
+    """Causal window w: the w most recent keys up to the aligned position; non-causal: |d| < w.
+    With v = one-hot key position, the output row is the attention row itself."""
+    lengths = [6]
+    off = offsets(lengths)
+    q = torch.zeros(6, 1, 8)  # equal scores: uniform over the visible keys
+    k = torch.zeros(6, 1, 8)
+    v = torch.eye(8)[:6, None, :]  # key j -> e_j
+    causal = ops.jagged_attention(q, k, v, off, off, 6, 6, causal=True, window=2, backend="torch")[:, 0, :6]
+    assert torch.allclose(causal[0], torch.tensor([1.0, 0, 0, 0, 0, 0]))
+    assert torch.allclose(causal[3], torch.tensor([0, 0, 0.5, 0.5, 0, 0]))
+    sym = ops.jagged_attention(q, k, v, off, off, 6, 6, causal=False, window=2, backend="torch")[:, 0, :6]
+    assert torch.allclose(sym[3], torch.tensor([0, 0, 1 / 3, 1 / 3, 1 / 3, 0]))
+    with pytest.raises(ValueError, match="window"):
+        ops.jagged_attention(q, k, v, off, off, 6, 6, window=0, backend="torch")
+
+
+@pytest.mark.parametrize("device,dtype,tol", DEVICES)
 @pytest.mark.parametrize("q_lengths,k_lengths", CASES_CROSS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_jagged_attention_cross(device, dtype, tol, q_lengths, k_lengths, causal):

@@ -41,9 +41,13 @@ class ModelConfig:
     head_dim: int = 32
     num_layers: int = 2
     mlp_ratio: int = 4
-    # Attention kind per sequence-tower layer: "full" or "block:<block_size>". One entry applies
-    # to every layer; otherwise one entry per layer.
+    # Attention kind per sequence-tower layer: "full", "window:<w>" (sliding window: the w most
+    # recent keys up to the query, with the relative-position bias like full) or
+    # "block:<block_size>". One entry applies to every layer; otherwise one entry per layer.
     attention: List[str] = field(default_factory=lambda: ["full"])
+    # Rotary position embedding of the block attention layers (positions from the sequence
+    # start): the frequency base, e.g. 10000; 0 turns it off. full/window layers use relpos.
+    rope_base: float = 0.0
     causal: bool = True
     # Relative-position bias of the sequence tower: a learned [num_heads, relpos_buckets] table,
     # log-bucketed distances (0 turns it off).

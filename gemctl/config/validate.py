@@ -9,8 +9,11 @@ import re
 
 from gemctl.errors import ConfigError
 
-ATTENTION_KINDS = "full | block:<block_size>"
-PRECISION_FORMATS = ("bf16", "fp32")
+ATTENTION_KINDS = "full | block:<block_size> | window:<window> (integers >= 1)"
+PRECISION_FORMATS = ("bf16", "fp32", "mxfp8")
+MX_ELEMS = ("e4m3", "e5m2")
+MX_SCALE_RULES = ("floor", "rceil")
+MX_WGRAD_FORMATS = ("mxfp8", "bf16")
 COMPUTE_DTYPES = ("bf16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
 EMBEDDING_OPTIMIZERS = ("rowwise_adagrad", "adam")
@@ -68,9 +71,11 @@ def validate(cfg, check_device: bool = True) -> None:
             f"has {len(kinds)} entries; give 1 (all layers) or model.num_layers={m.num_layers}",
         )
     for i, kind in enumerate(kinds):
-        match = re.fullmatch(r"full|block:(\d+)", kind)
+        match = re.fullmatch(r"full|(?:block|window):(\d+)", kind)
         if not match or (match.group(1) is not None and int(match.group(1)) < 1):
             raise ConfigError(f"model.attention[{i}]", f"'{kind}' is not allowed; allowed: {ATTENTION_KINDS}")
+    if m.rope_base < 0 or (0 < m.rope_base <= 1):
+        raise ConfigError("model.rope_base", f"must be 0 (off) or > 1 (e.g. 10000), got {m.rope_base}")
 
     _one_of(p.compute_dtype, COMPUTE_DTYPES, "precision.compute_dtype")
     for i, rule in enumerate(p.rules):

@@ -1,4 +1,7 @@
-"""Sequence tower: N pre-norm layers of [RMSNorm -> attention -> RMSNorm -> MLP] on jagged tokens."""
+"""Sequence tower: N pre-norm layers of [RMSNorm -> attention -> RMSNorm -> MLP] on jagged tokens.
+
+The attention kind is set per layer (model.attention): ``full``, ``window:<w>`` or ``block:<b>``.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ class SequenceLayer(nn.Module):
         self.attn = JaggedSelfAttention(
             d, cfg.num_heads, cfg.head_dim, kind=kind, causal=cfg.causal,
             relpos_buckets=cfg.relpos_buckets, relpos_max_distance=cfg.relpos_max_distance,
+            rope_base=getattr(cfg, "rope_base", 0.0) or 0.0,
         )
         self.mlp_norm = RMSNorm(d)
         moe = getattr(cfg, "moe", None)

@@ -18,7 +18,7 @@ import sys
 import torch
 
 from gemctl.ops.bias import RelativePositionBias, relative_position_bucket
-from gemctl.ops.reference.attention import jagged_attention_reference
+from gemctl.ops.reference.attention import check_window, jagged_attention_reference
 from gemctl.ops.reference.block import apply_rope, block_attention_reference
 from gemctl.ops.reference.gdpa import gdpa_reference
 
@@ -78,18 +78,25 @@ def _pick(op: str, backend: str, device: torch.device):
 
 
 def jagged_attention(
-    q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, bias=None, causal=False, scale=None, backend="auto"
+    q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, bias=None, causal=False, scale=None, window=None,
+    backend="auto",
 ):
     """Softmax attention per sequence over jagged q ``[Nq, H, D]`` and k/v ``[Nk, H, D]``.
 
     K/V lengths may differ from Q lengths; ``causal`` aligns the last query with the last key;
     ``bias`` is a :class:`RelativePositionBias` (learned ``[H, n_buckets]`` table, with gradient).
     A query with no key outputs zeros.
+    ``window = w`` (an int >= 1; None: no window) is a sliding window on the aligned distance
+    ``d = (i + Lk - Lq) - j``: with ``causal`` query i sees the w most recent keys up to its own
+    position (0 <= d < w); without it the window is symmetric (|d| < w, up to 2w - 1 keys).
+    The Triton kernel skips the tiles outside the window: O(L * w) work instead of O(L^2).
     """
     kernel = _pick("jagged_attention", backend, q.device)
+    check_window(window)
     fn = kernel or jagged_attention_reference
     with torch.profiler.record_function("gemctl.attention.jagged_attention"):
-        return fn(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias=bias, causal=causal, scale=scale)
+        return fn(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias=bias, causal=causal, scale=scale,
+                  window=None if window is None else int(window))
 
 
 def gdpa(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, activation="gelu", scale=None, backend="auto"):

@@ -2,16 +2,26 @@
 
 out_i = sum_j softmax_j(scale * q_i . k_j + bias_ij) v_j over the keys j of the same sequence,
 with keys after the query excluded when causal (the last query is aligned with the last key).
+``window = w`` keeps only keys at aligned distance d = (i + Lk - Lq) - j with 0 <= d < w when
+causal (the w most recent keys up to the query's own position) and |d| < w when not causal.
 A query row with no valid key (an empty key sequence, or causal with Lq > Lk) outputs zeros.
 """
 
 from __future__ import annotations
+
+import numbers
 
 import torch
 import torch.nn.functional as F
 
 from gemctl.ops.bias import RelativePositionBias, relative_position_bucket
 from gemctl.ops.reference.jagged import pad, unpad
+
+
+def check_window(window) -> None:
+    """``window`` is None (no window) or an int >= 1; anything else is a ValueError."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1):
+        raise ValueError(f"jagged_attention: window must be None or an int >= 1, got {window!r}")
 
 
 def _relative_distance(q_offsets, k_offsets, max_q_len, max_k_len):
@@ -48,8 +58,9 @@ def _bias_scores(bias: RelativePositionBias, dist: torch.Tensor, dtype) -> torch
 
 
 def jagged_attention_reference(
-    q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, bias=None, causal=False, scale=None
+    q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, bias=None, causal=False, scale=None, window=None
 ):
+    check_window(window)
     n_q, heads, dim = q.shape
     scale = dim**-0.5 if scale is None else scale
     if n_q == 0 or max_q_len == 0:
@@ -64,6 +75,10 @@ def jagged_attention_reference(
     allowed = q_valid[:, :, None] & k_valid[:, None, :]
     if causal:
         allowed &= dist >= 0
+    if window is not None:  # a dense mask: the reference costs O(L^2) whatever the window
+        allowed &= dist < window
+        if not causal:
+            allowed &= dist > -window
     has_key = allowed.any(-1)  # (B, Lq)
     # Rows without any key attend to everything (finite softmax) and are zeroed afterwards.
     allowed |= ~has_key[:, :, None]

@@ -3,19 +3,28 @@
 Math, per sequence b (Lq = Lq_b query rows, Lk = Lk_b key rows, shift = Lk - Lq):
     s_ij = scale * q_i . k_j + bias_h(|i + shift - j|)          (i < Lq, j < Lk)
     causal: key j is visible to query i iff j <= i + shift       (last query sees the last key)
+    window w: key j is visible iff i + shift - w < j (and j < i + shift + w when not causal): with
+              causal the w most recent keys up to the query's aligned position, else |d| < w
     o_i  = sum_j softmax_j(s_ij) v_j ;  a query with no visible key gets o_i = 0
 Supported: q [Nq, H, D], k/v [Nk, H, D] (K/V lengths independent of Q: cross-attention), int64
 offsets [B+1]; D in {16, 32, 64, 128, 256}; fp16 and bf16 on CUDA, fp32 everywhere (the CPU tier
 runs under TRITON_INTERPRET=1); optional relative-position bias (gemctl.ops.RelativePositionBias)
-with its gradient.
+with its gradient; optional sliding window (an int >= 1), with or without causal and bias.
 
 Scheduling: work is a host-built list of (sequence, tile) pairs (only valid tiles: a sequence of
 length L gets ceil(L / BLOCK) programs, an empty one none), sorted longest first so the long
 sequences start early and short ones fill the tail. The host list comes from the offsets' host copy
 (gemctl.ops.host), built once per batch and shared by every layer, forward and backward.
 
-Masking: tiles fully inside the sequence (and, when causal, fully below the diagonal) run without
-any mask; only the last key tile of a row block and the diagonal tiles apply one. A masked score
+Masking: tiles fully inside the sequence (and, when causal, fully below the diagonal; with a
+window, fully inside the band) run without any mask; only the last key tile of a row block, the
+diagonal tiles and the band's edge tiles apply one.
+
+Sliding window: every pass visits only the tiles that intersect the band |d| < w (causal:
+0 <= d < w): a query tile loops over about (w + BLOCK_M) / BLOCK_N key tiles, a key tile over
+about (w + BLOCK_N) / BLOCK_M query tiles, so forward and backward cost O(L * w), not O(L^2).
+The work lists are the same as without a window (their longest-first order is only a
+scheduling heuristic; with a window, tiles cost about the same everywhere). A masked score
 is -inf, never 0: with a zeroed score, a row whose valid logits all sit far below 0 (a large
 negative bias) would lose them to exp(0 - m) terms and cancel catastrophically when the surplus
 is subtracted, so this kernel keeps the exact max over valid entries instead.
@@ -41,6 +50,10 @@ from gemctl.ops.triton.common import (
 )
 
 LOG2E = 1.4426950408889634
+# The kernels' window when there is none: every |distance| (< 2^30: lengths are int32 in-kernel)
+# is below it, so the band arithmetic reduces to the plain causal / full ranges and the kernel
+# signature stays the same for every call (the masked tiles pay one integer compare more).
+NO_WINDOW = 1 << 30
 
 # ----------------------------------------------------------------------------------------------
 # Configs. (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per head dim; the first call per
@@ -68,7 +81,7 @@ def _bias_tile(BIAS, h, dist, stride_bias_h, bias_max):
 @triton.jit
 def _fwd_tile(
     acc, m_i, l_i, q, K, V, BIAS, h, k_start, start_n, k_len, shift,
-    offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh, stride_bias_h, bias_max, qk_scale,
+    offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh, stride_bias_h, bias_max, qk_scale, window,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, MASK: tl.constexpr,
 ):
     cols = start_n + offs_n  # key positions of this tile within the sequence
@@ -80,10 +93,7 @@ def _fwd_tile(
     if HAS_BIAS:
         s += _bias_tile(BIAS, h, dist, stride_bias_h, bias_max)
     if MASK:
-        valid = kmask[None, :]
-        if CAUSAL:
-            valid = valid & (dist >= 0)
-        s = tl.where(valid, s, float("-inf"))
+        s = tl.where(_visible(kmask, dist, window, CAUSAL), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
     p = tl.math.exp2(s - m_safe[:, None])
@@ -94,27 +104,49 @@ def _fwd_tile(
 
 
 @triton.jit
-def _row_block_range(m0, q_len, k_len, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """Key range of query rows [m0, m0 + BLOCK_M): [0, full_end) needs no mask, [full_end, hi) does."""
+def _visible(kmask, dist, window, CAUSAL: tl.constexpr):
+    """(BM, BN) mask of visible (query, key) pairs; kmask: (BN,) keys inside the sequence; dist:
+    aligned distance i + shift - j; window: NO_WINDOW when there is none."""
+    valid = kmask[None, :] & (dist < window)
     if CAUSAL:
-        hi = tl.minimum(k_len, m0 + BLOCK_M + shift)  # keys visible to the tile's last row
-        full_end = tl.minimum(k_len, m0 + shift + 1)  # keys visible to its first row
+        valid = valid & (dist >= 0)
     else:
-        hi = k_len
-        full_end = k_len
-    hi = tl.maximum(hi, 0)
+        valid = valid & (dist > -window)
+    return valid
+
+
+@triton.jit
+def _row_block_range(m0, q_len, k_len, shift, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Key range of query rows [m0, m0 + BLOCK_M): every visible key lies in [lo, hi); the keys in
+    [full_lo, full_end) are visible to every (valid) row of the tile and need no mask; [lo, full_lo)
+    and [full_end, hi) do. lo, full_lo and full_end are multiples of BLOCK_N (or equal to hi)."""
+    a_first = m0 + shift  # aligned position of the tile's first row
+    a_last = tl.minimum(m0 + BLOCK_M, q_len) - 1 + shift  # ... and of its last valid row
+    if CAUSAL:
+        hi = tl.minimum(k_len, a_last + 1)  # keys visible to the tile's last row
+        full_end = tl.minimum(k_len, a_first + 1)  # keys visible to its first row
+    else:
+        hi = tl.minimum(k_len, a_last + window)
+        full_end = tl.minimum(k_len, a_first + window)
+    lo = (tl.maximum(a_first - window + 1, 0) // BLOCK_N) * BLOCK_N  # the first row's oldest key
+    full_lo = tl.maximum(a_last - window + 1, 0)  # the last row's oldest key
+    full_lo = ((full_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    hi = tl.maximum(hi, lo)
     full_end = (tl.maximum(full_end, 0) // BLOCK_N) * BLOCK_N
-    return full_end, hi
+    full_lo = tl.minimum(full_lo, hi)
+    full_end = tl.maximum(tl.minimum(full_end, hi), full_lo)
+    return lo, full_lo, full_end, hi
 
 
 @triton.jit
 def _jagged_attn_fwd(
     Q, K, V, O, LSE, Q_OFFSETS, K_OFFSETS, WORK, BIAS,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
-    stride_bias_h, bias_max, num_heads, qk_scale,
+    stride_bias_h, bias_max, num_heads, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
+    # window: the sliding window (NO_WINDOW: none).
     # Q/K/V/O: [N, H, D] jagged values; LSE: [Nq, H] fp32 log2-sum-exp2 per row (for backward);
     # Q_OFFSETS/K_OFFSETS: int64 [B+1]; WORK: int32 [n_work, 2] = (sequence, query tile).
     # Program (pid, h) computes BLOCK_M query rows of one sequence for head h.
@@ -131,15 +163,20 @@ def _jagged_attn_fwd(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    full_end, hi = _row_block_range(m0, q_len, k_len, shift, BLOCK_M, BLOCK_N, CAUSAL)
-    for start_n in range(0, full_end, BLOCK_N):
+    lo, full_lo, full_end, hi = _row_block_range(m0, q_len, k_len, shift, window, BLOCK_M, BLOCK_N, CAUSAL)
+    # Window band's leading edge (masked), the tiles every row sees (no mask), the trailing edge.
+    for start_n in range(lo, full_lo, BLOCK_N):
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, BIAS, h, k_start, start_n, k_len, shift,
                                   offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh,
-                                  stride_bias_h, bias_max, qk_scale, CAUSAL, HAS_BIAS, False)
+                                  stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, True)
+    for start_n in range(full_lo, full_end, BLOCK_N):
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, BIAS, h, k_start, start_n, k_len, shift,
+                                  offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh,
+                                  stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, False)
     for start_n in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, BIAS, h, k_start, start_n, k_len, shift,
                                   offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh,
-                                  stride_bias_h, bias_max, qk_scale, CAUSAL, HAS_BIAS, True)
+                                  stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, True)
     has_key = l_i > 0.0
     l_safe = tl.where(has_key, l_i, 1.0)
     out = acc / l_safe[:, None]  # rows with no visible key: acc = 0 -> zeros
@@ -166,7 +203,7 @@ def _jagged_attn_bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFFSETS, K_OFFSETS, WORK, BIAS,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_don, stride_doh, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-    stride_bias_h, bias_max, num_heads, qk_scale, scale,
+    stride_bias_h, bias_max, num_heads, qk_scale, scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
@@ -184,25 +221,36 @@ def _jagged_attn_bwd_dkdv(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
-    # Query rows that see a key of this tile start at n0 - shift (causal); rows from
-    # n0 + BLOCK_N - 1 - shift on see all of them. A partial key tile is masked everywhere.
+    # Query rows i (aligned position a = i + shift) that see a key j of this tile: a >= j (causal),
+    # a < j + window and a > j - window (window). Rows in [i_lo, i_hi) see some key of the tile,
+    # rows in [full_i_lo, full_i_hi) see all of them. A partial key tile is masked everywhere.
+    n_last = n0 + BLOCK_N - 1
     if CAUSAL:
-        lo = (tl.maximum(n0 - shift, 0) // BLOCK_M) * BLOCK_M
-        full_start = tl.maximum(n0 + BLOCK_N - 1 - shift, 0)
-        full_start = ((full_start + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+        i_lo = n0 - shift
+        full_i_lo = n_last - shift
     else:
-        lo = 0
-        full_start = 0
+        i_lo = n0 - window + 1 - shift
+        full_i_lo = n_last - window + 1 - shift
+    i_hi = tl.minimum(n_last + window - shift, q_len)
+    full_i_hi = n0 + window - shift
+    lo = (tl.maximum(i_lo, 0) // BLOCK_M) * BLOCK_M
+    stop = tl.maximum(i_hi, lo)
+    full_start = ((tl.maximum(full_i_lo, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    # Rows from q_len on read lse = +inf (p = 0), so the last partial query tile needs no mask.
+    full_stop = tl.where(full_i_hi >= q_len, q_len, (tl.maximum(full_i_hi, 0) // BLOCK_M) * BLOCK_M)
     if n0 + BLOCK_N > k_len:
-        full_start = q_len + BLOCK_M  # every query tile masked
-    full_start = tl.maximum(tl.minimum(full_start, q_len), lo)
+        full_start = stop  # every query tile masked
+    full_start = tl.maximum(tl.minimum(full_start, stop), lo)
+    full_stop = tl.maximum(tl.minimum(full_stop, stop), full_start)
 
-    for phase in tl.static_range(2):
+    for phase in tl.static_range(3):  # leading edge (masked), inner tiles (no mask), trailing edge
         if phase == 0:
-            start, stop = lo, full_start
+            start, end = lo, full_start
+        elif phase == 1:
+            start, end = full_start, full_stop
         else:
-            start, stop = full_start, q_len
-        for start_m in range(start, stop, BLOCK_M):
+            start, end = full_stop, stop
+        for start_m in range(start, end, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             row_ok = offs_m < q_len
             q = load_rows(Q, q_start, offs_m, q_len, stride_qn, h * stride_qh, offs_d)
@@ -210,10 +258,8 @@ def _jagged_attn_bwd_dkdv(
             lse = tl.load(LSE + (q_start + offs_m) * num_heads + h, mask=row_ok, other=float("inf"))
             delta = tl.load(DELTA + (q_start + offs_m) * num_heads + h, mask=row_ok, other=0.0)
             dist = offs_m[:, None] + shift - offs_n[None, :]
-            valid = kmask[None, :]
-            if CAUSAL:
-                valid = valid & (dist >= 0)
-            p = _bwd_scores(q, k, BIAS, h, dist, lse, stride_bias_h, bias_max, qk_scale, valid, HAS_BIAS, phase == 0)
+            valid = _visible(kmask, dist, window, CAUSAL)
+            p = _bwd_scores(q, k, BIAS, h, dist, lse, stride_bias_h, bias_max, qk_scale, valid, HAS_BIAS, phase != 1)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do)
             dp = tl.dot(do, tl.trans(v))
             ds = p * (dp - delta[:, None])
@@ -227,7 +273,7 @@ def _jagged_attn_bwd_dq(
     Q, K, V, DO, LSE, DELTA, DQ, DBIAS, Q_OFFSETS, K_OFFSETS, WORK, BIAS, BUCKETS,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_don, stride_doh, stride_dqn, stride_dqh,
-    stride_bias_h, bias_max, num_heads, qk_scale, scale,
+    stride_bias_h, bias_max, num_heads, qk_scale, scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_BUCKETS: tl.constexpr,
 ):
@@ -249,10 +295,12 @@ def _jagged_attn_bwd_dq(
     bucket_ids = tl.arange(0, NUM_BUCKETS)
     dbias = tl.zeros([NUM_BUCKETS], dtype=tl.float32)
 
-    full_end, hi = _row_block_range(m0, q_len, k_len, shift, BLOCK_M, BLOCK_N, CAUSAL)
-    for phase in tl.static_range(2):
+    lo, full_lo, full_end, hi = _row_block_range(m0, q_len, k_len, shift, window, BLOCK_M, BLOCK_N, CAUSAL)
+    for phase in tl.static_range(3):  # leading edge (masked), inner tiles (no mask), trailing edge
         if phase == 0:
-            start, stop = 0, full_end
+            start, stop = lo, full_lo
+        elif phase == 1:
+            start, stop = full_lo, full_end
         else:
             start, stop = full_end, hi
         for start_n in range(start, stop, BLOCK_N):
@@ -261,10 +309,8 @@ def _jagged_attn_bwd_dq(
             k = load_rows(K, k_start, offs_n, k_len, stride_kn, h * stride_kh, offs_d)
             v = load_rows(V, k_start, offs_n, k_len, stride_vn, h * stride_vh, offs_d)
             dist = offs_m[:, None] + shift - offs_n[None, :]
-            valid = kmask[None, :]
-            if CAUSAL:
-                valid = valid & (dist >= 0)
-            p = _bwd_scores(q, k, BIAS, h, dist, lse, stride_bias_h, bias_max, qk_scale, valid, HAS_BIAS, phase == 1)
+            valid = _visible(kmask, dist, window, CAUSAL)
+            p = _bwd_scores(q, k, BIAS, h, dist, lse, stride_bias_h, bias_max, qk_scale, valid, HAS_BIAS, phase != 1)
             dp = tl.dot(do, tl.trans(v))
             ds = p * (dp - delta[:, None])  # gradient of the natural-units score s_ij
             dq += tl.dot(ds.to(k.dtype), k)
@@ -303,12 +349,13 @@ def _bias_tables(bias: RelativePositionBias | None, num_heads: int, device):
     return per_distance, buckets.to(torch.int32).contiguous(), max_d, bias.num_buckets
 
 
-def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale):
+def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale, window):
     n_q, heads, dim = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(n_q, heads, device=q.device, dtype=torch.float32)
     bias_d, _, bias_max, _ = _bias_tables(bias, heads, q.device)
     qk_scale = scale * LOG2E
+    kernel_window = window if window > 0 else NO_WINDOW
 
     def run(cfg):
         bm, bn, warps, stages = cfg
@@ -318,18 +365,18 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, 
         _jagged_attn_fwd[(work.shape[0], heads)](
             q, k, v, out, lse, q_offsets, k_offsets, work, bias_d,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-            bias_d.stride(0), bias_max, heads, qk_scale,
+            bias_d.stride(0), bias_max, heads, qk_scale, kernel_window,
             HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias is not None,
             num_warps=warps, num_stages=stages,
         )
 
     size = "large" if dim >= 128 else "small"
-    key = ("fwd", dim, q.dtype, causal, bias is not None, bucket_len(max_q_len), bucket_len(max_k_len))
+    key = ("fwd", dim, q.dtype, causal, bias is not None, _window_key(window), bucket_len(max_q_len), bucket_len(max_k_len))
     run(pick_config(key, _FWD_CANDIDATES[size], run))
     return out, lse
 
 
-def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale):
+def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale, window):
     n_q, heads, dim = q.shape
     do = do.contiguous()
     delta = (out.float() * do.float()).sum(-1).contiguous()  # (Nq, H) rowsum(dO * O)
@@ -338,6 +385,7 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
     nb_pad = max(16, triton.next_power_of_2(n_buckets))
     qk_scale = scale * LOG2E
     has_bias = bias is not None
+    kernel_window = window if window > 0 else NO_WINDOW
     state = {}
 
     def run_dkdv(cfg):
@@ -348,7 +396,7 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
                 q, k, v, do, lse, delta, dk, dv, q_offsets, k_offsets, kwork, bias_d,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-                bias_d.stride(0), bias_max, heads, qk_scale, scale,
+                bias_d.stride(0), bias_max, heads, qk_scale, scale, kernel_window,
                 HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=has_bias,
                 num_warps=warps, num_stages=stages,
             )
@@ -362,13 +410,13 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
                 q, k, v, do, lse, delta, dq, dbias, q_offsets, k_offsets, qwork, bias_d, buckets,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
-                bias_d.stride(0), bias_max, heads, qk_scale, scale,
+                bias_d.stride(0), bias_max, heads, qk_scale, scale, kernel_window,
                 HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=has_bias, NUM_BUCKETS=nb_pad,
                 num_warps=warps, num_stages=stages,
             )
         state["dbias"] = dbias
 
-    key = (dim, q.dtype, causal, has_bias, bucket_len(max_q_len), bucket_len(max_k_len))
+    key = (dim, q.dtype, causal, has_bias, _window_key(window), bucket_len(max_q_len), bucket_len(max_k_len))
     run_dkdv(pick_config(("dkdv",) + key, _DKDV_CANDIDATES, run_dkdv))
     run_dq(pick_config(("dq",) + key, _DQ_CANDIDATES, run_dq))
     dtable = None
@@ -377,23 +425,28 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
     return dq, dk, dv, dtable
 
 
+def _window_key(window: int) -> int:
+    """Autotune key of a window (0: none): its power-of-two bucket, like the lengths."""
+    return bucket_len(window) if window > 0 else 0
+
+
 # torch.library custom ops with fakes: torch.compile traces through them without a graph break,
 # and autograd is attached with register_autograd.
 @torch.library.custom_op("gemctl::jagged_attention_fwd", mutates_args=())
 def _jagged_attention_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor | None,
     q_offsets: torch.Tensor, k_offsets: torch.Tensor, max_q_len: int, max_k_len: int,
-    max_distance: int, causal: bool, scale: float,
+    max_distance: int, causal: bool, scale: float, window: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     bias = None if table is None else RelativePositionBias(table, max_distance)
     # Any row/head strides work (the q, k, v views of a fused QKV projection need no copy); the
     # head dimension must be contiguous.
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    return _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale)
+    return _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale, window)
 
 
 @_jagged_attention_fwd_op.register_fake
-def _(q, k, v, table, q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale):
+def _(q, k, v, table, q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale, window):
     return torch.empty_like(q), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
 
 
@@ -401,34 +454,37 @@ def _(q, k, v, table, q_offsets, k_offsets, max_q_len, max_k_len, max_distance, 
 def _jagged_attention_bwd_op(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, table: torch.Tensor | None, q_offsets: torch.Tensor, k_offsets: torch.Tensor,
-    max_q_len: int, max_k_len: int, max_distance: int, causal: bool, scale: float,
+    max_q_len: int, max_k_len: int, max_distance: int, causal: bool, scale: float, window: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     bias = None if table is None else RelativePositionBias(table, max_distance)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    dq, dk, dv, dtable = _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale)
+    dq, dk, dv, dtable = _backward(
+        do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale, window
+    )
     return dq, dk, dv, dtable if dtable is not None else q.new_empty(0)
 
 
 @_jagged_attention_bwd_op.register_fake
-def _(do, q, k, v, out, lse, table, q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale):
+def _(do, q, k, v, out, lse, table, q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale, window):
     dtable = torch.empty_like(table) if table is not None else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dtable
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, table, q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale = inputs
+    q, k, v, table, q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale, window = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, table, q_offsets, k_offsets)
-    ctx.args = (max_q_len, max_k_len, max_distance, causal, scale)
+    ctx.args = (max_q_len, max_k_len, max_distance, causal, scale, window)
 
 
 def _backward_rule(ctx, do, _dlse):
     q, k, v, out, lse, table, q_offsets, k_offsets = ctx.saved_tensors
-    max_q_len, max_k_len, max_distance, causal, scale = ctx.args
+    max_q_len, max_k_len, max_distance, causal, scale, window = ctx.args
     dq, dk, dv, dtable = _jagged_attention_bwd_op(
-        do.contiguous(), q, k, v, out, lse, table, q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale
+        do.contiguous(), q, k, v, out, lse, table, q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal,
+        scale, window,
     )
-    return dq, dk, dv, (dtable if table is not None else None), None, None, None, None, None, None, None
+    return dq, dk, dv, (dtable if table is not None else None), None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("gemctl::jagged_attention_fwd", _backward_rule, setup_context=_setup_context)
@@ -439,26 +495,28 @@ class _JaggedAttentionEager(torch.autograd.Function):
     cost (~400 us a call on the H200 machine, torch 2.11; scripts/host_overhead.py)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, table, q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale):
+    def forward(ctx, q, k, v, table, q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale, window):
         bias = None if table is None else RelativePositionBias(table, max_distance)
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-        out, lse = _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale)
+        out, lse = _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale, window)
         ctx.save_for_backward(q, k, v, out, lse, table, q_offsets, k_offsets)
-        ctx.args = (max_q_len, max_k_len, max_distance, causal, scale)
+        ctx.args = (max_q_len, max_k_len, max_distance, causal, scale, window)
         return out
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, out, lse, table, q_offsets, k_offsets = ctx.saved_tensors
-        max_q_len, max_k_len, max_distance, causal, scale = ctx.args
+        max_q_len, max_k_len, max_distance, causal, scale, window = ctx.args
         bias = None if table is None else RelativePositionBias(table, max_distance)
         dq, dk, dv, dtable = _backward(
-            do.contiguous(), q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale
+            do.contiguous(), q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale, window
         )
-        return dq, dk, dv, dtable, None, None, None, None, None, None, None
+        return dq, dk, dv, dtable, None, None, None, None, None, None, None, None
 
 
-def jagged_attention_triton(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, bias=None, causal=False, scale=None):
+def jagged_attention_triton(
+    q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, bias=None, causal=False, scale=None, window=None
+):
     """Triton implementation of :func:`gemctl.ops.jagged_attention` (same signature, minus backend)."""
     dim = q.shape[-1]
     if dim not in (16, 32, 64, 128, 256):
@@ -466,7 +524,11 @@ def jagged_attention_triton(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len,
     scale = dim**-0.5 if scale is None else float(scale)
     table = None if bias is None else bias.table
     max_distance = 0 if bias is None else int(bias.max_distance)
-    args = (q, k, v, table, q_offsets, k_offsets, int(max_q_len), int(max_k_len), max_distance, bool(causal), scale)
+    if window is not None and int(window) < 1:
+        raise ValueError(f"jagged_attention (triton): window must be None or an int >= 1, got {window!r}")
+    window = 0 if window is None else int(window)  # 0: no window (the custom ops take a plain int)
+    args = (q, k, v, table, q_offsets, k_offsets, int(max_q_len), int(max_k_len), max_distance, bool(causal), scale,
+            window)
     if torch.compiler.is_compiling():  # traced as a custom op: no graph break
         return _jagged_attention_fwd_op(*args)[0]
     return _JaggedAttentionEager.apply(*args)
