@@ -7,6 +7,8 @@
 #   baseline  gemctl train --recipe small_h200 (summary.json copied out)
 #   bench     scripts/bench_jagged_attention.py (ours vs FA2 varlen, flex_attention, padded SDPA)
 #   bench-gdpa scripts/bench_gdpa.py (ours vs padded bmm-act-bmm eager/compiled, softmax; roofline)
+#   bench-block scripts/bench_block_attention.py (block attention + fused RoPE vs memory roofline,
+#             full jagged attention, separate rotary kernels; self-1000 and self-4000)
 #   profile   gemctl profile --recipe small_h200 (profile.json and plots copied out)
 #   ab-gdpa   small_h200 with model.kernels.gdpa=torch, then =triton (whole-model before/after)
 #
@@ -29,6 +31,7 @@ for stage in "$@"; do
       cp "$(ls -d runs/small_h200/* | tail -1)/summary.json" "$OUT/small_h200_summary.json" ;;
     bench) python3 scripts/bench_jagged_attention.py --out "$OUT/bench_jagged_attention.json" 2>&1 | quiet | tee "$OUT/bench_jagged_attention.log" ;;
     bench-gdpa) python3 scripts/bench_gdpa.py --grids --out "$OUT/bench_gdpa.json" 2>&1 | quiet | tee "$OUT/bench_gdpa.log" ;;
+    bench-block) python3 scripts/bench_block_attention.py --out "$OUT/bench_block_attention.json" 2>&1 | quiet | tee "$OUT/bench_block_attention.log" ;;
     ab-gdpa)
       for impl in torch triton; do
         python3 -m gemctl train --recipe small_h200 run.progress=false model.kernels.gdpa=$impl run.name=small_h200-gdpa-$impl 2>&1 | quiet | tee "$OUT/small_h200_gdpa_$impl.log"
@@ -38,6 +41,6 @@ for stage in "$@"; do
       python3 -m gemctl profile --recipe small_h200 2>&1 | quiet | tee "$OUT/profile.log"
       d=$(ls -d runs/small_h200-profile/* | tail -1)
       cp "$d/profile.json" "$d/breakdown.png" "$d/waterfall.png" "$OUT/" ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, ab-gdpa, profile)" >&2; exit 2 ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, profile)" >&2; exit 2 ;;
   esac
 done

@@ -62,6 +62,12 @@ def attention_workloads(uniform_variant: bool = True) -> list[Workload]:
     return out
 
 
+def block_attention_workloads() -> list[Workload]:
+    """self-1000 and self-4000 (B=64, max_len 4000, the same length law): the long histories where
+    block attention's O(L) cost is compared with full attention's O(L^2)."""
+    return [self_workload(256, 1000), self_workload(64, 4000)]
+
+
 def offsets_of(lengths: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
     out[1:] = torch.cumsum(lengths, 0)

@@ -105,6 +105,28 @@ def rel_err(a, b) -> float:
     return float((a - b).norm() / norm) if norm > 0 else float((a - b).abs().max())
 
 
+def assert_errors(names, got, ref, baseline=None, *, tol=None, factor=None, floor=1e-3):
+    """Each got[i] is finite and within ``tol`` of ref[i] (relative error), or with ``factor``
+    within factor * (error of baseline[i], the low-precision PyTorch path) + floor."""
+    baseline = baseline if baseline is not None else [None] * len(got)
+    for name, g, r, b in zip(names, got, ref, baseline):
+        assert torch.isfinite(g).all(), name
+        err = rel_err(g, r)
+        bound = tol if factor is None else factor * rel_err(b, r) + floor
+        assert err <= bound, f"{name}: rel err {err:.2e} > {bound:.2e}"
+
+
+def assert_compiles_same(f, inputs, backend="aot_eager", **tolerance):
+    """torch.compile(f, fullgraph=True) traces (no graph break) and gives f's loss and gradients."""
+    loss = torch.compile(f, fullgraph=True, backend=backend)(*inputs)
+    grads = torch.autograd.grad(loss, inputs)
+    ref_loss = f(*inputs)
+    ref_grads = torch.autograd.grad(ref_loss, inputs)
+    assert torch.allclose(loss, ref_loss, **tolerance)
+    for a, b in zip(grads, ref_grads):
+        assert torch.allclose(a, b, **tolerance)
+
+
 def offsets(lengths, device="cpu"):
     out = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     out[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)

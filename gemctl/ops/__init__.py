@@ -39,6 +39,7 @@ BACKENDS = ("auto", "torch", "triton")
 _TRITON_IMPLS = {
     "jagged_attention": ("gemctl.ops.triton.jagged_attention", "jagged_attention_triton", True),
     "gdpa": ("gemctl.ops.triton.gdpa", "gdpa_triton", True),
+    "block_attention": ("gemctl.ops.triton.block_attention", "block_attention_triton", False),
 }
 triton_kernels: dict[str, object] = {}  # loaded implementations
 _warned: set[str] = set()
@@ -85,14 +86,14 @@ def jagged_attention(
 
     K/V lengths may differ from Q lengths; ``causal`` aligns the last query with the last key;
     ``bias`` is a :class:`RelativePositionBias` (learned ``[H, n_buckets]`` table, with gradient).
-    A query with no key outputs zeros.
     ``window = w`` (an int >= 1; None: no window) is a sliding window on the aligned distance
     ``d = (i + Lk - Lq) - j``: with ``causal`` query i sees the w most recent keys up to its own
     position (0 <= d < w); without it the window is symmetric (|d| < w, up to 2w - 1 keys).
     The Triton kernel skips the tiles outside the window: O(L * w) work instead of O(L^2).
+    A query with no key outputs zeros.
     """
-    kernel = _pick("jagged_attention", backend, q.device)
     check_window(window)
+    kernel = _pick("jagged_attention", backend, q.device)
     fn = kernel or jagged_attention_reference
     with torch.profiler.record_function("gemctl.attention.jagged_attention"):
         return fn(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias=bias, causal=causal, scale=scale,
@@ -115,9 +116,13 @@ def gdpa(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, activation="gel
 def block_attention(q, k, v, offsets, max_len, *, block_size=64, rope=None, backend="auto"):
     """Softmax attention inside consecutive ``block_size`` chunks of each sequence.
 
-    ``rope=(cos, sin)`` tables ``[>= max_len, D // 2]`` rotate q and k by position first.
+    ``rope=(cos, sin)`` tables ``[>= max_len, D // 2]`` rotate q and k by position first (inside
+    the kernel with the Triton backend, forward and backward). The Triton backend also takes a
+    float base frequency (tables built and cached on the device); the reference takes tables only.
     """
     kernel = _pick("block_attention", backend, q.device)
+    if kernel is None and rope is not None and not isinstance(rope, (tuple, list)):
+        raise TypeError("block_attention: the PyTorch reference takes rope=(cos, sin) tables, not a base frequency")
     fn = kernel or block_attention_reference
     with torch.profiler.record_function("gemctl.attention.block_attention"):
         return fn(q, k, v, offsets, max_len, block_size=block_size, rope=rope)

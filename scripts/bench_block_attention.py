@@ -1,0 +1,265 @@
+"""Benchmark gemctl's Triton block attention (RoPE fused) against the memory roofline, full jagged
+attention and rotary applied by separate kernels, on self-1000 and self-4000, in one process.
+
+    python scripts/bench_block_attention.py [--out bench_block_attention.json]
+
+bf16, H=4, D=128 (scripts/workloads.py). Block attention is memory-bound (each K/V element serves
+one block of queries), so it is judged by bytes, not FLOPs. With T tokens, E = 2 bytes (bf16):
+    forward bytes  = 4*T*H*D*E + 4*T*H      q, k, v read + o written (bf16) + lse written (fp32)
+    backward bytes = 8*T*H*D*E + 4*T*H      q, k, v, o, do read + dq, dk, dv written + lse read
+(delta = rowsum(do * o) is computed inside the backward kernel: no extra bytes; the rope tables'
+rows come through L2 and are not counted). Roofline time = bytes / copy bandwidth, the bandwidth of
+a 1 GiB device-to-device copy (read + write bytes / time) measured in the same run; % of roofline
+= roofline time / kernel time, with kernel time from a CUDA-graph replay of the bare kernel
+launcher (triton.testing.do_bench_cudagraph, median).
+
+Sections, all on the same inputs:
+  (a) block_attention, block 64 with fused RoPE (also blocks 32 and 128): forward and backward
+      time, bytes, % of the roofline;
+  (b) full jagged attention (gemctl.ops.jagged_attention, triton, non-causal, no bias, no RoPE)
+      forward+backward, and the speedup of block 64 + fused RoPE over it;
+  (c) fused RoPE vs gemctl.ops.apply_rope on q and k (eager, and torch.compile'd together with the
+      attention call) followed by block attention with rope=None: forward and forward+backward.
+      The separate path gets per-token cos/sin rows gathered once per batch (not timed).
+Timing protocol of scripts/bench_gdpa.py and shared/design/BENCHMARKS.md: "call" = do_bench
+(warmup 25, rep 200, median, what a Python caller sees), "graph" = do_bench_cudagraph (GPU time);
+speedups use graph time where both sides have it, call time otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gdpa import ceilings, graph_bench, timings  # noqa: E402
+from bench_jagged_attention import make_inputs  # noqa: E402
+from gemctl import ops  # noqa: E402
+from gemctl.ops.triton import block_attention as block_kernels  # noqa: E402
+from gemctl.ops.triton import common  # noqa: E402
+from workloads import block_attention_workloads  # noqa: E402
+
+ROPE_BASE = 10000.0
+BLOCK_SIZES = (64, 32, 128)  # 64 (GEM's) first: sections (b) and (c) use it
+
+
+def byte_counts(tokens: int, heads: int, dim: int, elem: int = 2) -> dict:
+    """Bytes that must move: see the module docstring for the formulas."""
+    tensor = tokens * heads * dim * elem
+    lse = 4 * tokens * heads
+    return {"fwd_bytes": 4 * tensor + lse, "bwd_bytes": 8 * tensor + lse}
+
+
+def kernel_times(q, k, v, off, max_len, block_size, tables, grad) -> dict:
+    """Graph time (ms) of the bare forward and backward launchers (no autograd around them)."""
+    cos, sin = tables
+    scale = q.shape[-1] ** -0.5
+    args = (off, max_len, block_size, 0.0, scale)
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    out, lse = block_kernels._forward(qd, kd, vd, cos, sin, *args)  # tunes and builds the plan
+    block_kernels._backward(grad, qd, kd, vd, out, lse, cos, sin, *args)
+    torch.cuda.synchronize()
+    return {
+        "fwd_kernel_ms": graph_bench(lambda: block_kernels._forward(qd, kd, vd, cos, sin, *args)),
+        "bwd_kernel_ms": graph_bench(lambda: block_kernels._backward(grad, qd, kd, vd, out, lse, cos, sin, *args)),
+    }
+
+
+def api_pair(fn, q, k, v, grad):
+    """(fwd, fwd+bwd) closures over an attention call; gradients are returned, not accumulated."""
+
+    def fwd():
+        return fn(q, k, v)
+
+    def fwd_bwd():
+        return torch.autograd.grad(fn(q, k, v), [q, k, v], grad)
+
+    return fwd, fwd_bwd
+
+
+def best_ms(r: dict, name: str) -> tuple[float, str]:
+    return (r[f"{name}_graph_ms"], "graph") if f"{name}_graph_ms" in r else (r[f"{name}_call_ms"], "call")
+
+
+def speedup(ours: dict, other: dict, name: str) -> float:
+    kind = "graph" if f"{name}_graph_ms" in ours and f"{name}_graph_ms" in other else "call"
+    return other[f"{name}_{kind}_ms"] / ours[f"{name}_{kind}_ms"]
+
+
+def run_workload(w, copy_tbps: float) -> dict:
+    q, k, v, off, _, _, _, grad = make_inputs(w)
+    max_len = int(w.q_lengths.max())
+    tokens = q.shape[0]
+    tables = block_kernels.rope_tables(ROPE_BASE, max_len, w.head_dim, q.device)
+    row = {"workload": w.name, "batch": w.batch, "tokens": tokens, "max_len": max_len, "heads": w.heads,
+           "head_dim": w.head_dim}
+    row.update(byte_counts(tokens, w.heads, w.head_dim))
+
+    # (a) block attention with fused RoPE against the roofline.
+    row["block"] = {}
+    for bs in BLOCK_SIZES:
+        r = kernel_times(q, k, v, off, max_len, bs, tables, grad)
+        for kind in ("fwd", "bwd"):
+            roof_ms = row[f"{kind}_bytes"] / (copy_tbps * 1e12) * 1e3
+            r[f"{kind}_roofline_ms"] = roof_ms
+            r[f"{kind}_roofline_pct"] = 100 * roof_ms / r[f"{kind}_kernel_ms"]
+            r[f"{kind}_tbps"] = row[f"{kind}_bytes"] / (r[f"{kind}_kernel_ms"] * 1e-3) / 1e12
+
+        def fused(q, k, v, bs=bs):
+            return ops.block_attention(q, k, v, off, max_len, block_size=bs, rope=tables, backend="triton")
+
+        r.update(timings(*api_pair(fused, q, k, v, grad)))
+        row["block"][bs] = r
+        torch.cuda.empty_cache()
+    fused64 = row["block"][64]
+
+    # (b) full jagged attention on the same inputs.
+    def full(q, k, v):
+        return ops.jagged_attention(q, k, v, off, off, max_len, max_len, backend="triton")
+
+    row["full"] = timings(*api_pair(full, q, k, v, grad))
+    row["speedup_fwd_bwd_vs_full"] = speedup(fused64, row["full"], "fwd_bwd")
+    torch.cuda.empty_cache()
+
+    # (c) fused RoPE vs rotary by separate kernels, then block attention without rope.
+    positions = torch.arange(tokens, device=q.device) - torch.repeat_interleave(off[:-1], off.diff(), output_size=tokens)
+    cos_tok, sin_tok = (t[positions] for t in tables)  # (T, D/2), once per batch
+
+    def separate(q, k, v):
+        qr, kr = ops.apply_rope(q, cos_tok, sin_tok), ops.apply_rope(k, cos_tok, sin_tok)
+        return ops.block_attention(qr, kr, v, off, max_len, block_size=64, rope=None, backend="triton")
+
+    row["separate_eager"] = timings(*api_pair(separate, q, k, v, grad))
+    row["separate_compiled"] = timings(*api_pair(torch.compile(separate, fullgraph=True), q, k, v, grad))
+    for name in ("separate_eager", "separate_compiled"):
+        row[f"rope_speedup_fwd_vs_{name}"] = speedup(fused64, row[name], "fwd")
+        row[f"rope_speedup_fwd_bwd_vs_{name}"] = speedup(fused64, row[name], "fwd_bwd")
+    torch.cuda.empty_cache()
+    return row
+
+
+def print_tables(rows: list[dict], meta: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=160)  # logs are not terminals: keep every column
+    console.print(f"{meta['gpu']} | torch {meta['torch']} | triton {meta['triton']} | commit {meta['commit']} | "
+                  f"copy {meta['copy_tbps']:.2f} TB/s | bf16 GEMM {meta['gemm_tflops']:.0f} TF/s")
+    console.print("bytes: fwd = 4*T*H*D*2 + 4*T*H (q,k,v read, o write, lse write); "
+                  "bwd = 8*T*H*D*2 + 4*T*H (q,k,v,o,do read, dq,dk,dv write, lse read; delta in-kernel)")
+    t = Table(title="(a) block attention, RoPE fused: kernel graph time vs memory roofline")
+    for col in ("workload", "block", "fwd ms", "fwd MB", "fwd TB/s", "fwd % roof", "bwd ms", "bwd MB", "bwd TB/s",
+                "bwd % roof", "fwd+bwd call ms"):
+        t.add_column(col, justify="right")
+    for row in rows:
+        for bs, r in row["block"].items():
+            t.add_row(row["workload"], str(bs), f"{r['fwd_kernel_ms']:.3f}", f"{row['fwd_bytes'] / 1e6:.0f}",
+                      f"{r['fwd_tbps']:.2f}", f"{r['fwd_roofline_pct']:.0f}%", f"{r['bwd_kernel_ms']:.3f}",
+                      f"{row['bwd_bytes'] / 1e6:.0f}", f"{r['bwd_tbps']:.2f}", f"{r['bwd_roofline_pct']:.0f}%",
+                      f"{r['fwd_bwd_call_ms']:.3f}")
+    console.print(t)
+    t = Table(title="(b) block 64 + fused RoPE vs full jagged attention (fwd+bwd)")
+    for col in ("workload", "block fwd+bwd ms", "full fwd+bwd ms", "speedup", "target"):
+        t.add_column(col, justify="right")
+    for row in rows:
+        ms_block, kind = best_ms(row["block"][64], "fwd_bwd")
+        ms_full, _ = best_ms(row["full"], "fwd_bwd")
+        target = {"self-1000": ">= 2.5x", "self-4000": ">= 8x"}.get(row["workload"], "")
+        t.add_row(row["workload"], f"{ms_block:.3f} ({kind})", f"{ms_full:.3f}", f"{row['speedup_fwd_bwd_vs_full']:.2f}x",
+                  target)
+    console.print(t)
+    t = Table(title="(c) fused RoPE vs apply_rope kernels + block attention (block 64; target >= 1.3x)")
+    for col in ("workload", "path", "fwd ms", "fwd+bwd ms", "fused speedup fwd", "fused speedup fwd+bwd"):
+        t.add_column(col, justify="right")
+    for row in rows:
+        ms_f, kind = best_ms(row["block"][64], "fwd")
+        ms_fb, _ = best_ms(row["block"][64], "fwd_bwd")
+        t.add_row(row["workload"], f"fused ({kind})", f"{ms_f:.3f}", f"{ms_fb:.3f}", "", "")
+        for name in ("separate_eager", "separate_compiled"):
+            t.add_row("", name, f"{best_ms(row[name], 'fwd')[0]:.3f}", f"{best_ms(row[name], 'fwd_bwd')[0]:.3f}",
+                      f"{row[f'rope_speedup_fwd_vs_{name}']:.2f}x", f"{row[f'rope_speedup_fwd_bwd_vs_{name}']:.2f}x")
+    console.print(t)
+
+
+def sweep(names, dims, fwd_cfgs, bwd_cfgs, copy_tbps: float) -> list[dict]:
+    """Kernel graph time and % of the roofline of every forced config (block 64, fused RoPE)."""
+    rows = []
+    for w in block_attention_workloads():
+        if names and w.name not in names:
+            continue
+        for dim in dims:
+            w_dim = dataclasses.replace(w, head_dim=dim)
+            q, k, v, off, _, _, _, grad = make_inputs(w_dim)
+            max_len = int(w.q_lengths.max())
+            tables = block_kernels.rope_tables(ROPE_BASE, max_len, dim, q.device)
+            counts = byte_counts(q.shape[0], w.heads, dim)
+            for kind, cfgs in (("fwd", fwd_cfgs), ("bwd", bwd_cfgs)):
+                for cfg in cfgs:
+                    forced = {"block_attention_fwd": cfg if kind == "fwd" else fwd_cfgs[0],
+                              "block_attention_bwd": cfg if kind == "bwd" else bwd_cfgs[0]}
+                    try:
+                        with common.forced_config(forced):
+                            ms = kernel_times(q, k, v, off, max_len, 64, tables, grad)[f"{kind}_kernel_ms"]
+                    except Exception as exc:  # a config that does not build or fit
+                        print(f"{w.name} D={dim} {kind} {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                        continue
+                    pct = 100 * counts[f"{kind}_bytes"] / (copy_tbps * 1e12) / (ms * 1e-3)
+                    rows.append({"workload": w.name, "dim": dim, "kind": kind, "cfg": list(cfg), "ms": ms, "pct": pct})
+                    print(f"{w.name:10s} D={dim:3d} {kind} {str(tuple(cfg)):20s} {ms:.4f} ms {pct:5.1f}% roof", flush=True)
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _configs(text):
+    return [tuple(int(x) for x in c.split(",")) for c in text.split()] if text else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true", help="only time forced configs (block 64, fused RoPE)")
+    ap.add_argument("--dims", default="128", help="head dims of the sweep, e.g. '128,64'")
+    ap.add_argument("--fwd-configs", default="", help="forward configs of the sweep, e.g. '8,1,0,0,1 4,1,1,0,0' "
+                    "(default: the candidate list)")
+    ap.add_argument("--bwd-configs", default="", help="backward configs of the sweep (default: the candidate list)")
+    ap.add_argument("--out", default="bench_block_attention.json")
+    ap.add_argument("--only", nargs="*", help="workload names to run (default: self-1000 self-4000)")
+    args = ap.parse_args()
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parents[1]).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "commit": commit, "dtype": "bfloat16", "rope_base": ROPE_BASE}
+    meta.update(ceilings())
+    print(meta, flush=True)
+    if args.sweep:
+        fwd = _configs(args.fwd_configs) or block_kernels._FWD_CANDIDATES
+        bwd = _configs(args.bwd_configs) or block_kernels._BWD_CANDIDATES
+        rows = sweep(args.only, [int(d) for d in args.dims.split(",")], fwd, bwd, meta["copy_tbps"])
+        Path(args.out).write_text(json.dumps({"meta": meta, "sweep": rows}, indent=1, default=str))
+        return
+    rows = []
+    for w in block_attention_workloads():
+        if args.only and w.name not in args.only:
+            continue
+        rows.append(run_workload(w, meta["copy_tbps"]))
+        print(json.dumps({k: v for k, v in rows[-1].items() if "speedup" in k}), flush=True)
+    meta["configs"] = {"/".join(map(str, key)): list(cfg) for key, cfg in common._config_cache.items()
+                       if str(key[0]).startswith("block_attention")}
+    print_tables(rows, meta)
+    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
