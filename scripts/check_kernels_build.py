@@ -23,12 +23,15 @@ def _signature(fn, types: dict, consts: dict) -> dict:
 
 
 def kernels():
+    from gemctl.ops.triton import block_attention as ba
     from gemctl.ops.triton import gdpa
     from gemctl.ops.triton import jagged_attention as ja
+    from gemctl.ops.triton import mx_quant as mx
 
     io = {n: "*bf16" for n in ("Q", "K", "V", "O", "DO", "DK", "DV", "DQ")}
     io.update(LSE="*fp32", DELTA="*fp32", DBIAS="*fp32", BIAS="*fp32", BUCKETS="*i32", Q_OFFSETS="*i64",
               K_OFFSETS="*i64", WORK="*i32", qk_scale="fp32", scale="fp32")
+    io.update(COS="*fp32", SIN="*fp32", OFFSETS="*i64")
     for causal in (False, True):
         for has_bias in (False, True):
             consts = dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, CAUSAL=causal, HAS_BIAS=has_bias)
@@ -41,6 +44,20 @@ def kernels():
             yield gdpa._gdpa_fwd, io, consts
             yield gdpa._gdpa_bwd_dkdv, io, consts
             yield gdpa._gdpa_bwd_dq, io, consts
+    mx_io = dict(X="*i16", W="*bf16", Y="*bf16", DATA="*u8", SCALE="*u8", eps="fp32")  # bf16 input as int16
+    for e5m2, emax, elem_max in ((False, 8, 448.0), (True, 15, 57344.0)):  # E4M3, E5M2 elements
+        for rceil in (False, True):
+            consts = dict(EMAX=emax, ELEM_MAX=elem_max, E5M2=e5m2, RCEIL=rceil, BIT_CAST=False, IN_BF16=True, BLOCK=32)
+            yield mx._mx_quant_kernel, mx_io, dict(consts, BLOCK_R=32, BLOCKS_C=4)
+    e4m3 = dict(EMAX=8, ELEM_MAX=448.0, E5M2=False, RCEIL=True, IN_BF16=True, BLOCK=32)
+    yield mx._mx_quant_kernel, mx_io, dict(e4m3, BIT_CAST=True, BLOCK_R=32, BLOCKS_C=4)  # integer rounding path
+    for write_y in (False, True):  # d_model 2048 (BENCHMARKS.md mlp): 64 MX blocks per row
+        yield mx._rmsnorm_mx_quant_kernel, mx_io, dict(e4m3, BIT_CAST=False, WRITE_Y=write_y, HAS_W=True,
+                                                       BLOCK_R=4, BLOCKS_C=64)
+    for block, rope in ((64, False), (64, True), (32, True), (128, True)):  # 128 + rope: the most shared memory
+        consts = dict(HEAD_DIM=128, BLOCK=block, ROPE=rope)
+        yield ba._block_attn_fwd, io, consts
+        yield ba._block_attn_bwd, io, consts
 
 
 def main() -> int:
@@ -59,8 +76,10 @@ def main() -> int:
         t0 = time.time()
         src = ASTSource(fn=fn, signature=_signature(fn, types, consts), constexprs=consts)
         compiled = triton.compile(src, target=target, options={"num_warps": 4, "num_stages": 3})
-        flags = ",".join(f"{k}={int(v)}" for k, v in consts.items() if k in ("CAUSAL", "HAS_BIAS", "ACT"))
-        print(f"{fn.__name__:<24} {flags:<18} sm_{args.arch}: ok ({time.time() - t0:.1f} s, {compiled.metadata.shared} B shared)")
+        flags = ",".join(f"{k}={int(v)}" for k, v in consts.items() if k in ("CAUSAL", "HAS_BIAS", "ACT", "ROPE", "E5M2", "RCEIL", "BIT_CAST", "WRITE_Y"))
+        if "BLOCK" in consts:
+            flags = f"BLOCK={consts['BLOCK']},{flags}"
+        print(f"{fn.__name__:<24} {flags:<30} sm_{args.arch}: ok ({time.time() - t0:.1f} s, {compiled.metadata.shared} B shared)")
     return 0
 
 

@@ -76,10 +76,25 @@ class PrecisionRule:
 
 
 @dataclass
+class MXConfig:
+    """Options of the ``mxfp8`` format (gemctl.precision.mx_linear): MX blocks of 32 values along
+    each GEMM's contraction axis with a shared E8M0 scale."""
+
+    elem: str = "e4m3"  # element format of the forward operands (activations, weights): e4m3 | e5m2
+    grad_elem: str = "e4m3"  # element format of the output gradient in the backward GEMMs: e4m3 | e5m2
+    scale_rule: str = "rceil"  # floor (the OCP spec's rule; the block max may saturate) | rceil (round up)
+    wgrad_format: str = "mxfp8"  # weight-gradient GEMM: mxfp8 | bf16 (unquantized, compute dtype)
+    hadamard_wgrad: bool = False  # random Hadamard rotation of both wgrad operands along the tokens
+    hadamard_seed: int = 0  # seed of the rotation's fixed sign vector
+    stochastic_rounding: bool = False  # round the gradient operands stochastically (unbiased)
+
+
+@dataclass
 class PrecisionConfig:
     name: str = "bf16"
     compute_dtype: str = "bf16"  # autocast dtype on CUDA: bf16 | fp32 (CPU always runs fp32)
     rules: List[PrecisionRule] = field(default_factory=list)
+    mx: MXConfig = field(default_factory=MXConfig)  # used by rules whose format is mxfp8
 
 
 @dataclass

@@ -78,6 +78,11 @@ def validate(cfg, check_device: bool = True) -> None:
         raise ConfigError("model.rope_base", f"must be 0 (off) or > 1 (e.g. 10000), got {m.rope_base}")
 
     _one_of(p.compute_dtype, COMPUTE_DTYPES, "precision.compute_dtype")
+    _one_of(p.mx.elem, MX_ELEMS, "precision.mx.elem")
+    _one_of(p.mx.grad_elem, MX_ELEMS, "precision.mx.grad_elem")
+    _one_of(p.mx.scale_rule, MX_SCALE_RULES, "precision.mx.scale_rule")
+    _one_of(p.mx.wgrad_format, MX_WGRAD_FORMATS, "precision.mx.wgrad_format")
+    _positive(cfg, "precision.mx.hadamard_seed", allow_zero=True)
     for i, rule in enumerate(p.rules):
         _one_of(rule.format, PRECISION_FORMATS, f"precision.rules[{i}].format")
         if rule.last_n_layers is not None and not 1 <= rule.last_n_layers <= m.num_layers:

@@ -4,8 +4,11 @@ A recipe is an ordered list of rules ``{match, format, last_n_layers}``; for eve
 the model (``tower.layers.3.mlp.up``) the last rule whose fnmatch pattern matches, and whose
 ``last_n_layers`` (if set) covers the module's sequence-tower layer, decides its format. A
 module with no matching rule inherits its parent's format; the root runs in the recipe's
-``compute_dtype``. Formats today: ``bf16`` (autocast on CUDA) and ``fp32`` (autocast turned off
-inside the module, inputs upcast). Low-precision formats (MXFP8) plug into the same rules.
+``compute_dtype``. Formats: ``bf16`` (autocast on CUDA), ``fp32`` (autocast turned off inside
+the module, inputs upcast) and ``mxfp8``: an ``nn.Linear`` whose format is mxfp8 runs its GEMMs
+through the MX linear (gemctl.precision.mx_linear, options from ``precision.mx``); any other
+module with that format computes like bf16 (its Linear descendants inherit mxfp8 unless a rule
+says otherwise).
 """
 
 from __future__ import annotations
@@ -53,8 +56,16 @@ def _fp32_forward(forward, device_type: str):
 
 
 def apply_precision(model: nn.Module, precision_cfg, num_layers: int, device_type: str) -> dict[str, str]:
-    """Make the top-most fp32 modules run outside autocast; returns the resolved formats."""
+    """Make the top-most fp32 modules run outside autocast and the mxfp8 Linears through the MX
+    linear; returns the resolved formats."""
     formats = resolve_formats(model, precision_cfg, num_layers)
+    if "mxfp8" in formats.values():
+        from gemctl.precision.mx_linear import MXRecipe, use_mx_linear
+
+        recipe = MXRecipe.from_config(getattr(precision_cfg, "mx", None))
+        for path, module in model.named_modules():
+            if formats[path] == "mxfp8" and isinstance(module, nn.Linear):
+                use_mx_linear(module, recipe)
     covered: set[str] = set()  # modules that already run inside a wrapped fp32 forward
     for path, module in model.named_modules():
         parent = path.rsplit(".", 1)[0] if "." in path else ""
