@@ -45,6 +45,18 @@ def test_attention_pairs_match_the_reference_mask():
     assert flops.attention_pairs(lq, lk, causal=True) == brute
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_window_pairs_match_the_reference_mask(causal):
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.cat([torch.randint(0, 40, (30,), generator=gen), L([0, 1, 7, 8, 9])])
+    for window in (1, 2, 8, 100):
+        brute = 0
+        for n in lengths.tolist():
+            d = torch.arange(n)[:, None] - torch.arange(n)[None, :]
+            brute += int((((d >= 0) if causal else (d > -window)) & (d < window)).sum())
+        assert flops.window_attention_pairs(lengths, window, causal) == brute, window
+
+
 def test_block_pairs():
     assert flops.block_attention_pairs(L([130, 0, 64, 1]), 64) == (64 * 64 * 2 + 4) + 0 + 4096 + 1
 

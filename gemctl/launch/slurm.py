@@ -10,7 +10,6 @@ the function its SlurmExecutor calls; not public API, so it is pinned in a test)
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys

@@ -6,7 +6,8 @@ Rules (ARCHITECTURE.md, "MFU accounting"):
   2*H*D for PV per pair. Non-causal: sum_i Lq_i*Lk_i. Causal (last query aligned with the last
   key): the pairs with key position <= query position, sum_i [Lq*Lk - Lq*(Lq-1)/2] for Lq <= Lk,
   i.e. L*(L+1)/2 for self-attention ("causal halves"). Block attention counts only pairs inside
-  the same block: sum over blocks of len(block)^2;
+  the same block: sum over blocks of len(block)^2; a sliding window of w counts the pairs at
+  distance 0 <= i - j < w (causal) or |i - j| < w (not causal);
 - GDPA is two GEMMs with a pointwise activation: 4*H*D per (query, key) pair as well;
 - embedding lookups, norms, activations, biases and the optimizer count 0;
 - backward is 2x forward, so a training step is 3x forward. Recomputation (activation
@@ -45,6 +46,14 @@ def block_attention_pairs(lengths: torch.Tensor, block_size: int) -> int:
     full_blocks = lengths // block_size
     rest = lengths % block_size
     return int((full_blocks * block_size * block_size + rest * rest).sum())
+
+
+def window_attention_pairs(lengths: torch.Tensor, window: int, causal: bool) -> int:
+    """Self-attention pairs within a sliding window of ``window`` keys (ops.jagged_attention)."""
+    n = lengths.to(torch.int64)
+    m = torch.clamp(n - 1, max=window - 1).clamp(min=0)  # largest distance that occurs
+    one_side = m * n - m * (m + 1) // 2  # pairs at distance 1..m: sum of (L - d)
+    return int((n + (1 if causal else 2) * one_side).sum())
 
 
 def attention(heads: int, head_dim: int, pairs: int) -> int:
@@ -119,6 +128,8 @@ def gem_flops(model_cfg, spec, seq_lengths: torch.Tensor) -> FlopCount:
         name, block = parse_attention_kind(kind)
         if name == "block":
             pairs = block_attention_pairs(lengths, block)
+        elif name == "window":
+            pairs = window_attention_pairs(lengths, block, c.causal)
         else:
             pairs = attention_pairs(lengths, lengths, c.causal)
         fc.add("tower.attention", attention(h, hd, pairs))
