@@ -35,9 +35,10 @@ def kernels():
     for causal in (False, True):
         for has_bias in (False, True):
             consts = dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, CAUSAL=causal, HAS_BIAS=has_bias)
-            yield ja._jagged_attn_fwd, io, consts
+            yield ja._jagged_attn_fwd, io, dict(consts, WINDOWED=False)
             yield ja._jagged_attn_bwd_dkdv, io, consts
             yield ja._jagged_attn_bwd_dq, io, dict(consts, NUM_BUCKETS=32)
+    yield ja._jagged_attn_fwd, io, dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, CAUSAL=True, HAS_BIAS=True, WINDOWED=True)
     for act in (0, 1):  # gelu, silu
         for chunk in (0, 4):  # tile loop, resident short side
             consts = dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, ACT=act, CHUNK=chunk)
@@ -76,7 +77,7 @@ def main() -> int:
         t0 = time.time()
         src = ASTSource(fn=fn, signature=_signature(fn, types, consts), constexprs=consts)
         compiled = triton.compile(src, target=target, options={"num_warps": 4, "num_stages": 3})
-        flags = ",".join(f"{k}={int(v)}" for k, v in consts.items() if k in ("CAUSAL", "HAS_BIAS", "ACT", "ROPE", "E5M2", "RCEIL", "BIT_CAST", "WRITE_Y"))
+        flags = ",".join(f"{k}={int(v)}" for k, v in consts.items() if k in ("CAUSAL", "HAS_BIAS", "ACT", "ROPE", "E5M2", "RCEIL", "BIT_CAST", "WRITE_Y", "WINDOWED"))
         if "BLOCK" in consts:
             flags = f"BLOCK={consts['BLOCK']},{flags}"
         print(f"{fn.__name__:<24} {flags:<30} sm_{args.arch}: ok ({time.time() - t0:.1f} s, {compiled.metadata.shared} B shared)")
