@@ -228,7 +228,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="only time forced configs (block 64, fused RoPE)")
     ap.add_argument("--dims", default="128", help="head dims of the sweep, e.g. '128,64'")
-    ap.add_argument("--fwd-configs", default="", help="forward configs of the sweep, e.g. '8,1,0,0,1 4,1,1,0,0' "
+    ap.add_argument("--fwd-configs", default="", help="forward configs of the sweep, e.g. '4,1,1 8,1,1' "
                     "(default: the candidate list)")
     ap.add_argument("--bwd-configs", default="", help="backward configs of the sweep (default: the candidate list)")
     ap.add_argument("--out", default="bench_block_attention.json")

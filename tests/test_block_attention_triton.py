@@ -82,6 +82,20 @@ def test_head_dim_64_one_program_per_head_cpu():
         _check([65, 1, 0, 20], 32, "tables", "cpu", torch.float32, heads=2, dim=64, tol=2e-5)
 
 
+def test_reference_takes_tables_of_max_len_rows_cpu():
+    """The PyTorch reference with tables of exactly max_len rows (max_len not a multiple of the block
+    size; it used to slice them to the padded length and fail), fwd and bwd, against the loop."""
+    lengths, dim = [0, 70, 5, 33], 32
+    off, q, k, v, grad = _inputs(lengths, 2, dim, "cpu", torch.float64, 5)
+    tables = rope_tables(70, dim)
+    out = ops.block_attention(q, k, v, off, 70, block_size=32, rope=tables, backend="torch")
+    got = [out] + list(torch.autograd.grad(out, [q, k, v], grad))
+    ref_out = block_loop(q, k, v, off, 32, rope=tables)
+    ref = [ref_out] + list(torch.autograd.grad(ref_out, [q, k, v], grad))
+    for a, b in zip(got, ref):
+        assert rel_err(a, b) < 1e-10
+
+
 def test_fp16_cpu():
     """fp16 within 2x the fp16 PyTorch path's error (bf16 is not run: the interpreter's bf16 dot
     is broken)."""
@@ -140,10 +154,9 @@ def _compile_check(device, dtype, backend, rope_kind, **tolerance):
         out = ops.block_attention(q, k, v, off, 70, block_size=32, rope=rope, backend="triton")
         return out.float().square().sum()
 
-    # ops resolves its Triton module with importlib on the first call, which dynamo does not trace
-    # (fullgraph: "Attempted to call function marked as skipped: import_module"); resolve it first,
-    # as any earlier eager call does, so the test does not depend on which tests ran before it.
-    ops._load_triton("block_attention")
+    # ops imports its Triton module on an op's first call, which dynamo does not trace
+    # (fullgraph: "Attempted to call function marked as skipped: import_module"): preload first.
+    ops.preload()
     assert_compiles_same(f, [q, k, v], backend, **tolerance)
 
 

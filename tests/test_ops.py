@@ -228,3 +228,21 @@ def test_backend_errors():
     off = torch.tensor([0, 1])
     with pytest.raises(ValueError, match="backend"):
         ops.jagged_attention(x, x, x, off, off, 1, 1, backend="cuda")
+
+
+def test_preload_then_fullgraph_compile_and_a_clear_error_without_it(monkeypatch):
+    """torch.compile(fullgraph=True) cannot trace the import on an op's first call: preload()
+    imports every bundled kernel first; without it the failure names the fix."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(ops, "triton_kernels", {})
+    q = torch.randn(5, 1, 16, requires_grad=True)
+    off = torch.tensor([0, 2, 5])
+
+    def f(q):
+        return ops.jagged_attention(q, q, q, off, off, 3, 3, backend="triton").sum()
+
+    with pytest.raises(Exception, match="preload"):
+        torch.compile(f, fullgraph=True, backend="eager")(q)
+    torch._dynamo.reset()
+    assert ops.preload()["jagged_attention"]
+    assert torch.allclose(torch.compile(f, fullgraph=True, backend="eager")(q), f(q))

@@ -29,6 +29,7 @@ __all__ = [
     "gdpa",
     "block_attention",
     "apply_rope",
+    "preload",
     "triton_kernels",
 ]
 
@@ -45,8 +46,18 @@ triton_kernels: dict[str, object] = {}  # loaded implementations
 _warned: set[str] = set()
 
 
+def preload() -> dict[str, bool]:
+    """Import every bundled Triton implementation now (op -> available). Run before
+    ``torch.compile(..., fullgraph=True)`` of code that calls these ops: the first call of an op
+    imports its module, which the compiler cannot trace. The trainer does it on CUDA."""
+    return {op: _load_triton(op) is not None for op in _TRITON_IMPLS}
+
+
 def _load_triton(op: str):
     if op not in triton_kernels and op in _TRITON_IMPLS:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(f"gemctl.ops: the Triton {op} is not loaded yet; call gemctl.ops.preload() before "
+                               "torch.compile")
         import importlib
 
         module, name, _ = _TRITON_IMPLS[op]

@@ -85,6 +85,10 @@ class Trainer:
         if self.ctx.sharded and cfg.metrics.scaling_baseline_steps:
             self.local_baseline = self._local_baseline(cfg.metrics.scaling_baseline_steps)
             seed_everything(cfg.train.seed, cfg.train.deterministic, self.device)  # same init on every rank
+        if self.device.type == "cuda":  # Triton kernels imported before any step (and any torch.compile)
+            from gemctl import ops
+
+            ops.preload()
         self.model = build_model(cfg.model, self.spec, device=self.device)
         self.formats = apply_precision(self.model, cfg.precision, cfg.model.num_layers, self.device.type)
         par = parallelize(self.model, self.ctx, cfg, self.device, self.formats)

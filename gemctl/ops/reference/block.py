@@ -1,6 +1,6 @@
 """PyTorch reference of block attention: each sequence is cut into consecutive ``block_size``
 chunks and query chunk i attends (softmax, non-causal) only to key/value chunk i of the same
-sequence; the last chunk may be partial. ``rope=(cos, sin)``, each ``[max_len, head_dim // 2]``,
+sequence; the last chunk may be partial. ``rope=(cos, sin)``, each ``[>= max_len, head_dim // 2]``,
 rotates q and k by their position from the sequence start (rotate-half convention) first."""
 
 from __future__ import annotations
@@ -19,6 +19,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
+def _rows(table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` rows of a rope table, zero-padded when it has fewer."""
+    table = table[:length]
+    return F.pad(table, (0, 0, 0, length - table.shape[0])) if table.shape[0] < length else table
+
+
 def block_attention_reference(q, k, v, offsets, max_len, *, block_size=64, rope=None, scale=None):
     n, heads, dim = q.shape
     scale = dim**-0.5 if scale is None else scale
@@ -30,9 +36,11 @@ def block_attention_reference(q, k, v, offsets, max_len, *, block_size=64, rope=
     kp, _ = pad(k, offsets, length)
     vp, _ = pad(v, offsets, length)
     if rope is not None:
-        cos, sin = rope
-        qp = apply_rope(qp, cos[:length], sin[:length])
-        kp = apply_rope(kp, cos[:length], sin[:length])
+        # Tables of exactly max_len rows are allowed: the padded rows (beyond max_len, never valid)
+        # are 0 and only meet zero-padded q and k rows.
+        cos, sin = (_rows(t, length) for t in rope)
+        qp = apply_rope(qp, cos, sin)
+        kp = apply_rope(kp, cos, sin)
     b = qp.shape[0]
 
     def blocks(x):  # (B, nb*bs, H, D) -> (B*nb, H, bs, D)

@@ -48,233 +48,148 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from gemctl.ops import host
-from gemctl.ops.triton import common
-from gemctl.ops.triton.common import bucket_len, load_rows, pick_config, store_rows
+from gemctl.ops.triton.common import bucket_len, load_rows, pick_config, query_work, store_rows, work_item
 
 LOG2E = 1.4426950408889634
 
-# Configs: (num_warps, num_stages, items per program, programs per SM, prefetch).
-# An item is one (block, head) pair; items are numbered block-major (the heads of a block are
-# consecutive), and each program takes a contiguous run of them:
-#   items per program k >= 1: k items (k = H: one block, all its heads); 0: H (all heads of a block);
-#   programs per SM g > 0: a persistent grid of g programs per SM, each taking cdiv(items, grid) items
-#   (the items-per-program field is then ignored);
-#   prefetch 1: while an item computes, its successor's tiles are already being loaded (register
-#   double buffering; the successor's metadata is fetched one more item ahead), so a program
-#   keeps memory busy through its compute phases; 0: load, compute, store, one item after another.
-_FWD_CANDIDATES = [(4, 1, 1, 0, 0), (8, 1, 1, 0, 0), (4, 1, 0, 0, 1), (8, 1, 0, 0, 1), (8, 1, 0, 2, 1),
-                   (4, 1, 0, 4, 1), (8, 1, 0, 1, 1), (4, 2, 0, 0, 0)]
-_BWD_CANDIDATES = [(4, 1, 1, 0, 0), (8, 1, 1, 0, 0), (8, 1, 0, 0, 1), (8, 1, 0, 1, 1), (8, 1, 0, 2, 1),
-                   (4, 1, 0, 2, 1), (8, 2, 0, 0, 0)]
-_INTERPRET_CONFIG = (1, 1, 0, 0, 1)  # all heads of a block per program, prefetching: the CPU tier runs the loop
+# Configs: (num_warps, num_stages, heads per program; 0 = all heads of the block in one program).
+# One tile per block, so the stage count matters only when a program loops over heads (the
+# pipeliner can then prefetch the next head's tiles while this one computes).
+_FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2, 2), (2, 1, 1)]
+_BWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (8, 1, 2), (4, 2, 2)]
+_INTERPRET_CONFIG = (1, 1, 0)  # all heads in one program: the CPU tier exercises the head loop
 SUPPORTED_DIMS = (32, 64, 128)
 
 
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _meta(WORK, i, i_end, num_heads):
-    """Item i -> (value row of its sequence's start, the sequence's length, the block's first row in
-    the sequence, head). WORK: int32 [n_blocks, 4] = (start, length, first row, 0); i >= i_end gives
-    length 0, so every load and store of the item is masked off (no memory traffic)."""
-    ok = i < i_end
-    w = tl.where(ok, i // num_heads, 0)
-    start = tl.load(WORK + 4 * w)
-    length = tl.where(ok, tl.load(WORK + 4 * w + 1), 0)
-    first = tl.load(WORK + 4 * w + 2)
-    return start, length, first, i % num_heads
-
-
-@triton.jit
-def _rope_rows(COS, SIN, first, length, stride_rope, BLOCK: tl.constexpr, HALF: tl.constexpr, ROPE: tl.constexpr):
-    """cos and sin rows (BS, D/2) of the block's positions (fp32); rows >= length read 0.
-    Without ROPE, (1, 1) zeros that nothing reads."""
-    if ROPE:
-        rows = first + tl.arange(0, BLOCK)
-        mask = (rows < length)[:, None]
-        ptrs = rows[:, None] * stride_rope + tl.arange(0, HALF)[None, :]
-        c = tl.load(COS + ptrs, mask=mask, other=0.0).to(tl.float32)
-        s = tl.load(SIN + ptrs, mask=mask, other=0.0).to(tl.float32)
-    else:
-        c = tl.zeros((1, 1), dtype=tl.float32)
-        s = tl.zeros((1, 1), dtype=tl.float32)
+def _rope_rows(COS, SIN, rows, length, stride_rope, offs_half):
+    """cos and sin rows (BS, D/2) of positions ``rows`` (fp32); rows >= length read 0."""
+    mask = (rows < length)[:, None]
+    ptrs = rows[:, None] * stride_rope + offs_half[None, :]
+    c = tl.load(COS + ptrs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(SIN + ptrs, mask=mask, other=0.0).to(tl.float32)
     return c, s
 
 
 @triton.jit
-def _rotate(x1, x2, c, s, ROPE: tl.constexpr):
-    """[x1, x2] -> [x1 c - x2 s, x2 c + x1 s] (rotation of each pair by +theta), computed in fp32 and
-    returned in x's dtype (the dot operands); unchanged without ROPE."""
-    if ROPE:
-        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        x1, x2 = (f1 * c - f2 * s).to(x1.dtype), (f2 * c + f1 * s).to(x2.dtype)
-    return x1, x2
+def _rotate(x1, x2, c, s):
+    """[x1, x2] -> [x1 c - x2 s, x2 c + x1 s] in fp32 (rotation of each pair by +theta)."""
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    return x1 * c - x2 * s, x2 * c + x1 * s
 
 
 @triton.jit
-def _load_halves(PTR, start, rows, length, stride_n, head_offset, HALF: tl.constexpr):
-    """The two halves (BS, D/2) of one head's q or k tile, as stored."""
-    offs_half = tl.arange(0, HALF)
+def _load_halves(PTR, start, rows, length, stride_n, head_offset, offs_half, c, s, HALF: tl.constexpr, ROPE: tl.constexpr):
+    """The two halves (BS, D/2) of a q or k tile, rotated by position when ROPE, in PTR's dtype
+    (the dot operands)."""
     x1 = load_rows(PTR, start, rows, length, stride_n, head_offset, offs_half)
     x2 = load_rows(PTR, start, rows, length, stride_n, head_offset + HALF, offs_half)
+    if ROPE:
+        r1, r2 = _rotate(x1, x2, c, s)
+        x1, x2 = r1.to(x1.dtype), r2.to(x2.dtype)
     return x1, x2
 
 
 @triton.jit
-def _load_fwd(Q, K, V, start, length, first, h, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-              HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """An item's forward operands: q and k halves, v (all issued together: one memory round trip)."""
-    HALF: tl.constexpr = HEAD_DIM // 2
+def _block_setup(WORK, OFFSETS, COS, SIN, stride_rope, heads_per_program, num_heads,
+                 BLOCK: tl.constexpr, HALF: tl.constexpr, ROPE: tl.constexpr):
+    """Program -> its block: (sequence start, length, the block's positions in the sequence, heads
+    [h0, h_end)) and, when ROPE, the block's cos/sin rows (loaded once for all its heads).
+    Program pid takes block pid // n_groups, head group pid % n_groups (n_groups = cdiv(H, hpp))."""
+    pid = tl.program_id(0)
+    n_groups = tl.cdiv(num_heads, heads_per_program)
+    first, start, length, _, _, _ = work_item(WORK, OFFSETS, OFFSETS, pid // n_groups, BLOCK)
+    h0 = (pid % n_groups) * heads_per_program
     rows = first + tl.arange(0, BLOCK)
-    q1, q2 = _load_halves(Q, start, rows, length, stride_qn, h * stride_qh, HALF)
-    k1, k2 = _load_halves(K, start, rows, length, stride_kn, h * stride_kh, HALF)
-    v = load_rows(V, start, rows, length, stride_vn, h * stride_vh, tl.arange(0, HEAD_DIM))
-    return q1, q2, k1, k2, v
+    c, s = 0.0, 0.0
+    if ROPE:
+        c, s = _rope_rows(COS, SIN, rows, length, stride_rope, tl.arange(0, HALF))
+    return start, length, rows, h0, tl.minimum(h0 + heads_per_program, num_heads), c, s
 
 
 @triton.jit
-def _fwd_item(O, LSE, q1, q2, k1, k2, v, c, s, start, length, first, h, num_heads, stride_on, stride_oh, qk_scale,
-              HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr):
-    rows = first + tl.arange(0, BLOCK)
-    q1, q2 = _rotate(q1, q2, c, s, ROPE)
-    k1, k2 = _rotate(k1, k2, c, s, ROPE)
-    scores = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * qk_scale  # log2 units
-    scores = tl.where((rows < length)[None, :], scores, float("-inf"))
-    m = tl.max(scores, 1)  # finite for stored rows: key row `first` is always valid
-    p = tl.math.exp2(scores - m[:, None])
-    l = tl.sum(p, 1)
-    out = tl.dot(p.to(v.dtype), v) / l[:, None]
-    store_rows(O, out, start, rows, length, stride_on, h * stride_oh, tl.arange(0, HEAD_DIM))
-    tl.store(LSE + (start + rows) * num_heads + h, m + tl.math.log2(l), mask=rows < length)
+def _scores(Q, K, start, rows, length, stride_qn, q_head, stride_kn, k_head, c, s, qk_scale,
+            HALF: tl.constexpr, ROPE: tl.constexpr):
+    """Rotated q and k halves of one head's block and its scores (BS, BS) in log2 units
+    (two dots of depth D/2, one per half)."""
+    offs_half = tl.arange(0, HALF)
+    q1, q2 = _load_halves(Q, start, rows, length, stride_qn, q_head, offs_half, c, s, HALF, ROPE)
+    k1, k2 = _load_halves(K, start, rows, length, stride_kn, k_head, offs_half, c, s, HALF, ROPE)
+    scores = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * qk_scale
+    return q1, q2, k1, k2, scores
 
 
 @triton.jit
 def _block_attn_fwd(
-    Q, K, V, O, LSE, COS, SIN, WORK, num_heads, n_items, items_per_program,
+    Q, K, V, O, LSE, COS, SIN, OFFSETS, WORK, num_heads, heads_per_program,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_rope, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr, PREFETCH: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr,
 ):
     # Q/K/V/O: [N, H, D] jagged values; LSE: fp32 [N, H] log2-sum-exp2 per row (for the backward);
-    # COS/SIN: [>= max_len, D/2] rotation tables (unused unless ROPE); WORK: int32 [n_blocks, 4]
-    # (see _meta). Program pid takes items [pid * items_per_program, ...) (item = block * H + head).
+    # COS/SIN: [>= max_len, D/2] rotation tables (unused unless ROPE); OFFSETS: int64 [B+1];
+    # WORK: int32 [n_work, 2] = (sequence, block); one program per block and group of
+    # heads_per_program heads (see _block_setup).
     HALF: tl.constexpr = HEAD_DIM // 2
-    i0 = tl.program_id(0) * items_per_program
-    i_end = tl.minimum(i0 + items_per_program, n_items)
-    if PREFETCH:
-        st, ln, fr, hd = _meta(WORK, i0, i_end, num_heads)
-        q1, q2, k1, k2, v = _load_fwd(Q, K, V, st, ln, fr, hd, stride_qn, stride_qh, stride_kn, stride_kh,
-                                      stride_vn, stride_vh, HEAD_DIM, BLOCK)
-        n_st, n_ln, n_fr, n_hd = _meta(WORK, i0 + 1, i_end, num_heads)
-    for i in range(i0, i_end):
-        if PREFETCH:  # this item's tiles were loaded last iteration; issue the next item's now
-            c_st, c_ln, c_fr, c_hd = st, ln, fr, hd
-            cq1, cq2, ck1, ck2, cv = q1, q2, k1, k2, v
-            st, ln, fr, hd = n_st, n_ln, n_fr, n_hd
-            n_st, n_ln, n_fr, n_hd = _meta(WORK, i + 2, i_end, num_heads)
-            q1, q2, k1, k2, v = _load_fwd(Q, K, V, st, ln, fr, hd, stride_qn, stride_qh, stride_kn, stride_kh,
-                                          stride_vn, stride_vh, HEAD_DIM, BLOCK)
-        else:
-            c_st, c_ln, c_fr, c_hd = _meta(WORK, i, i_end, num_heads)
-            cq1, cq2, ck1, ck2, cv = _load_fwd(Q, K, V, c_st, c_ln, c_fr, c_hd, stride_qn, stride_qh, stride_kn,
-                                               stride_kh, stride_vn, stride_vh, HEAD_DIM, BLOCK)
-        c, s = _rope_rows(COS, SIN, c_fr, c_ln, stride_rope, BLOCK, HALF, ROPE)
-        _fwd_item(O, LSE, cq1, cq2, ck1, ck2, cv, c, s, c_st, c_ln, c_fr, c_hd, num_heads, stride_on, stride_oh,
-                  qk_scale, HEAD_DIM, BLOCK, ROPE)
-
-
-@triton.jit
-def _load_bwd(Q, K, V, O, DO, LSE, start, length, first, h, num_heads, stride_qn, stride_qh, stride_kn, stride_kh,
-              stride_vn, stride_vh, stride_on, stride_oh, stride_don, stride_doh, HEAD_DIM: tl.constexpr,
-              BLOCK: tl.constexpr):
-    """An item's backward operands, all issued together (one memory round trip)."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    rows = first + tl.arange(0, BLOCK)
+    start, length, rows, h0, h_end, c, s = _block_setup(WORK, OFFSETS, COS, SIN, stride_rope, heads_per_program,
+                                                        num_heads, BLOCK, HALF, ROPE)
     offs_d = tl.arange(0, HEAD_DIM)
-    q1, q2 = _load_halves(Q, start, rows, length, stride_qn, h * stride_qh, HALF)
-    k1, k2 = _load_halves(K, start, rows, length, stride_kn, h * stride_kh, HALF)
-    v = load_rows(V, start, rows, length, stride_vn, h * stride_vh, offs_d)
-    o = load_rows(O, start, rows, length, stride_on, h * stride_oh, offs_d)
-    do = load_rows(DO, start, rows, length, stride_don, h * stride_doh, offs_d)
-    lse = tl.load(LSE + (start + rows) * num_heads + h, mask=rows < length, other=float("inf"))  # inf: p = 0
-    return q1, q2, k1, k2, v, o, do, lse
-
-
-@triton.jit
-def _bwd_item(DQ, DK, DV, COS, SIN, q1, q2, k1, k2, v, o, do, lse, start, length, first, h, stride_rope,
-              stride_dqn, stride_dqh, stride_dkn, stride_dkh, stride_dvn, stride_dvh, qk_scale, scale,
-              HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr):
-    # Ordered to shorten live ranges (registers, not memory, limit the programs per SM): o dies
-    # after delta, v and do after dv/dp, p after ds; the cos/sin rows are read again (L1/L2) for
-    # the epilogue instead of staying live across the dots.
-    HALF: tl.constexpr = HEAD_DIM // 2
-    rows = first + tl.arange(0, BLOCK)
-    offs_half = tl.arange(0, HALF)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # (BS,), in-kernel: no pre-pass
-    c, s = _rope_rows(COS, SIN, first, length, stride_rope, BLOCK, HALF, ROPE)
-    q1, q2 = _rotate(q1, q2, c, s, ROPE)
-    k1, k2 = _rotate(k1, k2, c, s, ROPE)
-    scores = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * qk_scale
-    p = tl.where((rows < length)[None, :], tl.math.exp2(scores - lse[:, None]), 0.0)  # keys beyond L: 0
-    dv = tl.dot(tl.trans(p.to(do.dtype)), do)
-    store_rows(DV, dv, start, rows, length, stride_dvn, h * stride_dvh, tl.arange(0, HEAD_DIM))
-    dp = tl.dot(do, tl.trans(v))
-    ds = (p * (dp - delta[:, None])).to(q1.dtype)  # gradient of the natural-units score
-    c, s = _rope_rows(COS, SIN, first, length, stride_rope, BLOCK, HALF, ROPE)
-    dq1, dq2 = tl.dot(ds, k1) * scale, tl.dot(ds, k2) * scale
-    if ROPE:  # the rotation's backward: rotate the gradients by -theta
-        dq1, dq2 = dq1 * c + dq2 * s, dq2 * c - dq1 * s
-    store_rows(DQ, dq1, start, rows, length, stride_dqn, h * stride_dqh, offs_half)
-    store_rows(DQ, dq2, start, rows, length, stride_dqn, h * stride_dqh + HALF, offs_half)
-    ds_t = tl.trans(ds)
-    dk1, dk2 = tl.dot(ds_t, q1) * scale, tl.dot(ds_t, q2) * scale
-    if ROPE:
-        dk1, dk2 = dk1 * c + dk2 * s, dk2 * c - dk1 * s
-    store_rows(DK, dk1, start, rows, length, stride_dkn, h * stride_dkh, offs_half)
-    store_rows(DK, dk2, start, rows, length, stride_dkn, h * stride_dkh + HALF, offs_half)
+    for h in range(h0, h_end):
+        _, _, _, _, scores = _scores(Q, K, start, rows, length, stride_qn, h * stride_qh, stride_kn, h * stride_kh,
+                                     c, s, qk_scale, HALF, ROPE)
+        v = load_rows(V, start, rows, length, stride_vn, h * stride_vh, offs_d)  # (BS, D)
+        scores = tl.where((rows < length)[None, :], scores, float("-inf"))
+        m = tl.max(scores, 1)  # finite: key row `first` is always valid
+        p = tl.math.exp2(scores - m[:, None])
+        l = tl.sum(p, 1)
+        out = tl.dot(p.to(v.dtype), v) / l[:, None]
+        store_rows(O, out, start, rows, length, stride_on, h * stride_oh, offs_d)
+        tl.store(LSE + (start + rows) * num_heads + h, m + tl.math.log2(l), mask=rows < length)
 
 
 @triton.jit
 def _block_attn_bwd(
-    Q, K, V, O, DO, LSE, DQ, DK, DV, COS, SIN, WORK, num_heads, n_items, items_per_program,
+    Q, K, V, O, DO, LSE, DQ, DK, DV, COS, SIN, OFFSETS, WORK, num_heads, heads_per_program,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
     stride_don, stride_doh, stride_dqn, stride_dqh, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
     stride_rope, qk_scale, scale,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr, PREFETCH: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr,
 ):
-    # Same items as the forward. Each item reads q, k, v, o, do and lse once and writes dq, dk, dv
-    # once: p = exp2(s - lse) is recomputed, delta = rowsum(do * o) computed here.
+    # Same work items as the forward. Each program reads q, k, v, o, do and lse of its block once
+    # and writes dq, dk, dv once: delta = rowsum(do * o) is computed here, not in a pre-pass.
     HALF: tl.constexpr = HEAD_DIM // 2
-    i0 = tl.program_id(0) * items_per_program
-    i_end = tl.minimum(i0 + items_per_program, n_items)
-    if PREFETCH:
-        st, ln, fr, hd = _meta(WORK, i0, i_end, num_heads)
-        q1, q2, k1, k2, v, o, do, lse = _load_bwd(Q, K, V, O, DO, LSE, st, ln, fr, hd, num_heads, stride_qn, stride_qh,
-                                                  stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
-                                                  stride_don, stride_doh, HEAD_DIM, BLOCK)
-        n_st, n_ln, n_fr, n_hd = _meta(WORK, i0 + 1, i_end, num_heads)
-    for i in range(i0, i_end):
-        if PREFETCH:
-            c_st, c_ln, c_fr, c_hd = st, ln, fr, hd
-            cq1, cq2, ck1, ck2, cv, co, cdo, clse = q1, q2, k1, k2, v, o, do, lse
-            st, ln, fr, hd = n_st, n_ln, n_fr, n_hd
-            n_st, n_ln, n_fr, n_hd = _meta(WORK, i + 2, i_end, num_heads)
-            q1, q2, k1, k2, v, o, do, lse = _load_bwd(Q, K, V, O, DO, LSE, st, ln, fr, hd, num_heads, stride_qn,
-                                                      stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on,
-                                                      stride_oh, stride_don, stride_doh, HEAD_DIM, BLOCK)
-        else:
-            c_st, c_ln, c_fr, c_hd = _meta(WORK, i, i_end, num_heads)
-            cq1, cq2, ck1, ck2, cv, co, cdo, clse = _load_bwd(Q, K, V, O, DO, LSE, c_st, c_ln, c_fr, c_hd, num_heads,
-                                                              stride_qn, stride_qh, stride_kn, stride_kh, stride_vn,
-                                                              stride_vh, stride_on, stride_oh, stride_don, stride_doh,
-                                                              HEAD_DIM, BLOCK)
-        _bwd_item(DQ, DK, DV, COS, SIN, cq1, cq2, ck1, ck2, cv, co, cdo, clse, c_st, c_ln, c_fr, c_hd, stride_rope,
-                  stride_dqn, stride_dqh, stride_dkn, stride_dkh, stride_dvn, stride_dvh, qk_scale, scale,
-                  HEAD_DIM, BLOCK, ROPE)
+    start, length, rows, h0, h_end, c, s = _block_setup(WORK, OFFSETS, COS, SIN, stride_rope, heads_per_program,
+                                                        num_heads, BLOCK, HALF, ROPE)
+    row_ok = rows < length
+    offs_half = tl.arange(0, HALF)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for h in range(h0, h_end):
+        q1, q2, k1, k2, scores = _scores(Q, K, start, rows, length, stride_qn, h * stride_qh, stride_kn, h * stride_kh,
+                                         c, s, qk_scale, HALF, ROPE)
+        v = load_rows(V, start, rows, length, stride_vn, h * stride_vh, offs_d)
+        o = load_rows(O, start, rows, length, stride_on, h * stride_oh, offs_d)
+        do = load_rows(DO, start, rows, length, stride_don, h * stride_doh, offs_d)
+        lse = tl.load(LSE + (start + rows) * num_heads + h, mask=row_ok, other=float("inf"))  # inf: p = 0
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # (BS,)
+        p = tl.where(row_ok[None, :], tl.math.exp2(scores - lse[:, None]), 0.0)  # keys beyond L: 0
+        dv = tl.dot(tl.trans(p.to(do.dtype)), do)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])  # gradient of the natural-units score
+        ds = ds.to(q1.dtype)
+        dq1, dq2 = tl.dot(ds, k1) * scale, tl.dot(ds, k2) * scale
+        ds_t = tl.trans(ds)
+        dk1, dk2 = tl.dot(ds_t, q1) * scale, tl.dot(ds_t, q2) * scale
+        if ROPE:  # the rotation's backward: rotate the gradients by -theta
+            dq1, dq2 = dq1 * c + dq2 * s, dq2 * c - dq1 * s
+            dk1, dk2 = dk1 * c + dk2 * s, dk2 * c - dk1 * s
+        store_rows(DQ, dq1, start, rows, length, stride_dqn, h * stride_dqh, offs_half)
+        store_rows(DQ, dq2, start, rows, length, stride_dqn, h * stride_dqh + HALF, offs_half)
+        store_rows(DK, dk1, start, rows, length, stride_dkn, h * stride_dkh, offs_half)
+        store_rows(DK, dk2, start, rows, length, stride_dkn, h * stride_dkh + HALF, offs_half)
+        store_rows(DV, dv, start, rows, length, stride_dvn, h * stride_dvh, offs_d)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -308,41 +223,14 @@ def _rope_args(cos, sin, rope_base, max_len, q):
     return cos, sin, True
 
 
-def _block_meta(offsets, block_size: int, device) -> torch.Tensor:
-    """int32 [n_blocks, 4] = (value row of the sequence start, sequence length, first row of the block
-    in the sequence, 0) for every valid block (a sequence of length L has ceil(L / BS), an empty one
-    none), built on the host from the offsets' host copy (no device sync) and cached per batch
-    layout, so the kernels fetch an item's whole description with one dependent load."""
-
-    def build():
-        lengths = common._lengths(offsets)
-        work = common.tile_work(lengths, lambda seq, tile: lengths[seq], block_size)
-        starts = np.concatenate([[0], np.cumsum(lengths)])[:-1]
-        seq, tile = work[:, 0], work[:, 1]
-        meta = np.stack([starts[seq], lengths[seq], tile * block_size, np.zeros_like(seq)], 1)
-        return common._to_device(np.ascontiguousarray(meta.astype(np.int32)), device)
-
-    return host.cached_plan(offsets, ("block_meta", block_size), build)
-
-
-def _full_config(cfg) -> tuple:
-    """A config tuple padded to (num_warps, num_stages, items per program, programs per SM, prefetch)."""
-    return tuple(cfg) + (1, 1, 0, 0, 0)[len(cfg):]
-
-
 def _launch(kernel, offsets, heads, block_size, cfg, args, dim, rope, device):
-    warps, stages, per_program, per_sm, prefetch = _full_config(cfg)
-    meta = _block_meta(offsets, block_size, device)
-    n_items = meta.shape[0] * heads
-    if not n_items:
-        return
-    if per_sm > 0:  # persistent grid: contiguous runs of items
-        per_program = triton.cdiv(n_items, common.num_programs(n_items, per_sm, device))
-    elif per_program <= 0:
-        per_program = heads
-    kernel[(triton.cdiv(n_items, per_program),)](
-        *args[:-1], meta, heads, n_items, per_program, *args[-1],
-        HEAD_DIM=dim, BLOCK=block_size, ROPE=rope, PREFETCH=bool(prefetch), num_warps=warps, num_stages=stages)
+    warps, stages, per_program = cfg
+    per_program = heads if per_program <= 0 else min(per_program, heads)
+    work = query_work(offsets, offsets, block_size, False, device)
+    n_programs = work.shape[0] * triton.cdiv(heads, per_program)
+    if n_programs:
+        kernel[(n_programs,)](*args[:-1], offsets, work, heads, per_program, *args[-1],
+                              HEAD_DIM=dim, BLOCK=block_size, ROPE=rope, num_warps=warps, num_stages=stages)
 
 
 def _forward(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
