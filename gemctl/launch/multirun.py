@@ -160,16 +160,19 @@ def _header(col: str) -> str:
     return _HEADERS.get(col, col)
 
 
+def _cells(keys: list[str], cols: list[str], row: dict) -> list[str]:
+    """A row's cells; a failed job shows its keys and exit code only."""
+    if row["exit_code"] == 0:
+        return [_cell(c, row.get(c)) for c in cols]
+    cells = [_cell(c, row.get(c, "")) if c == "job" or c in keys else "" for c in cols]
+    cells[len(keys) + 1] = f"exit {row['exit_code']}"
+    return cells
+
+
 def markdown_table(keys: list[str], rows: list[dict]) -> str:
     cols = _columns(keys, rows)
     lines = ["| " + " | ".join(_header(c) for c in cols) + " |", "|" + "---|" * len(cols)]
-    for row in rows:
-        if row["exit_code"] != 0:
-            cells = [_cell(c, row.get(c, "")) if c == "job" or c in keys else "" for c in cols]
-            cells[len(keys) + 1] = f"exit {row['exit_code']}"
-        else:
-            cells = [_cell(c, row.get(c)) for c in cols]
-        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["| " + " | ".join(_cells(keys, cols, row)) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -204,10 +207,5 @@ def sweep_table(keys: list[str], results: list[dict]):
     for col in cols:
         table.add_column(_header(col))
     for row in rows:
-        if row["exit_code"] != 0:
-            cells = [_cell(c, row.get(c, "")) if c == "job" or c in keys else "" for c in cols]
-            cells[len(keys) + 1] = f"exit {row['exit_code']}"
-        else:
-            cells = [_cell(c, row.get(c)) for c in cols]
-        table.add_row(*(escape(c) for c in cells))  # '[full]' is a value, not rich markup
+        table.add_row(*(escape(c) for c in _cells(keys, cols, row)))  # '[full]' is a value, not rich markup
     return table
