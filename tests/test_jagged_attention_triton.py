@@ -204,29 +204,18 @@ def test_window_cross_gpu(causal):
 
 
 @pytest.mark.gpu
-def test_window_backward_is_deterministic_gpu():
-    lengths = [1000] + [3, 17, 0, 64, 129] * 10
-    qo, ko, q, k, v, table, grad_out = _inputs(lengths, lengths, 4, 128, "cuda", torch.bfloat16, 3, True)
-    runs = []
-    for _ in range(2):
-        out = _run("triton", q, k, v, table, qo, ko, 1000, 1000, True, 256)
-        runs.append([out] + list(_grads(out, [q, k, v, table], grad_out)))
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
-
-
-@pytest.mark.gpu
 def test_fp16_gpu():
     _check([0, 1, 64, 65, 300], [0, 1, 64, 65, 300], True, True, "cuda", torch.float16, heads=2, dim=64, factor=2.0)
 
 
 @pytest.mark.gpu
-def test_backward_is_deterministic_gpu():
+@pytest.mark.parametrize("window", [None, 256])
+def test_backward_is_deterministic_gpu(window):
     lengths = [1000] + [3, 17, 0, 64, 129] * 10
     qo, ko, q, k, v, table, grad_out = _inputs(lengths, lengths, 4, 128, "cuda", torch.bfloat16, 3, True)
     runs = []
     for _ in range(2):
-        out = _run("triton", q, k, v, table, qo, ko, 1000, 1000, True)
+        out = _run("triton", q, k, v, table, qo, ko, 1000, 1000, True, window)
         runs.append([out] + list(_grads(out, [q, k, v, table], grad_out)))
     for a, b in zip(*runs):
         assert torch.equal(a, b)

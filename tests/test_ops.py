@@ -55,12 +55,9 @@ def compare(fn_test, fn_ref, inputs, tol, gen):
         assert rel_err(a, b) < tol * 2, f"grad {i} rel err {rel_err(a, b):.2e}"
 
 
-@pytest.mark.parametrize("device,dtype,tol", DEVICES)
-@pytest.mark.parametrize("lengths", CASES_SELF)
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_jagged_attention_self(device, dtype, tol, lengths, causal, with_bias):
-    gen = torch.Generator().manual_seed(sum(lengths) + causal)
+def _check_self(device, dtype, tol, lengths, causal, with_bias, window, seed):
+    """Self-attention through the reference op against the per-sequence loop, gradients included."""
+    gen = torch.Generator().manual_seed(seed)
     h, d = 2, 32
     off = offsets(lengths, device)
     n, max_len = int(off[-1]), max(lengths)
@@ -71,10 +68,19 @@ def test_jagged_attention_self(device, dtype, tol, lengths, causal, with_bias):
     def run(q, k, v, *t, loop=False):
         bias = ops.RelativePositionBias(t[0], max_distance=32) if t else None
         if loop:
-            return attention_loop(q, k, v, off.cpu(), off.cpu(), causal=causal, bias=bias)
-        return ops.jagged_attention(q, k, v, off, off, max_len, max_len, bias=bias, causal=causal, backend="torch")
+            return attention_loop(q, k, v, off.cpu(), off.cpu(), causal=causal, bias=bias, window=window)
+        return ops.jagged_attention(q, k, v, off, off, max_len, max_len, bias=bias, causal=causal, window=window,
+                                    backend="torch")
 
     compare(run, lambda *a: run(*a, loop=True), inputs, tol, gen)
+
+
+@pytest.mark.parametrize("device,dtype,tol", DEVICES)
+@pytest.mark.parametrize("lengths", CASES_SELF)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_jagged_attention_self(device, dtype, tol, lengths, causal, with_bias):
+    _check_self(device, dtype, tol, lengths, causal, with_bias, None, sum(lengths) + causal)
 
 
 @pytest.mark.parametrize("device,dtype,tol", DEVICES)
@@ -83,21 +89,7 @@ def test_jagged_attention_self(device, dtype, tol, lengths, causal, with_bias):
 @pytest.mark.parametrize("causal", [False, True])
 def test_jagged_attention_window(device, dtype, tol, lengths, window, causal):
     """Sliding window (causal: the w most recent keys; otherwise |d| < w), with the bias."""
-    gen = torch.Generator().manual_seed(sum(lengths) + window)
-    h, d = 2, 32
-    off = offsets(lengths, device)
-    n, max_len = int(off[-1]), max(lengths)
-    q, k, v = (make(n, h, d, device, dtype, gen) for _ in range(3))
-    table = (torch.randn(h, 8, generator=gen, dtype=torch.float64)).to(device, torch.float32).requires_grad_(True)
-
-    def run(q, k, v, t, loop=False):
-        bias = ops.RelativePositionBias(t, max_distance=32)
-        if loop:
-            return attention_loop(q, k, v, off.cpu(), off.cpu(), causal=causal, bias=bias, window=window)
-        return ops.jagged_attention(q, k, v, off, off, max_len, max_len, bias=bias, causal=causal, window=window,
-                                    backend="torch")
-
-    compare(run, lambda *a: run(*a, loop=True), [q, k, v, table], tol, gen)
+    _check_self(device, dtype, tol, lengths, causal, True, window, sum(lengths) + window)
 
 
 def test_window_semantics():
