@@ -91,11 +91,23 @@ class MXConfig:
 
 
 @dataclass
+class Fp8Config:
+    """Options of the ``fp8`` format (gemctl.precision.fp8_linear): E4M3 GEMMs on FP8 tensor cores
+    with power-of-two scales along each GEMM's contraction axis."""
+
+    granularity: str = "row"  # values sharing a scale: row (whole contraction) | block128 | mx32
+    wgrad: str = "fp8"  # weight-gradient GEMM: fp8 | bf16 (unquantized)
+    fused_mlp: bool = True  # row-wise MLP blocks (up -> SiLU -> down) with fused producers
+    token_chunk: int = 4096  # row: tokens per scale of the weight-gradient operands (a multiple of 128)
+
+
+@dataclass
 class PrecisionConfig:
     name: str = "bf16"
     compute_dtype: str = "bf16"  # autocast dtype on CUDA: bf16 | fp32 (CPU always runs fp32)
     rules: List[PrecisionRule] = field(default_factory=list)
     mx: MXConfig = field(default_factory=MXConfig)  # used by rules whose format is mxfp8
+    fp8: Fp8Config = field(default_factory=Fp8Config)  # used by rules whose format is fp8
 
 
 @dataclass

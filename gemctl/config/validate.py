@@ -10,7 +10,9 @@ import re
 from gemctl.errors import ConfigError
 
 ATTENTION_KINDS = "full | block:<block_size> | window:<window> (integers >= 1)"
-PRECISION_FORMATS = ("bf16", "fp32", "mxfp8")
+PRECISION_FORMATS = ("bf16", "fp32", "mxfp8", "fp8")
+FP8_GRANULARITIES = ("row", "block128", "mx32")
+FP8_WGRAD_FORMATS = ("fp8", "bf16")
 MX_ELEMS = ("e4m3", "e5m2")
 MX_SCALE_RULES = ("floor", "rceil")
 MX_WGRAD_FORMATS = ("mxfp8", "bf16")
@@ -83,6 +85,10 @@ def validate(cfg, check_device: bool = True) -> None:
     _one_of(p.mx.scale_rule, MX_SCALE_RULES, "precision.mx.scale_rule")
     _one_of(p.mx.wgrad_format, MX_WGRAD_FORMATS, "precision.mx.wgrad_format")
     _positive(cfg, "precision.mx.hadamard_seed", allow_zero=True)
+    _one_of(p.fp8.granularity, FP8_GRANULARITIES, "precision.fp8.granularity")
+    _one_of(p.fp8.wgrad, FP8_WGRAD_FORMATS, "precision.fp8.wgrad")
+    if p.fp8.token_chunk < 128 or p.fp8.token_chunk % 128:
+        raise ConfigError("precision.fp8.token_chunk", f"must be a positive multiple of 128, got {p.fp8.token_chunk}")
     for i, rule in enumerate(p.rules):
         _one_of(rule.format, PRECISION_FORMATS, f"precision.rules[{i}].format")
         if rule.last_n_layers is not None and not 1 <= rule.last_n_layers <= m.num_layers:

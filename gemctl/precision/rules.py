@@ -6,9 +6,11 @@ the model (``tower.layers.3.mlp.up``) the last rule whose fnmatch pattern matche
 module with no matching rule inherits its parent's format; the root runs in the recipe's
 ``compute_dtype``. Formats: ``bf16`` (autocast on CUDA), ``fp32`` (autocast turned off inside
 the module, inputs upcast) and ``mxfp8``: an ``nn.Linear`` whose format is mxfp8 runs its GEMMs
-through the MX linear (gemctl.precision.mx_linear, options from ``precision.mx``); any other
-module with that format computes like bf16 (its Linear descendants inherit mxfp8 unless a rule
-says otherwise).
+through the MX linear (gemctl.precision.mx_linear, options from ``precision.mx``); ``fp8``:
+an ``nn.Linear`` runs its GEMMs on FP8 tensor cores (gemctl.precision.fp8_linear, options from
+``precision.fp8``), and an MLP block whose ``up`` and ``down`` are both fp8 runs as one fused FP8
+MLP. Any other module with a low-precision format computes like bf16 (its Linear descendants
+inherit the format unless a rule says otherwise).
 """
 
 from __future__ import annotations
@@ -55,9 +57,26 @@ def _fp32_forward(forward, device_type: str):
     return run
 
 
+def _apply_fp8(model: nn.Module, formats: dict[str, str], fp8_cfg) -> None:
+    from gemctl.model.sequence import MLP
+    from gemctl.precision.fp8_linear import Fp8Recipe, use_fp8_linear, use_fp8_mlp
+
+    recipe = Fp8Recipe.from_config(fp8_cfg)
+    fused: set[str] = set()
+    for path, module in model.named_modules():
+        if isinstance(module, MLP) and isinstance(module.act, nn.SiLU):
+            up, down = f"{path}.up" if path else "up", f"{path}.down" if path else "down"
+            if formats.get(up) == formats.get(down) == "fp8" and module.up.bias is None and module.down.bias is None:
+                use_fp8_mlp(module, recipe)
+                fused.update((up, down))
+    for path, module in model.named_modules():
+        if formats[path] == "fp8" and isinstance(module, nn.Linear) and path not in fused:
+            use_fp8_linear(module, recipe)
+
+
 def apply_precision(model: nn.Module, precision_cfg, num_layers: int, device_type: str) -> dict[str, str]:
-    """Make the top-most fp32 modules run outside autocast and the mxfp8 Linears through the MX
-    linear; returns the resolved formats."""
+    """Make the top-most fp32 modules run outside autocast, the mxfp8 Linears run through the MX
+    linear and the fp8 ones on FP8 GEMMs; returns the resolved formats."""
     formats = resolve_formats(model, precision_cfg, num_layers)
     if "mxfp8" in formats.values():
         from gemctl.precision.mx_linear import MXRecipe, use_mx_linear
@@ -66,6 +85,8 @@ def apply_precision(model: nn.Module, precision_cfg, num_layers: int, device_typ
         for path, module in model.named_modules():
             if formats[path] == "mxfp8" and isinstance(module, nn.Linear):
                 use_mx_linear(module, recipe)
+    if "fp8" in formats.values():
+        _apply_fp8(model, formats, getattr(precision_cfg, "fp8", None))
     covered: set[str] = set()  # modules that already run inside a wrapped fp32 forward
     for path, module in model.named_modules():
         parent = path.rsplit(".", 1)[0] if "." in path else ""

@@ -1,0 +1,441 @@
+r"""FP8 (E4M3) GEMMs for Hopper with power-of-two scales, and the casts that feed them.
+
+Every operand is stored K-major (the contraction axis contiguous): ``A [M, K]`` and ``B [N, K]``,
+``C = A B^T``, the layout Hopper's FP8 tensor-core instructions read at full speed (an N-major B
+ran ~6x slower in the feasibility probes of BENCHMARKS.md). Scales are E8M0 bytes (2^(s - 127)),
+so scaling is exact, and ``group_k`` says how many contraction values share one:
+
+- ``0`` (row-wise): one scale per row of A and of B over the whole contraction, applied once in
+  the epilogue: the MMA loop is the unscaled FP8 GEMM and keeps the FP8 tensor-core rate.
+- ``32`` (MX, OCP v1.0) and ``128`` (DeepSeek-V3's activation granularity, used here on both
+  operands): each K-block's partial product is scaled before it is added, so every block waits
+  for its MMA result: the price Hopper pays for scales inside the contraction (no block-scaled
+  MMA instruction).
+- any other multiple of 32 (of 128 on the GPU, whose tiles are 128 deep; ``TOKEN_CHUNK`` for the
+  weight-gradient GEMMs, which contract the tokens):
+  one scale per row and chunk of that many values, applied where the tensor-core partial sum is
+  promoted into float32 anyway (below): chunk scales cost nothing, and the casts that produce
+  them only look at one chunk of tokens, so no cast needs a reduction over the whole batch.
+
+Accumulation: Hopper's FP8 tensor cores add products with fewer bits than float32 (measured on
+the H200: relative error 5e-4 at K=1024, 7e-3 at K=65536, identical to cuBLAS with fast
+accumulation). The row-wise GEMM therefore promotes every ``PROMOTE_EVERY`` values into a
+float32 accumulator when K is long (1.3e-3 at K=65536; no measurable cost).
+
+Epilogue ``"silu_bwd"`` (the MLP's down-projection dgrad): multiplies by ``silu'(pre)`` read in
+the epilogue and stores ``dpre`` in bf16.
+
+Casts, each a local operation (no atomics, no pass over the whole tensor first):
+``fp8_cast_rows`` (scale per row over all columns: rows of at most 8192 values are held in
+registers, read once) and ``fp8_cast_cols`` (the transposed operand ``[C, R]`` with one scale per
+column and chunk of rows); both can apply ``silu`` on the fly. Scale rule: RCEIL, the smallest
+power of two with amax / 2^s <= 448 (E4M3's largest value), so nothing saturates; identical to
+``gemctl.precision.mx.quantize_mx(x, block, scale_rule="rceil")`` with the block the row or the
+chunk. A NaN/Inf in a block gives it the NaN scale (0xFF) and NaN codes, as in MX. Rounding to
+E4M3 reuses the MX kernels' conversion (hardware ``cvt.rn.satfinite`` on a GPU, the exact
+integer path under TRITON_INTERPRET=1, whose FP8 casts do not round to nearest even).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from gemctl.ops.triton.common import INTERPRET, _sm_count, bucket_len, pick_config
+from gemctl.ops.triton.mx_quant import _fp8_bits, _load_f32, _shared_exponent
+
+EPILOGUES = {"none": 0, "silu_bwd": 2}
+PROMOTE_EVERY = 4096  # contraction values summed on the tensor cores before a float32 add (long K)
+TOKEN_CHUNK = 4096  # tokens per scale of the weight-gradient operands
+IN_LOOP_GROUPS = (32, 128)
+ACTS = {None: 0, "silu": 1}
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, TMA persistent); the first is the untimed default
+# (GEMCTL_AUTOTUNE=0) and fits every kernel variant's shared memory.
+_GEMM_CANDIDATES = [
+    (128, 128, 128, 8, 3, False), (128, 256, 128, 8, 3, True), (128, 256, 128, 8, 4, True),
+    (128, 128, 128, 8, 4, True), (128, 256, 64, 8, 4, True), (128, 256, 128, 8, 3, False),
+    (128, 128, 128, 8, 4, False), (256, 128, 128, 8, 3, False), (128, 256, 64, 8, 4, False),
+    (128, 128, 128, 4, 3, False), (128, 256, 64, 8, 3, False), (128, 128, 64, 4, 4, False),
+]
+_GEMM_INTERPRET = (16, 16, 32, 1, 1, False)
+# Whole-row casts: (rows per program, warps); rows up to 8192 values wide are held in registers.
+_ROWS_CANDIDATES = [(2, 4), (1, 4), (4, 8), (2, 8), (8, 8), (1, 8)]
+_ROWS_INTERPRET = (2, 1)
+# Chunked column casts: (BLOCK_R, BLOCK_C, warps).
+_COLS_CANDIDATES = [(64, 64, 4), (128, 32, 4), (64, 128, 8), (32, 128, 4), (128, 64, 8), (256, 32, 8)]
+_COLS_INTERPRET = (8, 16, 1)
+_ROWS_IN_REGISTERS = 8192
+
+
+@triton.jit
+def _silu(x):
+    return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _silu_grad(x):
+    sig = 1.0 / (1.0 + tl.exp(-x))
+    return sig * (1.0 + x * (1.0 - sig))
+
+
+@triton.jit
+def _pow2_bits(s_byte):
+    """E8M0 byte (int32, 1..254) -> float32 2^(s - 127), exact."""
+    return (s_byte << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale_from_amax(amax_bits):
+    """(E8M0 byte, 2^-shared, NaN flag) from |amax|'s float32 bits under RCEIL for E4M3."""
+    shared = _shared_exponent(amax_bits, 8, True)
+    nan = (amax_bits >> 23) == 255
+    byte = tl.where(nan, 255, shared + 127)
+    inv = ((127 - shared) << 23).to(tl.float32, bitcast=True)
+    return byte, inv, nan
+
+
+@triton.jit
+def _abs_bits(x, mask):
+    """|x|'s float32 bit patterns (NaN orders above Inf), 0 where masked."""
+    return tl.where(mask, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+
+
+@triton.jit
+def _quantize(x, inv, nan, BIT_CAST: tl.constexpr):
+    q = tl.minimum(tl.maximum(x * inv, -448.0), 448.0)
+    q = tl.where(nan, 0.0, q)
+    code = _fp8_bits(q, False, BIT_CAST)
+    return tl.where(nan, 0x7F, code).to(tl.uint8)
+
+
+@triton.jit
+def _tile_ids(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped order: GROUP_M row tiles in a row share their B tiles in L2."""
+    n_m = tl.cdiv(M, BLOCK_M)
+    n_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * n_n
+    first_m = (tile // per_group) * GROUP_M
+    size_m = tl.minimum(n_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % size_m, (tile % per_group) // size_m
+
+
+@triton.jit
+def _chunk_scales(SA, SB, am, bn, stride_sam, stride_sbn, g):
+    sa = _pow2_bits(tl.load(SA + am * stride_sam + g).to(tl.int32))
+    sb = _pow2_bits(tl.load(SB + bn * stride_sbn + g).to(tl.int32))
+    return sa[:, None] * sb[None, :]
+
+
+@triton.jit
+def _epilogue(acc, pid_m, pid_n, M, N, C, SA, SB, PRE, stride_cm, stride_pm, ROW_SCALES: tl.constexpr,
+              EPI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROW_SCALES:
+        sa = _pow2_bits(tl.load(SA + rm, mask=rm < M, other=127).to(tl.int32))
+        sb = _pow2_bits(tl.load(SB + rn, mask=rn < N, other=127).to(tl.int32))
+        acc = acc * sa[:, None] * sb[None, :]
+    cmask = (rm[:, None] < M) & (rn[None, :] < N)
+    rm64 = rm.to(tl.int64)
+    if EPI == 2:  # dpre = d(silu(pre)) * silu'(pre)
+        pre = tl.load(PRE + rm64[:, None] * stride_pm + rn[None, :], mask=cmask, other=0.0).to(tl.float32)
+        acc = acc * _silu_grad(pre)
+    tl.store(C + rm64[:, None] * stride_cm + rn[None, :], acc.to(C.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    A, B, C, SA, SB, PRE,
+    M, N, K,
+    stride_am, stride_bn, stride_cm, stride_pm, stride_sam, stride_sbn,
+    GROUP_K: tl.constexpr, CHUNK_K: tl.constexpr, EPI: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """One program per output tile, pointer loads (any alignment; every granularity)."""
+    pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    am = tl.where(rm < M, rm, 0).to(tl.int64)  # clamped rows: loads stay in bounds, stores masked
+    bn = tl.where(rn < N, rn, 0).to(tl.int64)
+    a_ptrs = A + am[:, None] * stride_am + rk[None, :]
+    b_ptrs = B + bn[:, None] * stride_bn + rk[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GROUP_K == 32 or GROUP_K == 128:  # BLOCK_K == GROUP_K: scale every K-block's product
+        for k0 in range(0, K, BLOCK_K):
+            kmask = (k0 + rk) < K
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[None, :], other=0.0)
+            acc += tl.dot(a, tl.trans(b)) * _chunk_scales(SA, SB, am, bn, stride_sam, stride_sbn, k0 // GROUP_K)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+    else:  # tensor-core sums of CHUNK_K values (all of K if 0), promoted (and chunk-scaled) in float32
+        chunk = K if CHUNK_K == 0 else CHUNK_K
+        for c0 in range(0, K, chunk):
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(c0, tl.minimum(c0 + chunk, K), BLOCK_K):
+                kmask = (k0 + rk) < K
+                a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=kmask[None, :], other=0.0)
+                part = tl.dot(a, tl.trans(b), part)
+                a_ptrs += BLOCK_K
+                b_ptrs += BLOCK_K
+            if GROUP_K == 0:
+                acc += part
+            else:
+                acc += part * _chunk_scales(SA, SB, am, bn, stride_sam, stride_sbn, c0 // GROUP_K)
+    _epilogue(acc, pid_m, pid_n, M, N, C, SA, SB, PRE, stride_cm, stride_pm, GROUP_K == 0, EPI, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _fp8_gemm_tma_kernel(
+    a_desc, b_desc, C, SA, SB, PRE,
+    M, N, K,
+    stride_cm, stride_pm, stride_sam, stride_sbn,
+    GROUP_K: tl.constexpr, CHUNK_K: tl.constexpr, EPI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+):
+    """Row-wise or chunk scales; persistent: NUM_PROGRAMS programs walk the output tiles, A and B
+    tiles come through TMA descriptors (out-of-range rows and K zero-filled), and the tile loop is
+    flattened with the K loop so the next tile's loads are in flight during this tile's
+    epilogue."""
+    n_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), n_tiles, NUM_PROGRAMS, flatten=True):
+        pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if CHUNK_K == 0:
+            for ki in range(k_tiles):
+                a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
+                b = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
+                acc = tl.dot(a, b.T, acc)
+        else:
+            per_chunk: tl.constexpr = CHUNK_K // BLOCK_K
+            rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            am = tl.where(rm < M, rm, 0).to(tl.int64)
+            bn = tl.where(rn < N, rn, 0).to(tl.int64)
+            for c0 in range(0, k_tiles, per_chunk):
+                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for ki in range(c0, tl.minimum(c0 + per_chunk, k_tiles)):
+                    a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
+                    b = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
+                    part = tl.dot(a, b.T, part)
+                if GROUP_K == 0:
+                    acc += part
+                else:
+                    acc += part * _chunk_scales(SA, SB, am, bn, stride_sam, stride_sbn, c0 // per_chunk)
+        _epilogue(acc, pid_m, pid_n, M, N, C, SA, SB, PRE, stride_cm, stride_pm, GROUP_K == 0, EPI, BLOCK_M,
+                  BLOCK_N)
+
+
+@triton.jit
+def _cast_rows_kernel(
+    X, DATA, SCALE, R, Cn, stride_xr, stride_dr,
+    ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ONE_SWEEP: tl.constexpr,
+):
+    """Whole rows per program. ONE_SWEEP (BLOCK_C covers the row): one read, the rows held in
+    registers; otherwise a sweep for the amax and a second one (mostly L2 hits) to quantize."""
+    rr = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rr < R
+    rows = X + rr.to(tl.int64)[:, None] * stride_xr
+    out = DATA + rr.to(tl.int64)[:, None] * stride_dr
+    if ONE_SWEEP:
+        cc = tl.arange(0, BLOCK_C)
+        mask = rmask[:, None] & (cc[None, :] < Cn)
+        x = _load_f32(rows + cc[None, :], mask, IN_BF16)
+        if ACT == 1:
+            x = _silu(x)
+        byte, inv, nan = _scale_from_amax(tl.max(_abs_bits(x, mask), axis=1))
+        tl.store(out + cc[None, :], _quantize(x, inv[:, None], nan[:, None], BIT_CAST), mask=mask)
+    else:
+        amax = tl.zeros((BLOCK_R,), dtype=tl.int32)
+        for c0 in range(0, Cn, BLOCK_C):
+            cc = c0 + tl.arange(0, BLOCK_C)
+            mask = rmask[:, None] & (cc[None, :] < Cn)
+            x = _load_f32(rows + cc[None, :], mask, IN_BF16)
+            if ACT == 1:
+                x = _silu(x)
+            amax = tl.maximum(amax, tl.max(_abs_bits(x, mask), axis=1))
+        byte, inv, nan = _scale_from_amax(amax)
+        for c0 in range(0, Cn, BLOCK_C):
+            cc = c0 + tl.arange(0, BLOCK_C)
+            mask = rmask[:, None] & (cc[None, :] < Cn)
+            x = _load_f32(rows + cc[None, :], mask, IN_BF16)
+            if ACT == 1:
+                x = _silu(x)
+            tl.store(out + cc[None, :], _quantize(x, inv[:, None], nan[:, None], BIT_CAST), mask=mask)
+    tl.store(SCALE + rr, byte.to(tl.uint8), mask=rmask)
+
+
+@triton.jit
+def _cast_cols_kernel(
+    X, DATA_T, SCALE, R, Cn, stride_xr, stride_dt, stride_sc,
+    ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Program (j, g): columns [j*BLOCK_C, +BLOCK_C) over rows [g*CHUNK, +CHUNK): the columns'
+    amax over the chunk, then the quantized chunk written transposed (DATA_T [Cn, R])."""
+    cc = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    g = tl.program_id(1)
+    cmask = cc < Cn
+    amax = tl.zeros((BLOCK_C,), dtype=tl.int32)
+    end = tl.minimum(g * CHUNK + CHUNK, R)
+    for r0 in range(g * CHUNK, end, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        mask = (rr[:, None] < end) & cmask[None, :]
+        x = _load_f32(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], mask, IN_BF16)
+        if ACT == 1:
+            x = _silu(x)
+        amax = tl.maximum(amax, tl.max(_abs_bits(x, mask), axis=0))
+    byte, inv, nan = _scale_from_amax(amax)
+    tl.store(SCALE + cc.to(tl.int64) * stride_sc + g, byte.to(tl.uint8), mask=cmask)
+    for r0 in range(g * CHUNK, end, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        mask = (rr[:, None] < end) & cmask[None, :]
+        x = _load_f32(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], mask, IN_BF16)
+        if ACT == 1:
+            x = _silu(x)
+        code = _quantize(x, inv[None, :], nan[None, :], BIT_CAST)
+        tl.store(DATA_T + cc.to(tl.int64)[None, :] * stride_dt + rr[:, None], code, mask=mask)
+
+
+# ------------------------------------------------------------------------------------------------
+# Host launchers.
+
+
+def _as_kernel_input(x: torch.Tensor, act) -> torch.Tensor:
+    if act not in ACTS:
+        raise ValueError(f"fp8 cast: act {act!r} is not allowed; allowed: None, 'silu'")
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"fp8 cast: x must be a 2-D bf16/fp16/fp32 tensor, got {x.dtype} {tuple(x.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+
+
+def _bit_cast(bit_cast) -> bool:
+    return INTERPRET if bit_cast is None else bool(bit_cast)
+
+
+def fp8_cast_rows(x: torch.Tensor, *, act: str | None = None, bit_cast: bool | None = None):
+    """Row-wise E4M3 operand of ``act(x)`` [R, C]: ``(data [R, C], scale [R])``, one scale per row
+    over all C values (the whole contraction of the GEMM that reads it)."""
+    xin = _as_kernel_input(x, act)
+    r, c = x.shape
+    data = torch.empty((r, c), dtype=torch.uint8, device=x.device)
+    scale = torch.empty(r, dtype=torch.uint8, device=x.device)
+    if x.numel():
+        one_sweep = c <= _ROWS_IN_REGISTERS
+
+        def run(cfg):
+            br, warps = cfg
+            _cast_rows_kernel[(triton.cdiv(r, br),)](
+                xin, data, scale, r, c, xin.stride(0), data.stride(0), ACT=ACTS[act],
+                IN_BF16=x.dtype == torch.bfloat16, BIT_CAST=_bit_cast(bit_cast), BLOCK_R=br,
+                BLOCK_C=triton.next_power_of_2(c) if one_sweep else 2048, ONE_SWEEP=one_sweep, num_warps=warps)
+
+        key = ("fp8_cast_rows", bucket_len(r), bucket_len(c), x.dtype, act)
+        run(pick_config(key, _ROWS_CANDIDATES, run, _ROWS_INTERPRET))
+    return data.view(torch.float8_e4m3fn), scale
+
+
+def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None = None,
+                  bit_cast: bool | None = None):
+    """Transposed column-wise E4M3 operand of ``act(x)`` [R, C]: ``(data [C, R], scale [C,
+    ceil(R / chunk)])``, one scale per column and chunk of ``chunk`` rows (default TOKEN_CHUNK;
+    the last chunk may be partial). The weight-gradient GEMMs read it with ``group_k=chunk``."""
+    chunk = chunk or TOKEN_CHUNK
+    xin = _as_kernel_input(x, act)
+    r, c = x.shape
+    n_chunks = max(triton.cdiv(r, chunk), 1)
+    data = torch.empty((c, r), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((c, n_chunks), dtype=torch.uint8, device=x.device)
+    if x.numel():
+        def run(cfg):
+            br, bc, warps = cfg
+            _cast_cols_kernel[(triton.cdiv(c, bc), n_chunks)](
+                xin, data, scale, r, c, xin.stride(0), data.stride(0), scale.stride(0), ACT=ACTS[act],
+                IN_BF16=x.dtype == torch.bfloat16, BIT_CAST=_bit_cast(bit_cast), CHUNK=chunk, BLOCK_R=br, BLOCK_C=bc,
+                num_warps=warps)
+
+        key = ("fp8_cast_cols", bucket_len(r), bucket_len(c), x.dtype, act, chunk)
+        run(pick_config(key, _COLS_CANDIDATES, run, _COLS_INTERPRET))
+    return data.view(torch.float8_e4m3fn), scale
+
+
+def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, *, group_k: int = 0,
+             epilogue: str = "none", pre: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+             promote_every: int | None = -1):
+    """``C [M, N] = A [M, K] B [N, K]^T`` on E4M3 operands with E8M0 scales.
+
+    ``group_k=0``: ``sa [M]``, ``sb [N]`` (row-wise); otherwise ``sa [M, ceil(K/g)]``,
+    ``sb [N, ceil(K/g)]``: 32 or 128 (scaled per K-block; K a multiple of g), or another multiple of
+    32 (chunk scales, applied at float32 promotion; a multiple of the tile depth). ``epilogue="silu_bwd"`` (row-wise, needs
+    ``pre [M, N]``) returns ``(A B^T) * silu'(pre)`` in bf16. ``promote_every`` (row-wise): -1
+    promotes every PROMOTE_EVERY values when K > 2 * PROMOTE_EVERY, None never.
+    """
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"fp8_gemm: epilogue {epilogue!r} is not allowed; allowed: {', '.join(EPILOGUES)}")
+    chunked = group_k not in IN_LOOP_GROUPS and group_k > 0 and group_k % 32 == 0
+    if group_k and group_k not in IN_LOOP_GROUPS and not chunked:
+        raise ValueError(f"fp8_gemm: group_k {group_k} is not allowed; allowed: 0, 32, 128 or another multiple of 32 "
+                         "(chunk scales; a multiple of the tile's BLOCK_K, 128 on the GPU)")
+    if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_gemm: operands must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"fp8_gemm: A [M, K] and B [N, K] expected, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("fp8_gemm: A and B must be K-major (contiguous along K)")
+    (m, k), n = a.shape, b.shape[0]
+    if group_k in IN_LOOP_GROUPS and k % group_k:
+        raise ValueError(f"fp8_gemm: K={k} must be a multiple of group_k={group_k}")
+    want_a, want_b = ((m, triton.cdiv(k, group_k)), (n, triton.cdiv(k, group_k))) if group_k else ((m,), (n,))
+    if tuple(sa.shape) != want_a or tuple(sb.shape) != want_b:
+        raise ValueError(f"fp8_gemm: scales {tuple(sa.shape)}, {tuple(sb.shape)} expected {want_a}, {want_b}")
+    if epilogue != "none" and (group_k or pre is None or tuple(pre.shape) != (m, n) or pre.stride(1) != 1):
+        raise ValueError("fp8_gemm: epilogue 'silu_bwd' is row-wise (group_k=0) and needs a contiguous pre [M, N]")
+    if chunked:
+        chunk = group_k
+    elif group_k:
+        chunk = 0
+    else:
+        if promote_every == -1:
+            promote_every = PROMOTE_EVERY if k > 2 * PROMOTE_EVERY else None
+        chunk = promote_every if promote_every and promote_every < k else 0
+    epi = EPILOGUES[epilogue]
+    c = torch.empty((m, n), dtype=torch.bfloat16 if epi else out_dtype, device=a.device)
+    sa = sa.view(torch.uint8)
+    sb = sb.view(torch.uint8)
+    pre_t = pre if pre is not None else c
+    s_strides = (sa.stride(0) if group_k else 1, sb.stride(0) if group_k else 1)
+    if m and n:
+        tma_ok = group_k not in IN_LOOP_GROUPS and k % 16 == 0 and a.stride(0) % 16 == 0 and b.stride(0) % 16 == 0
+
+        def run(cfg):
+            bm, bn, bk, warps, stages, tma = cfg
+            if group_k in IN_LOOP_GROUPS:
+                bk = group_k
+            if chunk % bk:
+                raise ValueError(f"fp8_gemm: a chunk of {chunk} is not a multiple of BLOCK_K={bk}")
+            if tma and tma_ok:
+                n_prog = min(_sm_count(a.device), triton.cdiv(m, bm) * triton.cdiv(n, bn))
+                _fp8_gemm_tma_kernel[(n_prog,)](
+                    TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b, [bn, bk]),
+                    c, sa, sb, pre_t, m, n, k, c.stride(0), pre_t.stride(0), *s_strides,
+                    GROUP_K=group_k, CHUNK_K=chunk, EPI=epi, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                    NUM_PROGRAMS=n_prog, num_warps=warps, num_stages=stages)
+                return
+            _fp8_gemm_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
+                a, b, c, sa, sb, pre_t, m, n, k, a.stride(0), b.stride(0), c.stride(0), pre_t.stride(0), *s_strides,
+                GROUP_K=group_k, CHUNK_K=chunk, EPI=epi, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                num_warps=warps, num_stages=stages)
+
+        candidates = _GEMM_CANDIDATES if tma_ok else [cfg for cfg in _GEMM_CANDIDATES if not cfg[5]]
+        key = ("fp8_gemm", bucket_len(m), bucket_len(n), bucket_len(k), group_k, epi, chunk, tma_ok)
+        run(pick_config(key, candidates, run, _GEMM_INTERPRET))
+    return c

@@ -1,0 +1,329 @@
+r"""FP8 (E4M3) linear layers and MLP block on Hopper tensor cores, with an emulated twin.
+
+The ``fp8`` precision format runs every GEMM of a Linear (forward, dgrad, wgrad) on E4M3
+operands quantized along that GEMM's contraction axis with power-of-two (E8M0) scales under the
+RCEIL rule (no element saturates). ``precision.fp8.granularity`` picks how many values share a
+scale:
+
+- ``row``: one scale per row of each operand over the whole contraction, applied in the GEMM
+  epilogue (gemctl.ops.triton.fp8_gemm): the fast format on Hopper;
+- ``block128``: one scale per 128 contraction values on both operands (DeepSeek-V3's activation
+  granularity), applied per K-block inside the GEMM loop;
+- ``mx32``: the MX granularity (32 values, OCP v1.0 with E4M3 and RCEIL): MX numerics on real
+  FP8 tensor cores (Hopper has no block-scaled MMA, so each 32-deep K-block is scaled by hand).
+
+Operands by GEMM, for y = x W^T with x [T, K] (T tokens), W [N, K], gy [T, N]:
+
+    forward  y  = x  W^T      contracts K: x along K,  W along K
+    dgrad    dx = gy W        contracts N: gy along N, W along N (the operand is W^T [K, N])
+    wgrad    dW = gy^T x      contracts T: gy and x along the tokens (operands gy^T, x^T)
+
+For ``row``, the wgrad operands gy^T and x^T carry one scale per feature and chunk of
+``token_chunk`` (4096) tokens, applied where the GEMM promotes its tensor-core partial sums to
+float32 anyway: every cast then only reduces over rows it reads itself (a scale over the whole
+batch would need a reduction pass first). The forward saves x^T and W^T in FP8 for the backward,
+not the high-precision tensors. ``wgrad: bf16`` keeps the weight-gradient GEMM unquantized (saving
+x in its own dtype instead).
+
+``fp8_mlp(x, w_up, w_down)`` is the MLP block ``down(silu(up(x)))`` with the row-wise format
+and fused producers: the casts of the pre-activation apply silu on the fly (silu(pre) never
+exists in bf16 in memory), and the backward's first GEMM multiplies by silu'(pre) in its
+epilogue, so dpre is written once, in bf16, and cast from there. (Amax reductions folded into
+the GEMM epilogues with atomics were measured and dropped: on the H200 the up-projection fell
+from 990 to 648 TF/s with them, more than the casts they saved.)
+
+Off CUDA (and for any input the kernels do not take) the same numerics run emulated: quantize
+and dequantize in float32 (gemctl.precision.mx.mx_qdq with the block set to the whole
+contraction for ``row``) around a float32 GEMM; the trainer says so once.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gemctl.precision.mx import mx_qdq
+
+GRANULARITIES = {"row": 0, "block128": 128, "mx32": 32}
+WGRAD_FORMATS = ("fp8", "bf16")
+_said: set[str] = set()
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    granularity: str = "row"
+    wgrad: str = "fp8"  # fp8 | bf16 (the weight-gradient GEMM unquantized, in the compute dtype)
+    fused_mlp: bool = True  # row-wise MLP blocks through fp8_mlp (the fused producers)
+    token_chunk: int = 4096  # row-wise: tokens per scale of the weight-gradient operands
+
+    @property
+    def group(self) -> int:
+        return GRANULARITIES[self.granularity]
+
+    @property
+    def wgrad_group(self) -> int:
+        """Values per scale along the tokens in the weight-gradient GEMM."""
+        return self.group or self.token_chunk
+
+    @classmethod
+    def from_config(cls, cfg) -> "Fp8Recipe":
+        if cfg is None:
+            return cls()
+        return cls(granularity=str(cfg.granularity), wgrad=str(cfg.wgrad), fused_mlp=bool(cfg.fused_mlp),
+                   token_chunk=int(cfg.token_chunk))
+
+
+def _say_once(key: str, message: str) -> None:
+    if key not in _said:
+        _said.add(key)
+        print(f"gemctl.precision: {message}", file=sys.stderr)
+
+
+def triton_ready(*tensors: torch.Tensor) -> bool:
+    """The Triton FP8 kernels run here: CUDA tensors on an sm_89+ GPU (FP8 tensor cores), or the
+    Triton interpreter (tests)."""
+    from gemctl.ops.triton.common import INTERPRET
+
+    if INTERPRET:
+        return True
+    if not all(t.is_cuda for t in tensors):
+        return False
+    return torch.cuda.get_device_capability(tensors[0].device) >= (8, 9)
+
+
+# ------------------------------------------------------------------------------------------------
+# Emulated numerics (the reference the kernels are tested against; the CPU path).
+
+
+def qdq(t: torch.Tensor, group: int, axis: int) -> torch.Tensor:
+    """E4M3 quantize-dequantize of ``t`` along ``axis`` in groups of ``group`` values (0: the whole
+    axis), RCEIL power-of-two scales, float32 out."""
+    block = max(t.shape[axis], 1) if group == 0 else group
+    return mx_qdq(t, block=block, axis=axis, scale_rule="rceil", dtype=torch.float32)
+
+
+class _EmulatedFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight, recipe: Fp8Recipe):
+        g = recipe.group
+        ctx.save_for_backward(x2d, weight)
+        ctx.recipe = recipe
+        return (qdq(x2d, g, 1) @ qdq(weight, g, 1).t()).to(_out_dtype(x2d, weight))
+
+    @staticmethod
+    def backward(ctx, gy):
+        x2d, weight = ctx.saved_tensors
+        recipe = ctx.recipe
+        g = recipe.group
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = (qdq(gy, g, 1) @ qdq(weight, g, 0)).to(x2d.dtype)
+        if ctx.needs_input_grad[1]:
+            if recipe.wgrad == "bf16":
+                dw = gy.float().t() @ x2d.float()
+            else:
+                dw = qdq(gy, recipe.wgrad_group, 0).t() @ qdq(x2d, recipe.wgrad_group, 0)
+            dw = dw.to(weight.dtype)
+        return dx, dw, None
+
+
+def _out_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return torch.promote_types(x.dtype, weight.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Triton path.
+
+
+def _k_major(t: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 operand and scales of a K-major [R, K] tensor in groups of ``group`` along K (group
+    granularities; K padded with zeros to a multiple of the group)."""
+    from gemctl.ops.triton.mx_quant import mx_quantize
+
+    pad = -t.shape[1] % group
+    if pad:
+        t = F.pad(t, (0, pad))
+    return mx_quantize(t.contiguous(), block=group, scale_rule="rceil")
+
+
+def _gemm(a, b, sa, sb, group: int, out_dtype: torch.dtype):
+    from gemctl.ops.triton.fp8_gemm import fp8_gemm
+
+    return fp8_gemm(a, b, sa, sb, group_k=group, out_dtype=out_dtype)
+
+
+def _rows(t: torch.Tensor, act=None):
+    from gemctl.ops.triton.fp8_gemm import fp8_cast_rows
+
+    return fp8_cast_rows(t, act=act)
+
+
+def _cols(t: torch.Tensor, chunk: int | None = None, act=None):
+    """Transposed operand with scales per column and chunk of rows; chunk None: one scale per
+    column over all rows (returned as a vector, the row-wise operand of the transpose)."""
+    from gemctl.ops.triton.fp8_gemm import fp8_cast_cols
+
+    if chunk is None:
+        data, scale = fp8_cast_cols(t, max(t.shape[0], 1), act=act)
+        return data, scale[:, 0]
+    return fp8_cast_cols(t, chunk, act=act)
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight, recipe: Fp8Recipe):
+        g = recipe.group
+        out_dtype = _out_dtype(x2d, weight)
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        wgrad_fp8 = need_dw and recipe.wgrad == "fp8"
+        saved = (None, None, None, None)
+        if g == 0:
+            xr, xs = _rows(x2d)
+            wr, ws = _rows(weight)
+            y = _gemm(xr, wr, xs, ws, 0, out_dtype)
+            saved = (*(_cols(x2d, recipe.token_chunk) if wgrad_fp8 else (None, None)),
+                     *(_cols(weight) if need_dx else (None, None)))  # x^T for the wgrad, W^T for the dgrad
+        else:
+            a, sa = _k_major(x2d, g)
+            b, sb = _k_major(weight, g)
+            y = _gemm(a, b, sa, sb, g, out_dtype)
+        ctx.recipe = recipe
+        ctx.x_dtype, ctx.w_dtype, ctx.out_dtype = x2d.dtype, weight.dtype, out_dtype
+        ctx.save_for_backward(x2d if (g or recipe.wgrad == "bf16") and need_dw else None,
+                              weight if g and need_dx else None, *saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x2d, weight, xt, xcs, wt, wcs = ctx.saved_tensors
+        recipe = ctx.recipe
+        g = recipe.group
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        wgrad_fp8 = need_dw and recipe.wgrad == "fp8"
+        dx = dw = None
+        gy = gy.contiguous()
+        if g == 0:
+            if need_dx:
+                gr, gs = _rows(gy)
+                dx = _gemm(gr, wt, gs, wcs, 0, ctx.x_dtype)
+            if wgrad_fp8:
+                gt, gcs = _cols(gy, recipe.token_chunk)
+                dw = _gemm(gt, xt, gcs, xcs, recipe.token_chunk, ctx.w_dtype)
+        else:
+            if need_dx:
+                a, sa = _k_major(gy, g)
+                b, sb = _k_major(weight.t(), g)
+                dx = _gemm(a, b, sa, sb, g, ctx.x_dtype)
+            if wgrad_fp8:
+                a, sa = _k_major(gy.t(), g)
+                b, sb = _k_major(x2d.t(), g)
+                dw = _gemm(a, b, sa, sb, g, ctx.w_dtype)
+        if need_dw and not wgrad_fp8:  # in the compute dtype (bf16 under autocast)
+            dw = (gy.to(ctx.out_dtype).t() @ x2d.to(ctx.out_dtype)).to(ctx.w_dtype)
+        return dx, dw, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Fp8Recipe) -> torch.Tensor:
+    """F.linear with FP8 GEMMs (forward and backward); x [..., K], weight [N, K]."""
+    x2d = x.reshape(-1, x.shape[-1])
+    if triton_ready(x2d, weight) and _group_fits(recipe.group, x2d.shape[1], weight.shape[0]):
+        y = _Fp8LinearFunction.apply(x2d, weight, recipe)
+    else:
+        _say_once("emulated", "fp8 GEMMs emulated (quantize-dequantize + float32 GEMM): the Triton FP8 kernels "
+                  "need a CUDA GPU with FP8 tensor cores (sm_89+)" + (
+                      f" and dimensions divisible by {recipe.group}" if recipe.group else ""))
+        y = _EmulatedFunction.apply(x2d, weight, recipe)
+    y = y.reshape(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def _group_fits(group: int, k: int, n: int) -> bool:
+    return group == 0 or (k % group == 0 and n % group == 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# The MLP block down(silu(up(x))), row-wise, fused producers.
+
+
+class _Fp8MLPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, w_up, w_down, recipe: Fp8Recipe):
+        from gemctl.ops.triton.fp8_gemm import fp8_gemm
+
+        out_dtype = _out_dtype(x2d, w_up)
+        fp8_wgrad = recipe.wgrad == "fp8"
+        xr, xs = _rows(x2d)
+        ur, us = _rows(w_up)
+        dr, ds = _rows(w_down)
+        pre = fp8_gemm(xr, ur, xs, us)
+        hr, hs = _rows(pre, act="silu")  # silu(pre) quantized on the fly: never stored in bf16
+        y = fp8_gemm(hr, dr, hs, ds, out_dtype=out_dtype)
+        ctx.recipe = recipe
+        ctx.dtypes = (x2d.dtype, w_up.dtype, w_down.dtype, out_dtype)
+        x_saved = _cols(x2d, recipe.token_chunk) if fp8_wgrad else (x2d, None)
+        ctx.save_for_backward(pre, *_cols(w_up), *_cols(w_down), *x_saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        from gemctl.ops.triton.fp8_gemm import fp8_gemm
+
+        pre, ut, ucs, dt, dcs, xt, xcs = ctx.saved_tensors
+        x_dtype, up_dtype, down_dtype, cdt = ctx.dtypes
+        recipe = ctx.recipe
+        chunk = recipe.token_chunk
+        gy = gy.contiguous()
+        gr, gs = _rows(gy)
+        dpre = fp8_gemm(gr, dt, gs, dcs, epilogue="silu_bwd", pre=pre)
+        pr, ps = _rows(dpre)
+        dx = fp8_gemm(pr, ut, ps, ucs, out_dtype=x_dtype)
+        if recipe.wgrad == "fp8":
+            gt, gcs = _cols(gy, chunk)
+            ht, hcs = _cols(pre, chunk, act="silu")
+            dw_down = fp8_gemm(gt, ht, gcs, hcs, group_k=chunk, out_dtype=down_dtype)
+            pt, pcs = _cols(dpre, chunk)
+            dw_up = fp8_gemm(pt, xt, pcs, xcs, group_k=chunk, out_dtype=up_dtype)
+        else:  # xt holds x in its own dtype; the GEMMs in the compute dtype (bf16 under autocast)
+            h = F.silu(pre.float()).to(cdt)
+            dw_down = (gy.to(cdt).t() @ h).to(down_dtype)
+            dw_up = (dpre.to(cdt).t() @ xt.to(cdt)).to(up_dtype)
+        return dx, dw_up, dw_down, None
+
+
+def fp8_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
+    """``down(silu(up(x)))`` with row-wise FP8 GEMMs and fused producers; x [..., d],
+    w_up [hidden, d], w_down [d, hidden]. Other granularities (or no Triton) run the two
+    linears of ``fp8_linear`` with silu between them."""
+    x2d = x.reshape(-1, x.shape[-1])
+    if recipe.group == 0 and recipe.fused_mlp and triton_ready(x2d, w_up, w_down):
+        y = _Fp8MLPFunction.apply(x2d, w_up, w_down, recipe)
+        return y.reshape(*x.shape[:-1], w_down.shape[0])
+    return fp8_linear(F.silu(fp8_linear(x, w_up, None, recipe)), w_down, None, recipe)
+
+
+def use_fp8_linear(module: nn.Linear, recipe: Fp8Recipe) -> None:
+    """Route an nn.Linear's forward through fp8_linear (parameters, state dicts and FSDP units
+    unchanged)."""
+
+    def forward(x):
+        return fp8_linear(x, module.weight, module.bias, recipe)
+
+    module.forward = forward
+    module.fp8_recipe = recipe
+
+
+def use_fp8_mlp(mlp: nn.Module, recipe: Fp8Recipe) -> None:
+    """Route an MLP (``up`` -> SiLU -> ``down``, no biases) through fp8_mlp."""
+
+    def forward(x):
+        return fp8_mlp(x, mlp.up.weight, mlp.down.weight, recipe)
+
+    mlp.forward = forward
+    mlp.fp8_recipe = recipe

@@ -1,0 +1,271 @@
+"""Benchmark the FP8 GEMMs and the FP8 MLP block against BF16 on the BENCHMARKS.md `mlp` shapes.
+
+    python scripts/bench_fp8.py [--out bench_fp8.json] [--tokens 65536] [--quick]
+
+Everything in one run, on one GPU:
+
+1. ceilings: device copy bandwidth (1 GiB bf16 copy) and, per GEMM shape, torch's BF16 GEMM and
+   torch's FP8 row-wise ``_scaled_mm`` (cuBLAS) as anchors;
+2. GEMMs: every GEMM of the MLP block (forward, dgrad, wgrad of the up- and down-projections)
+   in TF/s: ours row-wise, block-wise 128 and MX 32 (gemctl.ops.triton.fp8_gemm) against the
+   anchors;
+3. MLP block ``rms_norm -> up -> silu -> down`` (tokens x d -> 4d -> d), forward and
+   forward+backward: BF16 eager and BF16 torch.compile against ``fp8_mlp`` (row-wise, fused
+   producers) and the unfused FP8 linears of each granularity; the speed-ups use the faster
+   BF16;
+4. casts: the FP8 cast kernels' bandwidth against the copy bandwidth (read 2 B + write 1 B per
+   element per output written, 1 B per scale);
+5. accuracy: relative error (Frobenius) of y = x W^T against float64 for each granularity, on
+   Gaussian x and on x with 8 outlier features (x100, as LLM/recsys activations have).
+
+Weights are bf16 in every variant (the trainer's fp32 masters cast once per step either way).
+Times: median of triton.testing.do_bench over the Python call (launch overheads included);
+FP8 outputs are checked against the emulated numerics (gemctl.precision.fp8_linear) before timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gemctl.ops.triton.fp8_gemm import TOKEN_CHUNK, fp8_cast_cols, fp8_cast_rows, fp8_gemm  # noqa: E402
+from gemctl.ops.triton.mx_quant import mx_quantize  # noqa: E402
+from gemctl.precision.fp8_linear import GRANULARITIES, Fp8Recipe, fp8_linear, fp8_mlp, qdq  # noqa: E402
+
+MLP_WIDTHS = [(1024, 4096), (2048, 8192)]
+BF16 = torch.bfloat16
+
+
+def bench(fn, grad_to_none=None) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
+
+
+def copy_tbps() -> float:
+    x = torch.randn(2**29, device="cuda", dtype=BF16)
+    y = torch.empty_like(x)
+    return 2 * x.numel() * 2 / (bench(lambda: y.copy_(x)) * 1e-3) / 1e12
+
+
+def operands(t: torch.Tensor, group: int):
+    """(data, scale) of a K-major tensor for ``fp8_gemm`` at this granularity."""
+    if group == 0:
+        return fp8_cast_rows(t)
+    return mx_quantize(t, block=group, scale_rule="rceil")
+
+
+def scaled_mm_operands(t: torch.Tensor):
+    amax = t.abs().amax(1, keepdim=True).float().clamp(min=1e-12)
+    scale = amax / 448.0
+    return (t.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def gemm_rows(tokens: int, grans=tuple(GRANULARITIES)) -> list[dict]:
+    out = []
+    for d, h in MLP_WIDTHS:
+        shapes = {  # name: (M, N, K) of C[M, N] = A[M, K] B[N, K]^T
+            f"up fwd d={d}": (tokens, h, d), f"down fwd d={d}": (tokens, d, h),
+            f"up dgrad d={d}": (tokens, d, h), f"down dgrad d={d}": (tokens, h, d),
+            f"up wgrad d={d}": (h, d, tokens), f"down wgrad d={d}": (d, h, tokens),
+        }
+        for name, (m, n, k) in shapes.items():
+            a = torch.randn(m, k, device="cuda", dtype=BF16)
+            b = torch.randn(n, k, device="cuda", dtype=BF16)
+            flops = 2 * m * n * k
+            row = {"gemm": name, "shape": [m, n, k]}
+            row["bf16"] = flops / bench(lambda: a @ b.t()) / 1e9
+            a8, sa = scaled_mm_operands(a)
+            b8, sb = scaled_mm_operands(b)
+            row["scaled_mm_row"] = flops / bench(lambda: torch._scaled_mm(a8, b8.t(), sa, sb.t(), out_dtype=BF16)) / 1e9
+            for gran, group in GRANULARITIES.items():
+                if gran not in grans:
+                    continue
+                qa, qsa = operands(a, group)
+                qb, qsb = operands(b, group)
+                c = fp8_gemm(qa, qb, qsa, qsb, group_k=group)
+                ref = qdq(a, group, 1) @ qdq(b, group, 1).t()
+                err = ((c.float() - ref).norm() / ref.norm()).item()
+                if err > 1e-2:
+                    raise SystemExit(f"bench_fp8: {gran} GEMM {name} differs from the emulated numerics ({err:.2e})")
+                row[gran] = flops / bench(lambda: fp8_gemm(qa, qb, qsa, qsb, group_k=group)) / 1e9
+                if group == 0 and "wgrad" in name:  # default: FP32 promotion every 4096 tokens
+                    row["row, one tensor-core sum"] = flops / bench(
+                        lambda: fp8_gemm(qa, qb, qsa, qsb, promote_every=None)) / 1e9
+                    ca, csa = mx_quantize(a, block=TOKEN_CHUNK, scale_rule="rceil")  # what the MLP's wgrad runs
+                    cb, csb = mx_quantize(b, block=TOKEN_CHUNK, scale_rule="rceil")
+                    row["row, token-chunk scales (used)"] = flops / bench(
+                        lambda: fp8_gemm(ca, cb, csa, csb, group_k=TOKEN_CHUNK)) / 1e9
+                if group == 0 and name.startswith("down dgrad"):  # the MLP's fused silu' epilogue
+                    pre = torch.randn(m, n, device="cuda", dtype=BF16)
+                    row["row+silu_bwd"] = flops / bench(
+                        lambda: fp8_gemm(qa, qb, qsa, qsb, epilogue="silu_bwd", pre=pre)) / 1e9
+                    del pre
+            print(row, flush=True)
+            out.append(row)
+            del a, b, a8, b8
+    return out
+
+
+def mlp_variants(d: int, h: int):
+    up = torch.randn(h, d, device="cuda", dtype=BF16) / d**0.5
+    down = torch.randn(d, h, device="cuda", dtype=BF16) / h**0.5
+    norm_w = torch.ones(d, device="cuda", dtype=BF16)
+    up.requires_grad_(True)
+    down.requires_grad_(True)
+
+    def bf16(x):
+        return F.linear(F.silu(F.linear(F.rms_norm(x, (d,), norm_w, 1e-6), up)), down)
+
+    variants = {"bf16 eager": bf16, "bf16 compiled": torch.compile(bf16)}
+    for gran in GRANULARITIES:
+        recipe = Fp8Recipe(granularity=gran, fused_mlp=gran == "row")
+        label = "fp8 row fused" if gran == "row" else f"fp8 {gran}"
+        variants[label] = lambda x, r=recipe: fp8_mlp(F.rms_norm(x, (d,), norm_w, 1e-6), up, down, r)
+    variants["fp8 row unfused"] = lambda x: fp8_mlp(
+        F.rms_norm(x, (d,), norm_w, 1e-6), up, down, Fp8Recipe(granularity="row", fused_mlp=False))
+    return variants, (up, down)
+
+
+def mlp_rows(tokens: int, only=None) -> list[dict]:
+    out = []
+    for d, h in MLP_WIDTHS:
+        variants, params = mlp_variants(d, h)
+        if only:
+            variants = {k: v for k, v in variants.items() if k in only or k == "bf16 eager"}
+        x = torch.randn(tokens, d, device="cuda", dtype=BF16, requires_grad=True)
+        gy = torch.randn(tokens, d, device="cuda", dtype=BF16)
+        flops = 2 * 2 * tokens * d * h  # two GEMMs forward; backward 2x
+        ref = variants["bf16 eager"](x).float()
+        for name, fn in variants.items():
+            y = fn(x)
+            err = ((y.float() - ref).norm() / ref.norm()).item()
+            fwd = bench(lambda: fn(x))
+
+            def step():
+                fn(x).backward(gy)
+
+            both = bench(step, grad_to_none=[x, *params])
+            row = {"mlp": name, "d": d, "hidden": h, "tokens": tokens, "fwd_ms": fwd, "fwd_bwd_ms": both,
+                   "fwd_tflops": flops / fwd / 1e9, "fwd_bwd_tflops": 3 * flops / both / 1e9, "rel_err_vs_bf16": err}
+            print(row, flush=True)
+            out.append(row)
+        best_fwd = min(r["fwd_ms"] for r in out if r["d"] == d and r["mlp"].startswith("bf16"))
+        best_both = min(r["fwd_bwd_ms"] for r in out if r["d"] == d and r["mlp"].startswith("bf16"))
+        for r in out:
+            if r["d"] == d:
+                r["fwd_speedup"] = best_fwd / r["fwd_ms"]
+                r["fwd_bwd_speedup"] = best_both / r["fwd_bwd_ms"]
+        del x, gy, variants
+    return out
+
+
+def cast_rows(tokens: int, copy: float) -> list[dict]:
+    """Bytes: read 2 B (bf16), write 1 B per element, 1 B per scale."""
+    out = []
+    for cols in (1024, 4096, 8192):
+        x = torch.randn(tokens, cols, device="cuda", dtype=BF16)
+        n = x.numel()
+        cases = {
+            "rows": (lambda: fp8_cast_rows(x), 3 * n + tokens),
+            "rows, silu on the fly": (lambda: fp8_cast_rows(x, act="silu"), 3 * n + tokens),
+            f"cols transposed, {TOKEN_CHUNK}-token chunks": (lambda: fp8_cast_cols(x), 3 * n + cols * tokens // TOKEN_CHUNK),
+            f"cols transposed, silu, {TOKEN_CHUNK}-token chunks": (lambda: fp8_cast_cols(x, act="silu"),
+                                                                  3 * n + cols * tokens // TOKEN_CHUNK),
+        }
+        for name, (fn, nbytes) in cases.items():
+            ms = bench(fn)
+            out.append({"cast": name, "shape": [tokens, cols], "ms": ms, "pct_copy": 100 * nbytes / (ms * 1e-3) / 1e12 / copy})
+            print(out[-1], flush=True)
+        del x
+    return out
+
+
+def accuracy_rows() -> list[dict]:
+    out = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    m, k, n = 4096, 2048, 2048
+    w = torch.randn(n, k, device="cuda", generator=gen) / k**0.5
+    for data in ("gaussian", "outlier features"):
+        x = torch.randn(m, k, device="cuda", generator=gen)
+        if data != "gaussian":
+            x[:, torch.randperm(k, device="cuda", generator=gen)[:8]] *= 100
+        exact = x.double() @ w.double().t()
+        row = {"data": data, "bf16": ((x.to(BF16) @ w.to(BF16).t()).double() - exact).norm().item() / exact.norm().item()}
+        for gran, group in GRANULARITIES.items():
+            qa, sa = operands(x.to(BF16), group)
+            qb, sb = operands(w.to(BF16), group)
+            y = fp8_gemm(qa, qb, sa, sb, group_k=group, out_dtype=torch.float32)
+            row[gran] = ((y.double() - exact).norm() / exact.norm()).item()
+        print(row, flush=True)
+        out.append(row)
+    return out
+
+
+def accumulation_rows() -> list[dict]:
+    """Error of the FP32-vs-tensor-core accumulation alone: the same E4M3 operands, our GEMM and
+    cuBLAS ``_scaled_mm`` (fast accumulation on and off) against float64 products of the
+    dequantized operands, for contraction lengths of the MLP's GEMMs (the wgrad sums 65536
+    tokens). Compare with the quantization error itself (~3.8% relative, section accuracy)."""
+    out = []
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for k in (1024, 4096, 16384, 65536):
+        a = torch.randn(512, k, device="cuda", generator=gen).to(BF16)
+        b = torch.randn(512, k, device="cuda", generator=gen).to(BF16)
+        qa, sa = operands(a, 0)
+        qb, sb = operands(b, 0)
+        fa = 2.0 ** (sa.float() - 127)
+        fb = 2.0 ** (sb.float() - 127)
+        exact = (qa.double() * fa.double()[:, None]) @ (qb.double() * fb.double()[:, None]).t()
+        row = {"k": k}
+
+        def err(c):
+            return ((c.double() - exact).norm() / exact.norm()).item()
+
+        row["ours, one tensor-core sum"] = err(fp8_gemm(qa, qb, sa, sb, out_dtype=torch.float32, promote_every=None))
+        row["ours, FP32 every 4096 (default)"] = err(fp8_gemm(qa, qb, sa, sb, out_dtype=torch.float32))
+        for fast in (True, False):
+            c = torch._scaled_mm(qa, qb.t(), fa[:, None].contiguous(), fb[None, :].contiguous(),
+                                 out_dtype=torch.float32, use_fast_accum=fast)
+            row[f"cublas fast_accum={fast}"] = err(c)
+        row["bf16 GEMM of the same values"] = err((qa.to(BF16) @ qb.to(BF16).t()).double() * fa.double()[:, None] * fb.double()[None, :])
+        print(row, flush=True)
+        out.append(row)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_fp8.json")
+    ap.add_argument("--tokens", type=int, default=65536)
+    ap.add_argument("--only", default="accuracy,accumulation,gemm,cast,mlp")
+    ap.add_argument("--grans", default=",".join(GRANULARITIES), help="granularities timed in the gemm section")
+    ap.add_argument("--mlp", default="", help="comma-separated MLP variants to time (default: all)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_fp8: needs a CUDA GPU")
+    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "tokens": args.tokens, "copy_tbps": copy_tbps()}
+    print(meta, flush=True)
+    result = {"meta": meta}
+    parts = args.only.split(",")
+    path = Path(args.out)
+    for part, fn in (("accuracy", accuracy_rows), ("accumulation", accumulation_rows),
+                     ("gemm", lambda: gemm_rows(args.tokens, args.grans.split(","))),
+                     ("cast", lambda: cast_rows(args.tokens, meta["copy_tbps"])), ("mlp", lambda: mlp_rows(args.tokens, [v for v in args.mlp.split(",") if v]))):
+        if part in parts:
+            result[part] = fn()
+            path.write_text(json.dumps(result, indent=1))  # partial results survive a timeout
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,361 @@
+"""FP8 GEMMs, casts, linear and MLP block (gemctl.ops.triton.fp8_gemm, gemctl.precision.fp8_linear).
+
+Casts are bit-exact against ``quantize_mx`` with the block set to the whole row or column (its
+own tests check it against an independent reference, tests/test_mx.py). GEMMs are compared with
+float64 products of the dequantized operands (the only error left is float32 accumulation).
+The linear and the fused MLP are compared with the emulated numerics of the same format; the
+fused MLP rounds its pre-activation and dpre to bf16 in memory, which the emulated reference here
+mirrors. Triton runs under TRITON_INTERPRET=1 on CPU (conftest); the tests marked gpu run the same
+checks on CUDA in bf16 at realistic sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gemctl.precision.fp8_linear import GRANULARITIES, Fp8Recipe, _EmulatedFunction, fp8_linear, fp8_mlp, qdq
+from gemctl.precision.mx import dequantize_mx, e8m0_to_float, quantize_mx
+
+pytest.importorskip("triton")
+from gemctl.ops.triton.common import INTERPRET, forced_config  # noqa: E402
+from gemctl.ops.triton.fp8_gemm import fp8_cast_cols, fp8_cast_rows, fp8_gemm  # noqa: E402
+
+E4M3 = torch.float8_e4m3fn
+TMA = {"fp8_gemm": (16, 16, 32, 1, 1, True)}  # the persistent TMA kernel under the interpreter
+
+
+def _hostile(rows: int, cols: int, dtype, device="cpu") -> torch.Tensor:
+    """Rows spanning many binades, a zero row, subnormal-only and huge rows, one outlier."""
+    g = torch.Generator().manual_seed(rows * 1000 + cols)
+    x = torch.randn(rows, cols, generator=g) * torch.logspace(-6, 6, rows).unsqueeze(1)
+    x[0] = 0.0
+    if rows > 2:
+        x[1] = torch.randn(cols, generator=g) * 1e-39  # float32 subnormals (bf16 keeps some)
+        x[2, cols // 2] = 3e38 if dtype == torch.float32 else 3e37  # near the top of the range
+    return x.to(dtype).to(device)
+
+
+def _bytes(t):
+    return t.view(torch.uint8)
+
+
+def check_cast(x: torch.Tensor, chunk: int) -> None:
+    dr, sr = fp8_cast_rows(x)
+    rd, rs = quantize_mx(x, block=x.shape[1], axis=-1, scale_rule="rceil")
+    assert torch.equal(_bytes(dr), _bytes(rd)) and torch.equal(sr, rs[:, 0])
+    dt, sc = fp8_cast_cols(x, chunk)
+    cd, cs = quantize_mx(x, block=chunk, axis=0, scale_rule="rceil")
+    assert torch.equal(_bytes(dt), _bytes(cd.t().contiguous())) and torch.equal(sc, cs.t())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,chunk", [((5, 45), 8), ((37, 70), 16), ((1, 1), 4), ((33, 16), 64)])
+def test_cast_bit_exact(shape, chunk, dtype):
+    check_cast(_hostile(*shape, dtype), chunk)
+
+
+def test_cast_rows_two_sweeps_for_wide_rows(monkeypatch):
+    from gemctl.ops.triton import fp8_gemm as mod
+
+    monkeypatch.setattr(mod, "_ROWS_IN_REGISTERS", 16)  # force the amax sweep + quantize sweep
+    x = _hostile(6, 5000, torch.bfloat16)
+    dr, sr = fp8_cast_rows(x)
+    rd, rs = quantize_mx(x, block=5000, axis=-1, scale_rule="rceil")
+    assert torch.equal(_bytes(dr), _bytes(rd)) and torch.equal(sr, rs[:, 0])
+
+
+def test_cast_nan_inf_rows_and_columns():
+    x = torch.randn(6, 40)
+    x[1, 3] = float("nan")
+    x[4, 7] = float("inf")
+    dr, sr = fp8_cast_rows(x)
+    dt, sc = fp8_cast_cols(x, 4)
+    assert sr[1] == 255 and sr[4] == 255 and (sr[[0, 2, 3, 5]] != 255).all()
+    assert sc[3, 0] == 255 and sc[7, 1] == 255 and sc[3, 1] != 255  # rows 0-3 and 4-5 are chunks
+    assert torch.isnan(dr[1].float()).all() and torch.isnan(dt[7, 4:].float()).all()
+    assert not torch.isnan(dr[0].float()).any() and not torch.isnan(dt[7, :4].float()).any()
+
+
+def test_cast_silu():
+    x = _hostile(9, 70, torch.bfloat16).clamp(-30, 30)
+    h = F.silu(x.float())
+    data, scale = fp8_cast_rows(x, act="silu")
+    rd, rs = quantize_mx(h, block=70, scale_rule="rceil")
+    data_t, scale_c = fp8_cast_cols(x, 4, act="silu")
+    cd, cs = quantize_mx(h, block=4, axis=0, scale_rule="rceil")
+    # silu(x) in Triton and in torch may differ in the last float32 bit: a few elements (and,
+    # rarely, a scale right at a power-of-two boundary) could then round to a neighbour.
+    for got, want, got_s, want_s in ((data, rd, scale, rs[:, 0]), (data_t.t(), cd, scale_c.t(), cs)):
+        assert got_s.shape == want_s.shape and (got_s != want_s).float().mean() < 0.05
+        assert ((got.float() - want.float()).abs() > 0).float().mean() < 0.03
+
+
+def _gemm_ref(a, b, sa, sb, group):
+    if group == 0:
+        da = a.double() * e8m0_to_float(sa).double()[:, None]
+        db = b.double() * e8m0_to_float(sb).double()[:, None]
+    else:
+        da = dequantize_mx(a, sa, group).double()
+        db = dequantize_mx(b, sb, group).double()
+    return da @ db.t()
+
+
+def _operands(t, group):
+    if group == 0:
+        return fp8_cast_rows(t)
+    return quantize_mx(t, block=group, scale_rule="rceil")
+
+
+@pytest.mark.parametrize("promote", [None, 64], ids=["one-sum", "promote-64"])
+@pytest.mark.parametrize("tma", [False, True], ids=["tiles", "tma"])
+@pytest.mark.parametrize("m,n,k", [(37, 45, 70), (1, 16, 32), (33, 17, 160)])
+def test_gemm_rowwise(m, n, k, tma, promote):
+    a, sa = _operands(torch.randn(m, k) * 7, 0)
+    b, sb = _operands(torch.randn(n, k) / 3, 0)
+    with forced_config(TMA if tma else {}):
+        c = fp8_gemm(a, b, sa, sb, out_dtype=torch.float32, promote_every=promote)
+    ref = _gemm_ref(a, b, sa, sb, 0)
+    assert (c.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["tiles", "tma"])
+@pytest.mark.parametrize("group", [32, 128, 256])
+def test_gemm_group_scales(group, tma):
+    if tma and group in (32, 128):
+        pytest.skip("K-block scales run the tile kernel only")
+    k = 600 if group == 256 else 256  # chunk scales: a partial last chunk
+    x = torch.randn(21, k) * torch.linspace(0.01, 100, k)  # scales differ per K-block
+    w = torch.randn(19, k)
+    a, sa = _operands(x, group)
+    b, sb = _operands(w, group)
+    with forced_config(TMA if tma else {}):
+        c = fp8_gemm(a, b, sa, sb, group_k=group, out_dtype=torch.float32)
+    ref = _gemm_ref(a, b, sa, sb, group)
+    assert (c.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["tiles", "tma"])
+def test_gemm_silu_bwd_epilogue(tma):
+    a, sa = _operands(torch.randn(37, 64), 0)
+    b, sb = _operands(torch.randn(45, 64) / 4, 0)
+    ref = _gemm_ref(a, b, sa, sb, 0)
+    pre = (torch.randn(37, 45) * 3).to(torch.bfloat16)
+    with forced_config(TMA if tma else {}):
+        dpre = fp8_gemm(a, b, sa, sb, epilogue="silu_bwd", pre=pre)
+    assert dpre.dtype == torch.bfloat16
+    sig = torch.sigmoid(pre.double())
+    want = ref * sig * (1 + pre.double() * (1 - sig))
+    # One bf16 rounding (the interpreter truncates instead of rounding to nearest: < 1 ulp).
+    assert ((dpre.double() - want).abs() <= 2**-7 * want.abs() + 1e-6 * want.abs().max()).all()
+
+
+def test_gemm_rejects_bad_inputs():
+    a, sa = _operands(torch.randn(4, 32), 0)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_gemm(a.float(), a, sa, sa)
+    with pytest.raises(ValueError, match="K-major"):
+        fp8_gemm(a.t(), a.t(), sa, sa)
+    with pytest.raises(ValueError, match="multiple of group_k"):
+        fp8_gemm(a[:, :20], a[:, :20], sa, sa, group_k=32)
+    with pytest.raises(ValueError, match="epilogue"):
+        fp8_gemm(a, a, sa, sa, epilogue="gelu")
+    with pytest.raises(ValueError, match="group_k 48"):
+        fp8_gemm(a, a, sa, sa, group_k=48)
+
+
+def _grads(fn, tensors, gy):
+    for t in tensors:
+        t.grad = None
+    y = fn()
+    y.backward(gy)
+    return [y.detach().double()] + [t.grad.double() for t in tensors]
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("granularity", list(GRANULARITIES))
+@pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
+def test_linear_matches_emulated(granularity, wgrad, device="cpu", dtype=torch.float32, t=80, k=128, n=256):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(t, k, generator=g).to(device, dtype).requires_grad_()
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(device).requires_grad_()
+    gy = torch.randn(t, n, generator=g).to(device, dtype)
+    recipe = Fp8Recipe(granularity=granularity, wgrad=wgrad, token_chunk=256 if t > 256 else 64)
+    got = _grads(lambda: fp8_linear(x, w, None, recipe), [x, w], gy)
+    want = _grads(lambda: _EmulatedFunction.apply(x, w, recipe), [x, w], gy)
+    exact = _grads(lambda: x.double() @ w.double().t(), [x, w], gy.double())
+    for name, a, b, e in zip(("y", "dx", "dw"), got, want, exact):
+        # Same quantized operands: float32 accumulation order (and the output's dtype) only.
+        assert _rel(a, b) < (1e-5 if dtype == torch.float32 else 8e-3), name
+        assert _rel(b, e) < 0.08, name  # E4M3 carries 3 mantissa bits
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    """float32 -> bf16 values as the kernels store them: round to nearest even on a GPU; the
+    Triton interpreter truncates (Triton 3.7)."""
+    if INTERPRET:
+        return (t.float().view(torch.int32) & -65536).view(torch.float32)
+    return t.to(torch.bfloat16).float()
+
+
+def _mlp_mirror(x, w_up, w_down, gy, chunk):
+    """Emulated row-wise FP8 MLP that rounds pre and dpre to bf16 where the fused kernels store
+    them; returns y, dx, dw_up, dw_down in float64."""
+    xq, uq, dq = qdq(x, 0, 1), qdq(w_up, 0, 1), qdq(w_down, 0, 1)
+    pre = _bf16(xq @ uq.t())
+    h = F.silu(pre)
+    y = qdq(h, 0, 1) @ dq.t()
+    dh = qdq(gy.float(), 0, 1) @ qdq(w_down, 0, 0)
+    sig = torch.sigmoid(pre)
+    dpre = _bf16(dh * sig * (1 + pre * (1 - sig)))
+    dx = qdq(dpre, 0, 1) @ qdq(w_up, 0, 0)
+    dw_down = qdq(gy.float(), chunk, 0).t() @ qdq(h, chunk, 0)
+    dw_up = qdq(dpre, chunk, 0).t() @ qdq(x, chunk, 0)
+    return [t.double() for t in (y, dx, dw_up, dw_down)]
+
+
+def check_mlp(device, dtype, t, d, hidden, tol, chunk):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(t, d, generator=g).to(device, dtype).requires_grad_()
+    w_up = (torch.randn(hidden, d, generator=g) / d**0.5).to(device).requires_grad_()
+    w_down = (torch.randn(d, hidden, generator=g) / hidden**0.5).to(device).requires_grad_()
+    gy = torch.randn(t, d, generator=g).to(device, dtype)
+    got = _grads(lambda: fp8_mlp(x, w_up, w_down, Fp8Recipe(token_chunk=chunk)), [x, w_up, w_down], gy)
+    want = _mlp_mirror(x.detach(), w_up.detach(), w_down.detach(), gy, chunk)
+    for name, a, b in zip(("y", "dx", "dw_up", "dw_down"), got, want):
+        assert _rel(a, b) < tol, (name, _rel(a, b))
+
+
+def test_fused_mlp_matches_emulated():
+    # Residual differences: float32 accumulation order flips a few bf16 roundings of pre/dpre,
+    # each then moving one E4M3 rounding.
+    check_mlp("cpu", torch.float32, t=70, d=32, hidden=64, tol=3e-3, chunk=64)  # two token chunks
+
+
+def test_fused_mlp_and_unfused_agree():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(20, 32, generator=g).requires_grad_()
+    w_up = (torch.randn(64, 32, generator=g) / 6).requires_grad_()
+    w_down = (torch.randn(32, 64, generator=g) / 8).requires_grad_()
+    gy = torch.randn(20, 32, generator=g)
+    fused = _grads(lambda: fp8_mlp(x, w_up, w_down, Fp8Recipe()), [x, w_up, w_down], gy)
+    unfused = _grads(lambda: fp8_mlp(x, w_up, w_down, Fp8Recipe(fused_mlp=False)), [x, w_up, w_down], gy)
+    for a, b in zip(fused, unfused):
+        assert _rel(a, b) < 0.05  # same format; the unfused path keeps pre in float32
+
+
+def test_emulated_off_gpu_is_said_once(monkeypatch, capsys):
+    from gemctl.precision import fp8_linear as mod
+
+    monkeypatch.setattr(mod, "triton_ready", lambda *t: False)
+    monkeypatch.setattr(mod, "_said", set())
+    x = torch.randn(4, 32)
+    w = torch.randn(8, 32)
+    y1 = fp8_linear(x, w, None, Fp8Recipe())
+    fp8_linear(x, w, None, Fp8Recipe())
+    err = capsys.readouterr().err
+    assert err.count("fp8 GEMMs emulated") == 1
+    assert torch.equal(y1, qdq(x, 0, 1) @ qdq(w, 0, 1).t())
+
+
+def test_recipe_rules_route_modules():
+    from omegaconf import OmegaConf
+
+    from gemctl.config.compose import compose
+    from gemctl.model.sequence import MLP
+    from gemctl.precision.rules import apply_precision
+
+    for name, tower_layers in (("fp8", "fp8"), ("fp8_safe", "bf16")):
+        cfg = compose(["model=tiny", f"precision={name}", "train.device=cpu"])
+        from gemctl.data.source import build_source
+        from gemctl.model import build_model
+
+        source = build_source(cfg.data, cfg.shuffle, 1, 0)
+        model = build_model(cfg.model, source.spec, device=torch.device("cpu"))
+        formats = apply_precision(model, cfg.precision, cfg.model.num_layers, "cpu")
+        last = cfg.model.num_layers - 1
+        assert formats[f"tower.layers.{last}.mlp.up"] == tower_layers
+        assert formats["tower.layers.0.mlp.up"] == "fp8"
+        assert all(f == "fp32" for p, f in formats.items() if p.startswith("heads."))
+        mlp0 = model.tower.layers[0].mlp
+        assert isinstance(mlp0, MLP) and hasattr(mlp0, "fp8_recipe")  # the fused block
+        assert hasattr(model.tower.layers[0].attn, "fp8_recipe") or any(
+            hasattr(m, "fp8_recipe") for m in model.tower.layers[0].attn.modules())
+        assert not hasattr(model.tower.layers[last].mlp, "fp8_recipe") or tower_layers == "fp8"
+        assert OmegaConf.select(cfg, "precision.fp8.wgrad") == ("fp8" if name == "fp8" else "bf16")
+
+
+def test_bad_fp8_options_name_the_field():
+    from gemctl.config.compose import compose
+    from gemctl.config.validate import validate
+    from gemctl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^precision\.fp8\.granularity: .*row, block128, mx32"):
+        validate(compose(["precision=fp8", "precision.fp8.granularity=col"]), check_device=False)
+    with pytest.raises(ConfigError, match=r"^precision\.fp8\.wgrad: "):
+        validate(compose(["precision=fp8", "precision.fp8.wgrad=fp4"]), check_device=False)
+    with pytest.raises(ConfigError, match=r"^precision\.fp8\.token_chunk: .*multiple of 128"):
+        validate(compose(["precision=fp8", "precision.fp8.token_chunk=1000"]), check_device=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU tier: the same checks on CUDA, bf16 activations, realistic sizes.
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [0, 32, 128])
+def test_gemm_gpu(group):
+    m, n, k = 1000, 768, 1024
+    a, sa = _operands((torch.randn(m, k, device="cuda") * 3).to(torch.bfloat16), group)
+    b, sb = _operands(torch.randn(n, k, device="cuda").to(torch.bfloat16), group)
+    c = fp8_gemm(a, b, sa, sb, group_k=group, out_dtype=torch.float32)
+    ref = _gemm_ref(a, b, sa, sb, group)
+    # Hopper's FP8 tensor cores accumulate with fewer bits than float32 (about 14 significant
+    # bits kept, as DeepSeek-V3 reports); scripts/bench_fp8.py measures the effect per K.
+    assert ((c.double() - ref).norm() / ref.norm()).item() < 2**-10
+
+
+@pytest.mark.gpu
+def test_gemm_promotion_gpu():
+    # A long contraction (the wgrad sums the tokens): promoting to float32 every 4096 values
+    # keeps the error near the K=4096 level instead of growing with K.
+    k = 65536
+    a, sa = _operands(torch.randn(256, k, device="cuda").to(torch.bfloat16), 0)
+    b, sb = _operands(torch.randn(256, k, device="cuda").to(torch.bfloat16), 0)
+    ref = _gemm_ref(a, b, sa, sb, 0)
+    errs = {p: ((fp8_gemm(a, b, sa, sb, out_dtype=torch.float32, promote_every=p).double() - ref).norm()
+                / ref.norm()).item() for p in (None, 4096)}
+    assert errs[4096] < 2**-9 and errs[4096] < errs[None] / 2, errs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("granularity", list(GRANULARITIES))
+def test_linear_gpu(granularity):
+    test_linear_matches_emulated(granularity, "fp8", device="cuda", dtype=torch.bfloat16, t=4000, k=1024, n=2048)
+
+
+@pytest.mark.gpu
+def test_cast_bit_exact_gpu():
+    for shape in ((4096, 1024), (300, 4100), (7, 70), (5000, 9000)):
+        for dtype in (torch.bfloat16, torch.float32):
+            check_cast(_hostile(*shape, dtype, device="cuda"), 4096 if shape[0] > 4096 else 64)
+
+
+@pytest.mark.gpu
+def test_fused_mlp_gpu():
+    check_mlp("cuda", torch.bfloat16, t=8192, d=1024, hidden=4096, tol=2e-2, chunk=4096)
+
+
+@pytest.mark.gpu
+def test_fused_mlp_deterministic_gpu():
+    # The amax atomics are max operations (order-free): two runs give the same bits.
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4096, 512, device="cuda", generator=g, dtype=torch.bfloat16)
+    w_up = torch.randn(2048, 512, device="cuda", generator=g) / 23
+    w_down = torch.randn(512, 2048, device="cuda", generator=g) / 45
+    ys = [fp8_mlp(x, w_up, w_down, Fp8Recipe()) for _ in range(2)]
+    assert torch.equal(ys[0], ys[1])
