@@ -28,32 +28,26 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import bench, run_meta  # noqa: E402
 
 from gemctl.ops.triton.fp8_gemm import TOKEN_CHUNK, fp8_cast_cols, fp8_cast_rows, fp8_gemm  # noqa: E402
 from gemctl.ops.triton.mx_quant import mx_quantize  # noqa: E402
-from gemctl.precision.fp8_linear import GRANULARITIES, Fp8Recipe, fp8_linear, fp8_mlp, qdq  # noqa: E402
+from gemctl.precision.fp8_linear import GRANULARITIES, Fp8Recipe, fp8_mlp, qdq  # noqa: E402
 
 MLP_WIDTHS = [(1024, 4096), (2048, 8192)]
 BF16 = torch.bfloat16
 
 
-def bench(fn, grad_to_none=None) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
 
 
-def copy_tbps() -> float:
-    x = torch.randn(2**29, device="cuda", dtype=BF16)
-    y = torch.empty_like(x)
-    return 2 * x.numel() * 2 / (bench(lambda: y.copy_(x)) * 1e-3) / 1e12
 
 
 def operands(t: torch.Tensor, group: int):
@@ -252,9 +246,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8: needs a CUDA GPU")
-    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "tokens": args.tokens, "copy_tbps": copy_tbps()}
-    print(meta, flush=True)
+    meta = run_meta(tokens=args.tokens)
     result = {"meta": meta}
     parts = args.only.split(",")
     path = Path(args.out)

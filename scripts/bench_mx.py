@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,6 +33,9 @@ import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import bench, run_meta  # noqa: E402
 
 from gemctl.ops.triton import mx_quant  # noqa: E402
 from gemctl.precision.mx import quantize_mx  # noqa: E402
@@ -42,15 +44,8 @@ E4M3 = torch.float8_e4m3fn
 MLP_WIDTHS = [(1024, 4096), (2048, 8192)]  # BENCHMARKS.md mlp: d -> 4d -> d
 
 
-def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-def copy_tbps() -> float:
-    x = torch.randn(2**30 // 2, device="cuda", dtype=torch.bfloat16)  # 1 GiB
-    y = torch.empty_like(x)
-    ms = bench(lambda: y.copy_(x))
-    return 2 * x.numel() * 2 / (ms * 1e-3) / 1e12
 
 
 def quant_bytes(numel: int, block: int = 32) -> int:
@@ -127,9 +122,7 @@ def main() -> None:
         raise SystemExit("bench_mx: needs a CUDA GPU")
     from rich.console import Console
 
-    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "tokens": args.tokens, "copy_tbps": copy_tbps()}
-    print(meta, flush=True)
+    meta = run_meta(tokens=args.tokens)
     result = rows(args.tokens, meta["copy_tbps"])
     Console().print(table(result, meta))
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": result}, indent=1))

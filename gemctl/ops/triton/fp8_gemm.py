@@ -98,6 +98,15 @@ def _scale_from_amax(amax_bits):
 
 
 @triton.jit
+def _load_act(ptrs, mask, ACT: tl.constexpr, IN_BF16: tl.constexpr):
+    """float32 values at ptrs (0 where masked), through silu if ACT == 1."""
+    x = _load_f32(ptrs, mask, IN_BF16)
+    if ACT == 1:
+        x = _silu(x)
+    return x
+
+
+@triton.jit
 def _abs_bits(x, mask):
     """|x|'s float32 bit patterns (NaN orders above Inf), 0 where masked."""
     return tl.where(mask, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
@@ -247,9 +256,7 @@ def _cast_rows_kernel(
     if ONE_SWEEP:
         cc = tl.arange(0, BLOCK_C)
         mask = rmask[:, None] & (cc[None, :] < Cn)
-        x = _load_f32(rows + cc[None, :], mask, IN_BF16)
-        if ACT == 1:
-            x = _silu(x)
+        x = _load_act(rows + cc[None, :], mask, ACT, IN_BF16)
         byte, inv, nan = _scale_from_amax(tl.max(_abs_bits(x, mask), axis=1))
         tl.store(out + cc[None, :], _quantize(x, inv[:, None], nan[:, None], BIT_CAST), mask=mask)
     else:
@@ -257,17 +264,12 @@ def _cast_rows_kernel(
         for c0 in range(0, Cn, BLOCK_C):
             cc = c0 + tl.arange(0, BLOCK_C)
             mask = rmask[:, None] & (cc[None, :] < Cn)
-            x = _load_f32(rows + cc[None, :], mask, IN_BF16)
-            if ACT == 1:
-                x = _silu(x)
-            amax = tl.maximum(amax, tl.max(_abs_bits(x, mask), axis=1))
+            amax = tl.maximum(amax, tl.max(_abs_bits(_load_act(rows + cc[None, :], mask, ACT, IN_BF16), mask), axis=1))
         byte, inv, nan = _scale_from_amax(amax)
         for c0 in range(0, Cn, BLOCK_C):
             cc = c0 + tl.arange(0, BLOCK_C)
             mask = rmask[:, None] & (cc[None, :] < Cn)
-            x = _load_f32(rows + cc[None, :], mask, IN_BF16)
-            if ACT == 1:
-                x = _silu(x)
+            x = _load_act(rows + cc[None, :], mask, ACT, IN_BF16)
             tl.store(out + cc[None, :], _quantize(x, inv[:, None], nan[:, None], BIT_CAST), mask=mask)
     tl.store(SCALE + rr, byte.to(tl.uint8), mask=rmask)
 
@@ -288,18 +290,14 @@ def _cast_cols_kernel(
     for r0 in range(g * CHUNK, end, BLOCK_R):
         rr = r0 + tl.arange(0, BLOCK_R)
         mask = (rr[:, None] < end) & cmask[None, :]
-        x = _load_f32(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], mask, IN_BF16)
-        if ACT == 1:
-            x = _silu(x)
+        x = _load_act(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], mask, ACT, IN_BF16)
         amax = tl.maximum(amax, tl.max(_abs_bits(x, mask), axis=0))
     byte, inv, nan = _scale_from_amax(amax)
     tl.store(SCALE + cc.to(tl.int64) * stride_sc + g, byte.to(tl.uint8), mask=cmask)
     for r0 in range(g * CHUNK, end, BLOCK_R):
         rr = r0 + tl.arange(0, BLOCK_R)
         mask = (rr[:, None] < end) & cmask[None, :]
-        x = _load_f32(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], mask, IN_BF16)
-        if ACT == 1:
-            x = _silu(x)
+        x = _load_act(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], mask, ACT, IN_BF16)
         code = _quantize(x, inv[None, :], nan[None, :], BIT_CAST)
         tl.store(DATA_T + cc.to(tl.int64)[None, :] * stride_dt + rr[:, None], code, mask=mask)
 
