@@ -1,8 +1,10 @@
 """Benchmark the FP8 GEMMs and the FP8 MLP block against BF16 on the BENCHMARKS.md `mlp` shapes.
 
-    python scripts/bench_fp8.py [--out bench_fp8.json] [--tokens 65536] [--quick]
+    python scripts/bench_fp8.py [--out bench_fp8.json] [--tokens 65536] [--only cast,gemm,mlp]
+                                [--grans row] [--mlp "bf16 compiled,fp8 row fused"]
 
-Everything in one run, on one GPU:
+Everything in one run, on one GPU (``--only`` picks sections; a cold Triton cache makes the gemm
+section the slow one: every shape autotunes its row-wise, promoted and token-chunk variants):
 
 1. ceilings: device copy bandwidth (1 GiB bf16 copy) and, per GEMM shape, torch's BF16 GEMM and
    torch's FP8 row-wise ``_scaled_mm`` (cuBLAS) as anchors;
@@ -16,7 +18,10 @@ Everything in one run, on one GPU:
 4. casts: the FP8 cast kernels' bandwidth against the copy bandwidth (read 2 B + write 1 B per
    element per output written, 1 B per scale);
 5. accuracy: relative error (Frobenius) of y = x W^T against float64 for each granularity, on
-   Gaussian x and on x with 8 outlier features (x100, as LLM/recsys activations have).
+   Gaussian x and on x with 8 outlier features (x100, as LLM/recsys activations have);
+6. accumulation: the GEMM's own error against float64 per contraction length (FP32 promotion on
+   and off, cuBLAS fast and exact accumulation as anchors);
+7. profile: CUDA time per kernel of the fused MLP's forward+backward.
 
 Weights are bf16 in every variant (the trainer's fp32 masters cast once per step either way).
 Times: median of triton.testing.do_bench over the Python call (launch overheads included);
@@ -236,11 +241,35 @@ def accumulation_rows() -> list[dict]:
     return out
 
 
+def profile_rows(tokens: int) -> list[dict]:
+    """Where the fused FP8 MLP's forward+backward time goes: CUDA time per kernel (torch.profiler,
+    5 steps after 3 warm-up steps), per width."""
+    out = []
+    for d, h in MLP_WIDTHS:
+        variants, params = mlp_variants(d, h)
+        fn = variants["fp8 row fused"]
+        x = torch.randn(tokens, d, device="cuda", dtype=BF16, requires_grad=True)
+        gy = torch.randn(tokens, d, device="cuda", dtype=BF16)
+        for _ in range(3):
+            fn(x).backward(gy)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn(x).backward(gy)
+            torch.cuda.synchronize()
+        for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]:
+            out.append({"d": d, "kernel": e.key[:80], "calls_per_step": e.count / 5,
+                        "ms_per_step": e.device_time_total / 5 / 1e3})
+            print(out[-1], flush=True)
+        del x, gy, variants, params
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_fp8.json")
     ap.add_argument("--tokens", type=int, default=65536)
-    ap.add_argument("--only", default="accuracy,accumulation,gemm,cast,mlp")
+    ap.add_argument("--only", default="accuracy,accumulation,cast,gemm,mlp,profile")
     ap.add_argument("--grans", default=",".join(GRANULARITIES), help="granularities timed in the gemm section")
     ap.add_argument("--mlp", default="", help="comma-separated MLP variants to time (default: all)")
     args = ap.parse_args()
@@ -251,8 +280,10 @@ def main() -> None:
     parts = args.only.split(",")
     path = Path(args.out)
     for part, fn in (("accuracy", accuracy_rows), ("accumulation", accumulation_rows),
+                     ("cast", lambda: cast_rows(args.tokens, meta["copy_tbps"])),
                      ("gemm", lambda: gemm_rows(args.tokens, args.grans.split(","))),
-                     ("cast", lambda: cast_rows(args.tokens, meta["copy_tbps"])), ("mlp", lambda: mlp_rows(args.tokens, [v for v in args.mlp.split(",") if v]))):
+                     ("mlp", lambda: mlp_rows(args.tokens, [v for v in args.mlp.split(",") if v])),
+                     ("profile", lambda: profile_rows(args.tokens))):
         if part in parts:
             result[part] = fn()
             path.write_text(json.dumps(result, indent=1))  # partial results survive a timeout
