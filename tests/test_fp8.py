@@ -236,14 +236,15 @@ def test_fused_mlp_matches_emulated():
     check_mlp("cpu", torch.float32, t=70, d=32, hidden=64, tol=3e-3, chunk=64)  # two token chunks
 
 
-def test_fused_mlp_and_unfused_agree():
+@pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
+def test_fused_mlp_and_unfused_agree(wgrad):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(20, 32, generator=g).requires_grad_()
     w_up = (torch.randn(64, 32, generator=g) / 6).requires_grad_()
     w_down = (torch.randn(32, 64, generator=g) / 8).requires_grad_()
     gy = torch.randn(20, 32, generator=g)
-    fused = _grads(lambda: fp8_mlp(x, w_up, w_down, Fp8Recipe()), [x, w_up, w_down], gy)
-    unfused = _grads(lambda: fp8_mlp(x, w_up, w_down, Fp8Recipe(fused_mlp=False)), [x, w_up, w_down], gy)
+    fused = _grads(lambda: fp8_mlp(x, w_up, w_down, Fp8Recipe(wgrad=wgrad)), [x, w_up, w_down], gy)
+    unfused = _grads(lambda: fp8_mlp(x, w_up, w_down, Fp8Recipe(fused_mlp=False, wgrad=wgrad)), [x, w_up, w_down], gy)
     for a, b in zip(fused, unfused):
         assert _rel(a, b) < 0.05  # same format; the unfused path keeps pre in float32
 
