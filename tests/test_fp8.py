@@ -290,6 +290,12 @@ def test_recipe_rules_route_modules():
         assert OmegaConf.select(cfg, "precision.fp8.wgrad") == ("fp8" if name == "fp8" else "bf16")
 
 
+def test_config_and_kernels_name_the_same_granularities():
+    from gemctl.config.validate import FP8_GRANULARITIES
+
+    assert FP8_GRANULARITIES == tuple(GRANULARITIES)
+
+
 def test_bad_fp8_options_name_the_field():
     from gemctl.config.compose import compose
     from gemctl.config.validate import validate

@@ -39,6 +39,7 @@ contraction for ``row``) around a float32 GEMM; the trainer says so once.
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 
@@ -48,8 +49,7 @@ from torch import nn
 
 from gemctl.precision.mx import mx_qdq
 
-GRANULARITIES = {"row": 0, "block128": 128, "mx32": 32}
-WGRAD_FORMATS = ("fp8", "bf16")
+GRANULARITIES = {"row": 0, "block128": 128, "mx32": 32}  # name -> values per scale (0: the whole row)
 _said: set[str] = set()
 
 
@@ -83,6 +83,11 @@ def _say_once(key: str, message: str) -> None:
         print(f"gemctl.precision: {message}", file=sys.stderr)
 
 
+@functools.lru_cache(maxsize=None)
+def _has_fp8_tensor_cores(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def triton_ready(*tensors: torch.Tensor) -> bool:
     """The Triton FP8 kernels run here: CUDA tensors on an sm_89+ GPU (FP8 tensor cores), or the
     Triton interpreter (tests)."""
@@ -92,7 +97,7 @@ def triton_ready(*tensors: torch.Tensor) -> bool:
         return True
     if not all(t.is_cuda for t in tensors):
         return False
-    return torch.cuda.get_device_capability(tensors[0].device) >= (8, 9)
+    return _has_fp8_tensor_cores(tensors[0].device)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from gemctl.ops.triton.common import INTERPRET, _sm_count, bucket_len, pick_config
+from gemctl.ops.triton.common import INTERPRET, bucket_len, num_programs, pick_config
 from gemctl.ops.triton.mx_quant import _fp8_bits, _load_f32, _shared_exponent
 
 EPILOGUES = {"none": 0, "silu_bwd": 2}
@@ -421,7 +421,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
             if chunk % bk:
                 raise ValueError(f"fp8_gemm: a chunk of {chunk} is not a multiple of BLOCK_K={bk}")
             if tma and tma_ok:
-                n_prog = min(_sm_count(a.device), triton.cdiv(m, bm) * triton.cdiv(n, bn))
+                n_prog = num_programs(triton.cdiv(m, bm) * triton.cdiv(n, bn), 1, a.device)
                 _fp8_gemm_tma_kernel[(n_prog,)](
                     TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b, [bn, bk]),
                     c, sa, sb, pre_t, m, n, k, c.stride(0), pre_t.stride(0), *s_strides,
