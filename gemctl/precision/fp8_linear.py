@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gemctl.precision.mx import mx_qdq
+from gemctl.precision.mx_linear import compute_dtype
 
 GRANULARITIES = {"row": 0, "block128": 128, "mx32": 32}  # name -> values per scale (0: the whole row)
 _said: set[str] = set()
@@ -117,7 +118,7 @@ class _EmulatedFunction(torch.autograd.Function):
         g = recipe.group
         ctx.save_for_backward(x2d, weight)
         ctx.recipe = recipe
-        return (qdq(x2d, g, 1) @ qdq(weight, g, 1).t()).to(_out_dtype(x2d, weight))
+        return (qdq(x2d, g, 1) @ qdq(weight, g, 1).t()).to(compute_dtype(x2d, weight))
 
     @staticmethod
     def backward(ctx, gy):
@@ -135,12 +136,6 @@ class _EmulatedFunction(torch.autograd.Function):
             dw = dw.to(weight.dtype)
         return dx, dw, None
 
-
-def _out_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return torch.promote_types(x.dtype, weight.dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -185,7 +180,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, recipe: Fp8Recipe):
         g = recipe.group
-        out_dtype = _out_dtype(x2d, weight)
+        out_dtype = compute_dtype(x2d, weight)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         wgrad_fp8 = need_dw and recipe.wgrad == "fp8"
         saved = (None, None, None, None)
@@ -262,7 +257,7 @@ class _Fp8MLPFunction(torch.autograd.Function):
     def forward(ctx, x2d, w_up, w_down, recipe: Fp8Recipe):
         from gemctl.ops.triton.fp8_gemm import fp8_gemm
 
-        out_dtype = _out_dtype(x2d, w_up)
+        out_dtype = compute_dtype(x2d, w_up)
         fp8_wgrad = recipe.wgrad == "fp8"
         xr, xs = _rows(x2d)
         ur, us = _rows(w_up)

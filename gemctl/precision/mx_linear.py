@@ -88,7 +88,8 @@ def hadamard_tokens(t: torch.Tensor, seed: int, size: int = HADAMARD_SIZE) -> to
     return torch.matmul(r, t).reshape(-1, t.shape[2])
 
 
-def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The GEMM's dtype: autocast's on that device when enabled, else x's and weight's promotion."""
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
@@ -98,7 +99,7 @@ def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 class _MXLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, recipe: MXRecipe):
-        dtype = _compute_dtype(x2d, weight)
+        dtype = compute_dtype(x2d, weight)
         q = functools.partial(mx_qdq, block=recipe.block, scale_rule=recipe.scale_rule, dtype=dtype)
         with torch.autocast(x2d.device.type, enabled=False):
             y = q(x2d, elem=recipe.elem, axis=1) @ q(weight, elem=recipe.elem, axis=1).t()  # (N, M)
