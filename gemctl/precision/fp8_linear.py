@@ -165,15 +165,18 @@ def _rows(t: torch.Tensor, act=None):
     return fp8_cast_rows(t, act=act)
 
 
-def _cols(t: torch.Tensor, chunk: int | None = None, act=None):
-    """Transposed operand with scales per column and chunk of rows; chunk None: one scale per
-    column over all rows (returned as a vector, the row-wise operand of the transpose)."""
+def _cols(t: torch.Tensor, chunk: int, act=None):
+    """Transposed operand with scales per column and chunk of ``chunk`` rows."""
     from gemctl.ops.triton.fp8_gemm import fp8_cast_cols
 
-    if chunk is None:
-        data, scale = fp8_cast_cols(t, max(t.shape[0], 1), act=act)
-        return data, scale[:, 0]
     return fp8_cast_cols(t, chunk, act=act)
+
+
+def _transposed(w: torch.Tensor):
+    """W^T as a row-wise operand (one scale per column of W over all its rows): a transposed copy
+    cast by the row kernel, whose programs split over the rows of W^T; the column kernel with one
+    chunk gives the same bytes but only cols / BLOCK_C programs for a whole weight."""
+    return _rows(w.t())
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
@@ -189,7 +192,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             wr, ws = _rows(weight)
             y = _gemm(xr, wr, xs, ws, 0, out_dtype)
             saved = (*(_cols(x2d, recipe.token_chunk) if wgrad_fp8 else (None, None)),
-                     *(_cols(weight) if need_dx else (None, None)))  # x^T for the wgrad, W^T for the dgrad
+                     *(_transposed(weight) if need_dx else (None, None)))  # x^T for the wgrad, W^T for the dgrad
         else:
             a, sa = _k_major(x2d, g)
             b, sb = _k_major(weight, g)
@@ -268,7 +271,7 @@ class _Fp8MLPFunction(torch.autograd.Function):
         ctx.recipe = recipe
         ctx.dtypes = (x2d.dtype, w_up.dtype, w_down.dtype, out_dtype)
         x_saved = _cols(x2d, recipe.token_chunk) if fp8_wgrad else (x2d, None)
-        ctx.save_for_backward(pre, *_cols(w_up), *_cols(w_down), *x_saved)
+        ctx.save_for_backward(pre, *_transposed(w_up), *_transposed(w_down), *x_saved)
         return y
 
     @staticmethod
