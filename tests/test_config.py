@@ -453,6 +453,12 @@ def test_more_cross_field_checks(override, field):
     assert _error([override]).field == field
 
 
+def test_fp8_fsdp_gather_option():
+    assert compose(["precision=fp8"]).precision.fp8.fsdp_gather is True
+    assert compose(["precision=fp8", "precision.fp8.fsdp_gather=false"]).precision.fp8.fsdp_gather is False
+    assert _error(["precision=fp8", "precision.fp8.fsdp_gather=maybe"]).field == "precision.fp8.fsdp_gather"
+
+
 def test_unknown_recipe_suggests_the_close_one():
     with pytest.raises(ConfigError) as info:
         compose(recipe="cpu_smok")

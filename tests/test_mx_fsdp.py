@@ -12,149 +12,25 @@ see test_torchrun_mxfp8_fsdp_matches_single_process).
 
 from __future__ import annotations
 
-import os
-import socket
-import traceback
-
 import pytest
 import torch
-import torch.multiprocessing as mp
+from fsdp_ranks import STEPS, spawn
 
-from gemctl.config.compose import compose
 from gemctl.precision.mx import quantize_mx
 from gemctl.precision.mx_fsdp import MXGatherWeight, can_gather_mx, requantize_is_identity
 from gemctl.precision.mx_linear import MXRecipe
 
-WORLD = 2
-STEPS = 3
 MX_SR_OFF = ["precision=mxfp8", "precision.mx.stochastic_rounding=false"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, precision: list[str], queue) -> None:
-    try:
-        queue.put((rank, _run_rank(rank, port, precision)))
-    except Exception:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, traceback.format_exc()))
-
-
-def _run_rank(rank: int, port: int, precision: list[str]) -> dict:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from gemctl.data.synthetic import SyntheticSource
-    from gemctl.model import build_model
-    from gemctl.parallel.dense import apply_fsdp, dense_blocks
-    from gemctl.precision import apply_precision
-    from gemctl.train.trainer import compute_loss
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        cfg = compose(["data.batch_size=8", *precision])
-        src = SyntheticSource(cfg.data)
-        torch.manual_seed(0)
-        model = build_model(cfg.model, src.spec)
-        # Scale each weight element by a random power of two in 2^-6..2^2: the default init gives every
-        # MX block nearly the same scale, so blocking along in- or out-features would round alike.
-        g = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for m in model.modules():
-                if isinstance(m, torch.nn.Linear):
-                    m.weight.mul_(torch.exp2(torch.randint(-4, 5, m.weight.shape, generator=g).float()) / 4)
-        formats = apply_precision(model, cfg.precision, cfg.model.num_layers, "cpu")
-        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp_shard",))
-
-        payload = {"fwd": 0, "bwd": 0, "pre": []}
-        phase = ["fwd"]
-        originals = {}
-        for name in ("all_gather_single", "all_gather_into_tensor"):
-            if hasattr(dist, name):
-                originals[name] = getattr(dist, name)
-
-                def counted(output_tensor, input_tensor, *args, _orig=originals[name], **kwargs):
-                    payload[phase[0]] += input_tensor.numel() * input_tensor.element_size()
-                    return _orig(output_tensor, input_tensor, *args, **kwargs)
-
-                setattr(dist, name, counted)
-        pre = MXGatherWeight.fsdp_pre_all_gather
-
-        def pre_counted(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
-            tensors, meta = pre(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy)
-            payload["pre"].append((phase[0], tuple(self.shape), meta[0],
-                                   [(t.dtype, t.numel() * t.element_size()) for t in tensors]))
-            return tensors, meta
-
-        MXGatherWeight.fsdp_pre_all_gather = pre_counted
-
-        # The bytes each unit's all-gather should carry: its parameters' local shards, fp32 or MX.
-        names = {id(m): n for n, m in model.named_modules()}
-        blocks = [names[id(b)] for b in dense_blocks(model)]
-        wrapped = apply_fsdp(model, mesh, cfg.precision, torch.device("cpu"), formats)
-        expected = {"fwd": 0, "bwd": 0}
-        for fqn, p in model.named_parameters():
-            local = p.to_local()
-            mx_gathered = isinstance(local, MXGatherWeight)
-            # FSDP2 pads a shard to ceil(rows / world) rows (a rank with fewer rows sends padding).
-            numel = -(-p.shape[0] // WORLD) * p[0].numel()
-            nbytes = numel + numel // 32 if mx_gathered else numel * 4
-            expected["fwd"] += nbytes
-            # Re-gathered for the backward: every block but the last (the root stays gathered).
-            if any(fqn.startswith(b + ".") for b in blocks[:-1]):
-                expected["bwd"] += nbytes
-
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        losses, step_payload = [], []
-        for step in range(STEPS):
-            local = src.train_batch(step * WORLD + rank)  # each rank its own batch of 8
-            phase[0] = "fwd"
-            loss = compute_loss(model(local), local.labels)
-            phase[0] = "bwd"
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            losses.append(total.item() / WORLD)
-            step_payload.append((payload["fwd"], payload["bwd"]))
-            payload["fwd"] = payload["bwd"] = 0
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-        MXGatherWeight.fsdp_pre_all_gather = pre
-        return {"wrapped": wrapped, "expected": expected, "payload": step_payload, "pre": payload["pre"],
-                "losses": losses}
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(precision: list[str]) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, precision, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-    for r, res in results.items():
-        assert isinstance(res, dict), f"rank {r}:\n{res}"
-    return results
 
 
 @pytest.fixture(scope="module")
 def runs():
-    return {
-        "mx": _spawn(MX_SR_OFF),
-        "mx_off": _spawn(MX_SR_OFF + ["precision.mx.fsdp_gather=false"]),
-        "bf16": _spawn(["precision=bf16"]),
-    }
+    """Two ranks (tests/fsdp_ranks.py), the three variants one after the other."""
+    return spawn({
+        "mx": MX_SR_OFF,
+        "mx_off": MX_SR_OFF + ["precision.mx.fsdp_gather=false"],
+        "bf16": ["precision=bf16"],
+    })
 
 
 MX_GATHERED = [  # the mxfp8 Linears of units that reshard after forward (not the root, not the heads)
@@ -212,6 +88,8 @@ def test_mx_gather_trains_bit_identically(runs):
     mx, off = runs["mx"][0]["losses"], runs["mx_off"][0]["losses"]
     assert mx == off and runs["mx"][1]["losses"] == mx
     assert len(mx) == STEPS and all(torch.isfinite(torch.tensor(mx)))
+    for res in runs["mx"].values():  # gathered from the shards = mx_qdq of the whole master, both axes
+        assert len(res["exact"]) == len(res["wrapped"]) and all(f and b for f, b in res["exact"].values())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -99,6 +99,7 @@ class Fp8Config:
     wgrad: str = "fp8"  # weight-gradient GEMM: fp8 | bf16 (unquantized)
     fused_mlp: bool = True  # row-wise MLP blocks (up -> SiLU -> down) with fused producers
     token_chunk: int = 4096  # row: tokens per scale of the weight-gradient operands (a multiple of 128)
+    fsdp_gather: bool = True  # FSDP/HSDP: all-gather fp8 Linear weights FP8-quantized (gemctl.precision.fp8_fsdp)
 
 
 @dataclass

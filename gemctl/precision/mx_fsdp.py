@@ -20,10 +20,8 @@ and dgrad see exactly the values the unsharded MX linear computes from the fp32 
 gradient of the unsharded weight, its reduce-scatter and the optimizer step on the sharded fp32
 master are unchanged.
 
-``MXGatherWeight`` is a wrapper tensor subclass around the fp32 master: every op runs on the
-wrapped tensor; the ops FSDP2 uses to shard, pad and view a parameter return the subclass again
-so the local shard keeps the all-gather hooks. Saving a tensor (``torch.save``) writes the plain
-tensor.
+``MXGatherWeight`` is the MX format of the wrapper in gemctl.precision.fsdp_gather (the tensor
+subclass and the FSDP2 hooks, shared with the fp8 format).
 
 Limits: only weights of units that reshard after forward are wrapped (FSDP2 keeps the root and
 the last block gathered between forward and backward, and their dgrad would need the axis-0
@@ -35,126 +33,31 @@ allocates its all-gather outputs once). Other weights keep the ordinary all-gath
 from __future__ import annotations
 
 import torch
-from torch.utils import _pytree as pytree
 
+from gemctl.precision.fsdp_gather import QuantizedGatherWeight, shards_into_whole_blocks
 from gemctl.precision.mx import dequantize_mx, quantize_mx
 
-aten = torch.ops.aten
-
-# Ops FSDP2 (sharding, padding, views, state loading) and DTensor apply to a parameter whose
-# result is the same parameter's data: these return the subclass, everything else a plain tensor.
-_PRESERVE = {
-    aten.detach.default, aten.alias.default, aten.view.default, aten._unsafe_view.default,
-    aten.as_strided.default, aten.slice.Tensor, aten.narrow.default, aten.split.Tensor,
-    aten.split_with_sizes.default, aten.chunk.default, aten.empty_like.default, aten.new_zeros.default,
-    aten.new_empty.default, aten.new_empty_strided.default, aten.clone.default, aten._to_copy.default,
-    aten._pin_memory.default,
-}
+can_gather_mx = shards_into_whole_blocks  # (weight, shard_size, block): whole MX blocks along both axes
 
 
-def _in_place(func) -> bool:
-    """An aten op that mutates its first argument and returns it (copy_, add_, ...)."""
-    schema = func._schema
-    return bool(schema.arguments) and schema.arguments[0].is_write and not schema.name.startswith("aten::_foreach")
-
-
-class MXGatherWeight(torch.Tensor):
+class MXGatherWeight(QuantizedGatherWeight):
     """A weight whose FSDP2 all-gather carries its MX quantization (see the module docstring)."""
 
-    @staticmethod
-    def __new__(cls, data: torch.Tensor, recipe):
-        return torch.Tensor._make_wrapper_subclass(
-            cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(), dtype=data.dtype,
-            layout=data.layout, device=data.device, requires_grad=data.requires_grad)
-
-    def __init__(self, data: torch.Tensor, recipe):
-        self._data = data
-        self._recipe = recipe
-
-    def __repr__(self):
-        return f"MXGatherWeight({self._data!r})"
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        recipe = None
-
-        def unwrap(t):
-            nonlocal recipe
-            recipe = t._recipe
-            return t._data
-
-        inner_args, inner_kwargs = pytree.tree_map_only(cls, unwrap, (args, kwargs or {}))
-        out = func(*inner_args, **inner_kwargs)
-        if func in _PRESERVE:
-            return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, recipe), out)
-        if _in_place(func) and args and isinstance(args[0], cls):
-            return args[0]
-        return out
-
-    def __tensor_flatten__(self):
-        return ["_data"], self._recipe
-
-    @staticmethod
-    def __tensor_unflatten__(inner_tensors, recipe, outer_size, outer_stride):
-        return MXGatherWeight(inner_tensors["_data"], recipe)
-
-    def __reduce_ex__(self, protocol):
-        return self._data.__reduce_ex__(protocol)  # checkpoints hold the plain master weight
-
-    # FSDP2 all-gather extension ------------------------------------------------------------------
-
-    def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
-        """The local row shard quantized along in-features (forward) or along out-features (the
-        backward re-gather): (E4M3/E5M2 bytes as uint8, E8M0 scales), and the axis."""
-        axis = 0 if _in_backward(module) else 1
+    def quantize_shard(self, mesh, axis: int):
+        """(E4M3/E5M2 bytes as uint8, E8M0 scales), and the axis."""
         r = self._recipe
         data, scale = quantize_mx(self._data, r.block, r.elem, axis=axis, scale_rule=r.scale_rule)
         return (data.view(torch.uint8), scale), (axis,)
 
-    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        """The gathered MX weight dequantized to ``param_dtype``."""
+    def dequantize(self, all_gather_outputs, metadata, dtype: torch.dtype) -> torch.Tensor:
         data, scale = all_gather_outputs
         (axis,) = metadata
         r = self._recipe
-        with torch.no_grad():
-            weight = dequantize_mx(data.view(r.elem), scale, r.block, axis=axis, dtype=param_dtype)
-            if out is not None:
-                # FSDP2 refills the same unsharded parameter on every all-gather (its storage was
-                # freed at reshard); autograd saved it in the forward, so its version must not move.
-                with torch.autograd._unsafe_preserve_version_counter(out):
-                    out.copy_(weight)
-                return None
-        return weight, (weight,)
+        return dequantize_mx(data.view(r.elem), scale, r.block, axis=axis, dtype=dtype)
 
-
-def _in_backward(module) -> bool:
-    """Whether the FSDP2 unit that owns ``module`` is gathering for the backward."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-
-    unit = getattr(module, "_mx_fsdp_unit", None)
-    if unit is None:
-        raise RuntimeError("MXGatherWeight: the module has no FSDP unit recorded (wrap_mx_weight sets it)")
-    group = unit._get_fsdp_state()._fsdp_param_group
-    return group is not None and group._training_state == TrainingState.PRE_BACKWARD
-
-
-def can_gather_mx(weight: torch.Tensor, shard_size: int, block: int) -> bool:
-    """Whether W [M, K] shards into whole MX blocks along both axes (see the module's limits)."""
-    if weight.dim() != 2 or not weight.is_floating_point():
-        return False
-    m, k = weight.shape
-    return m % shard_size == 0 and (m // shard_size) % block == 0 and k % block == 0
-
-
-def wrap_mx_weight(linear: torch.nn.Linear, unit: torch.nn.Module, recipe) -> None:
-    """Replace ``linear.weight`` by an ``MXGatherWeight`` parameter (same values, same
-    requires_grad); ``unit`` is the module ``fully_shard`` is applied to (its training state tells
-    the forward all-gather from the backward one). Call before ``fully_shard(unit)``."""
-    w = linear.weight
-    linear.weight = torch.nn.Parameter(MXGatherWeight(w.detach(), recipe), requires_grad=w.requires_grad)
-    object.__setattr__(linear, "_mx_fsdp_unit", unit)  # a reference, not a registered submodule
+    @classmethod
+    def can_gather(cls, weight: torch.Tensor, shard_size: int, recipe) -> bool:
+        return can_gather_mx(weight, shard_size, recipe.block)
 
 
 def requantize_is_identity(data: torch.Tensor, scale: torch.Tensor, recipe, axis: int,
