@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import bench, run_meta  # noqa: E402
 
-from gemctl.ops.triton.fp8_gemm import TOKEN_CHUNK, fp8_cast_cols, fp8_cast_rows, fp8_gemm  # noqa: E402
+from gemctl.ops.triton.fp8_gemm import AMAX_ROWS, TOKEN_CHUNK, fp8_cast_cols, fp8_cast_rows, fp8_gemm  # noqa: E402
 from gemctl.ops.triton.mx_quant import mx_quantize  # noqa: E402
 from gemctl.precision.fp8_linear import GRANULARITIES, Fp8Recipe, fp8_mlp, qdq  # noqa: E402
 
@@ -168,18 +168,28 @@ def mlp_rows(tokens: int, only=None) -> list[dict]:
 
 
 def cast_rows(tokens: int, copy: float) -> list[dict]:
-    """Bytes: read 2 B (bf16), write 1 B per element, 1 B per scale."""
+    """Bytes: read 2 B (bf16), write 1 B per element, 1 B per scale; the column maxima a row cast
+    leaves for the column cast (int32 per column and AMAX_ROWS rows) are written by one and read
+    by the other."""
     out = []
     for cols in (1024, 4096, 8192):
         x = torch.randn(tokens, cols, device="cuda", dtype=BF16)
         n = x.numel()
-        cases = {
-            "rows": (lambda: fp8_cast_rows(x), 3 * n + tokens),
-            "rows, silu on the fly": (lambda: fp8_cast_rows(x, act="silu"), 3 * n + tokens),
-            f"cols transposed, {TOKEN_CHUNK}-token chunks": (lambda: fp8_cast_cols(x), 3 * n + cols * tokens // TOKEN_CHUNK),
-            f"cols transposed, silu, {TOKEN_CHUNK}-token chunks": (lambda: fp8_cast_cols(x, act="silu"),
-                                                                  3 * n + cols * tokens // TOKEN_CHUNK),
-        }
+        part_bytes = 4 * cols * -(-tokens // AMAX_ROWS)
+        col_scales = cols * -(-tokens // TOKEN_CHUNK)
+        cases = {}
+        for act in (None, "silu"):
+            on = ", silu on the fly" if act else ""
+            part = fp8_cast_rows(x, act=act, col_amax=True)[2]
+            cases[f"rows{on}"] = (lambda act=act: fp8_cast_rows(x, act=act), 3 * n + tokens)
+            if part is not None:
+                cases[f"rows + column maxima{on}"] = (lambda act=act: fp8_cast_rows(x, act=act, col_amax=True),
+                                                      3 * n + tokens + part_bytes)
+            cases[f"cols transposed{on}, {TOKEN_CHUNK}-token chunks, 2 reads"] = (
+                lambda act=act: fp8_cast_cols(x, act=act), 3 * n + col_scales)
+            if part is not None:
+                cases[f"cols transposed{on}, {TOKEN_CHUNK}-token chunks, from column maxima"] = (
+                    lambda act=act, part=part: fp8_cast_cols(x, act=act, part=part), 3 * n + col_scales + part_bytes)
         for name, (fn, nbytes) in cases.items():
             ms = bench(fn)
             out.append({"cast": name, "shape": [tokens, cols], "ms": ms, "pct_copy": 100 * nbytes / (ms * 1e-3) / 1e12 / copy})

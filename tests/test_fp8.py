@@ -48,6 +48,14 @@ def check_cast(x: torch.Tensor, chunk: int) -> None:
     dt, sc = fp8_cast_cols(x, chunk)
     cd, cs = quantize_mx(x, block=chunk, axis=0, scale_rule="rceil")
     assert torch.equal(_bytes(dt), _bytes(cd.t().contiguous())) and torch.equal(sc, cs.t())
+    # The row cast's column maxima (runs of amax_rows rows) give the column cast its chunk scales:
+    # the same bytes from one read.
+    amax_rows = max(2, chunk // 4)
+    dr2, sr2, part = fp8_cast_rows(x, col_amax=True, amax_rows=amax_rows)
+    assert torch.equal(_bytes(dr2), _bytes(dr)) and torch.equal(sr2, sr)
+    assert part.shape == (-(-x.shape[0] // amax_rows), x.shape[1])
+    dt2, sc2 = fp8_cast_cols(x, chunk, part=part, amax_rows=amax_rows)
+    assert torch.equal(_bytes(dt2), _bytes(dt)) and torch.equal(sc2, sc)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -64,14 +72,17 @@ def test_cast_rows_two_sweeps_for_wide_rows(monkeypatch):
     dr, sr = fp8_cast_rows(x)
     rd, rs = quantize_mx(x, block=5000, axis=-1, scale_rule="rceil")
     assert torch.equal(_bytes(dr), _bytes(rd)) and torch.equal(sr, rs[:, 0])
+    dr2, sr2, part = fp8_cast_rows(x, col_amax=True)  # no column maxima from the two-sweep kernel
+    assert part is None and torch.equal(_bytes(dr2), _bytes(rd))
 
 
 def test_cast_nan_inf_rows_and_columns():
     x = torch.randn(6, 40)
     x[1, 3] = float("nan")
     x[4, 7] = float("inf")
-    dr, sr = fp8_cast_rows(x)
-    dt, sc = fp8_cast_cols(x, 4)
+    dr, sr, part = fp8_cast_rows(x, col_amax=True, amax_rows=2)
+    dt, sc = fp8_cast_cols(x, 4, part=part, amax_rows=2)
+    assert torch.equal(_bytes(dt), _bytes(fp8_cast_cols(x, 4)[0])) and torch.equal(sc, fp8_cast_cols(x, 4)[1])
     assert sr[1] == 255 and sr[4] == 255 and (sr[[0, 2, 3, 5]] != 255).all()
     assert sc[3, 0] == 255 and sc[7, 1] == 255 and sc[3, 1] != 255  # rows 0-3 and 4-5 are chunks
     assert torch.isnan(dr[1].float()).all() and torch.isnan(dt[7, 4:].float()).all()
@@ -90,6 +101,10 @@ def test_cast_silu():
     for got, want, got_s, want_s in ((data, rd, scale, rs[:, 0]), (data_t.t(), cd, scale_c.t(), cs)):
         assert got_s.shape == want_s.shape and (got_s != want_s).float().mean() < 0.05
         assert ((got.float() - want.float()).abs() > 0).float().mean() < 0.03
+    # Column maxima of silu(x) from the row cast: the column cast's bytes unchanged.
+    *_, part = fp8_cast_rows(x, act="silu", col_amax=True, amax_rows=2)
+    data_p, scale_p = fp8_cast_cols(x, 4, act="silu", part=part, amax_rows=2)
+    assert torch.equal(_bytes(data_p), _bytes(data_t)) and torch.equal(scale_p, scale_c)
 
 
 def _gemm_ref(a, b, sa, sb, group):
@@ -397,3 +412,13 @@ def test_tiny_model_trains_on_fp8_kernels_gpu(monkeypatch):
     (l8, g8), (le, ge) = step(True), step(False)
     assert abs(l8 - le) < 0.01 * abs(le)
     assert _rel(g8, ge) < 0.1
+
+
+def test_amax_rows_for():
+    from gemctl.ops.triton.fp8_gemm import AMAX_ROWS, amax_rows_for
+
+    assert amax_rows_for(4096, 10**6) == AMAX_ROWS  # large batches: the fewest column maxima
+    assert amax_rows_for(4096, 65536) == 64  # ~1024 row-cast programs
+    assert amax_rows_for(4096, 100) == 16  # never below the row cast's largest BLOCK_R
+    assert amax_rows_for(384, 10**6) == 0  # 3 x 128: not a power-of-two number of runs per chunk
+    assert amax_rows_for(8, 10**6) == 0  # runs shorter than 16 rows

@@ -159,24 +159,33 @@ def _gemm(a, b, sa, sb, group: int, out_dtype: torch.dtype):
     return fp8_gemm(a, b, sa, sb, group_k=group, out_dtype=out_dtype)
 
 
-def _rows(t: torch.Tensor, act=None):
-    from gemctl.ops.triton.fp8_gemm import fp8_cast_rows
+def _rows(t: torch.Tensor, act=None, chunk: int = 0):
+    """(data, scales, column maxima): the row-wise operand and, when ``chunk`` (the token chunk of
+    a column cast of ``t`` to come) allows, the column maxima that spare that cast its amax sweep;
+    else None."""
+    from gemctl.ops.triton.fp8_gemm import amax_rows_for, fp8_cast_rows
 
-    return fp8_cast_rows(t, act=act)
+    amax_rows = amax_rows_for(chunk, t.shape[0]) if chunk else 0
+    if not amax_rows:
+        return (*fp8_cast_rows(t, act=act), None)
+    return fp8_cast_rows(t, act=act, col_amax=True, amax_rows=amax_rows)
 
 
-def _cols(t: torch.Tensor, chunk: int, act=None):
-    """Transposed operand with scales per column and chunk of ``chunk`` rows."""
-    from gemctl.ops.triton.fp8_gemm import fp8_cast_cols
+def _cols(t: torch.Tensor, chunk: int, act=None, part=None):
+    """Transposed operand with scales per column and chunk of ``chunk`` rows (``part``: the column
+    maxima from ``_rows(t, act, chunk)``)."""
+    from gemctl.ops.triton.fp8_gemm import amax_rows_for, fp8_cast_cols
 
-    return fp8_cast_cols(t, chunk, act=act)
+    if part is None:
+        return fp8_cast_cols(t, chunk, act=act)
+    return fp8_cast_cols(t, chunk, act=act, part=part, amax_rows=amax_rows_for(chunk, t.shape[0]))
 
 
 def _transposed(w: torch.Tensor):
     """W^T as a row-wise operand (one scale per column of W over all its rows): a transposed copy
     cast by the row kernel, whose programs split over the rows of W^T; the column kernel with one
     chunk gives the same bytes but only cols / BLOCK_C programs for a whole weight."""
-    return _rows(w.t())
+    return _rows(w.t())[:2]
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
@@ -188,10 +197,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
         wgrad_fp8 = need_dw and recipe.wgrad == "fp8"
         saved = (None, None, None, None)
         if g == 0:
-            xr, xs = _rows(x2d)
-            wr, ws = _rows(weight)
+            xr, xs, xp = _rows(x2d, chunk=wgrad_fp8 and recipe.token_chunk)
+            wr, ws, _ = _rows(weight)
             y = _gemm(xr, wr, xs, ws, 0, out_dtype)
-            saved = (*(_cols(x2d, recipe.token_chunk) if wgrad_fp8 else (None, None)),
+            saved = (*(_cols(x2d, recipe.token_chunk, part=xp) if wgrad_fp8 else (None, None)),
                      *(_transposed(weight) if need_dx else (None, None)))  # x^T for the wgrad, W^T for the dgrad
         else:
             a, sa = _k_major(x2d, g)
@@ -213,11 +222,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
         dx = dw = None
         gy = gy.contiguous()
         if g == 0:
+            gp = None
             if need_dx:
-                gr, gs = _rows(gy)
+                gr, gs, gp = _rows(gy, chunk=wgrad_fp8 and recipe.token_chunk)
                 dx = _gemm(gr, wt, gs, wcs, 0, ctx.x_dtype)
             if wgrad_fp8:
-                gt, gcs = _cols(gy, recipe.token_chunk)
+                gt, gcs = _cols(gy, recipe.token_chunk, part=gp)
                 dw = _gemm(gt, xt, gcs, xcs, recipe.token_chunk, ctx.w_dtype)
         else:
             if need_dx:
@@ -262,36 +272,39 @@ class _Fp8MLPFunction(torch.autograd.Function):
 
         out_dtype = compute_dtype(x2d, w_up)
         fp8_wgrad = recipe.wgrad == "fp8"
-        xr, xs = _rows(x2d)
-        ur, us = _rows(w_up)
-        dr, ds = _rows(w_down)
+        xr, xs, xp = _rows(x2d, chunk=fp8_wgrad and recipe.token_chunk)
+        ur, us, _ = _rows(w_up)
+        dr, ds, _ = _rows(w_down)
         pre = fp8_gemm(xr, ur, xs, us)
-        hr, hs = _rows(pre, act="silu")  # silu(pre) quantized on the fly: never stored in bf16
+        # silu(pre) quantized on the fly (never stored in bf16); its column maxima kept for the
+        # backward's column cast of silu(pre)
+        hr, hs, hp = _rows(pre, act="silu", chunk=fp8_wgrad and recipe.token_chunk)
         y = fp8_gemm(hr, dr, hs, ds, out_dtype=out_dtype)
         ctx.recipe = recipe
         ctx.dtypes = (x2d.dtype, w_up.dtype, w_down.dtype, out_dtype)
-        x_saved = _cols(x2d, recipe.token_chunk) if fp8_wgrad else (x2d, None)
-        ctx.save_for_backward(pre, *_transposed(w_up), *_transposed(w_down), *x_saved)
+        x_saved = _cols(x2d, recipe.token_chunk, part=xp) if fp8_wgrad else (x2d, None)
+        ctx.save_for_backward(pre, *_transposed(w_up), *_transposed(w_down), *x_saved, hp)
         return y
 
     @staticmethod
     def backward(ctx, gy):
         from gemctl.ops.triton.fp8_gemm import fp8_gemm
 
-        pre, ut, ucs, dt, dcs, xt, xcs = ctx.saved_tensors
+        pre, ut, ucs, dt, dcs, xt, xcs, hp = ctx.saved_tensors
         x_dtype, up_dtype, down_dtype, cdt = ctx.dtypes
         recipe = ctx.recipe
         chunk = recipe.token_chunk
+        fp8_wgrad = recipe.wgrad == "fp8"
         gy = gy.contiguous()
-        gr, gs = _rows(gy)
+        gr, gs, gp = _rows(gy, chunk=fp8_wgrad and chunk)
         dpre = fp8_gemm(gr, dt, gs, dcs, epilogue="silu_bwd", pre=pre)
-        pr, ps = _rows(dpre)
+        pr, ps, pp = _rows(dpre, chunk=fp8_wgrad and chunk)
         dx = fp8_gemm(pr, ut, ps, ucs, out_dtype=x_dtype)
-        if recipe.wgrad == "fp8":
-            gt, gcs = _cols(gy, chunk)
-            ht, hcs = _cols(pre, chunk, act="silu")
+        if fp8_wgrad:
+            gt, gcs = _cols(gy, chunk, part=gp)
+            ht, hcs = _cols(pre, chunk, act="silu", part=hp)
             dw_down = fp8_gemm(gt, ht, gcs, hcs, group_k=chunk, out_dtype=down_dtype)
-            pt, pcs = _cols(dpre, chunk)
+            pt, pcs = _cols(dpre, chunk, part=pp)
             dw_up = fp8_gemm(pt, xt, pcs, xcs, group_k=chunk, out_dtype=up_dtype)
         else:  # xt holds x in its own dtype; the GEMMs in the compute dtype (bf16 under autocast)
             h = F.silu(pre.float()).to(cdt)

@@ -28,7 +28,11 @@ the epilogue and stores ``dpre`` in bf16.
 Casts, each a local operation (no atomics, no pass over the whole tensor first):
 ``fp8_cast_rows`` (scale per row over all columns: rows of at most 8192 values are held in
 registers, read once) and ``fp8_cast_cols`` (the transposed operand ``[C, R]`` with one scale per
-column and chunk of rows); both can apply ``silu`` on the fly. Scale rule: RCEIL, the smallest
+column and chunk of rows); both can apply ``silu`` on the fly. Every column cast of the MLP and
+the linears follows a row cast of the same tensor, which also leaves the columns' maxima over
+runs of rows (``col_amax``, int32, one per column and ``amax_rows_for`` rows): the column cast
+then takes its chunk scales from those and reads its input once instead of twice (its own amax
+sweep over a chunk does not stay in L2). Scale rule: RCEIL, the smallest
 power of two with amax / 2^s <= 448 (E4M3's largest value), so nothing saturates; identical to
 ``gemctl.precision.mx.quantize_mx(x, block, scale_rule="rceil")`` with the block the row or the
 chunk. A NaN/Inf in a block gives it the NaN scale (0xFF) and NaN codes, as in MX. Rounding to
@@ -49,6 +53,7 @@ from gemctl.ops.triton.mx_quant import _fp8_bits, _load_f32, _shared_exponent
 EPILOGUES = {"none": 0, "silu_bwd": 2}
 PROMOTE_EVERY = 4096  # contraction values summed on the tensor cores before a float32 add (long K)
 TOKEN_CHUNK = 4096  # tokens per scale of the weight-gradient operands
+AMAX_ROWS = 128  # rows per column maximum a row cast leaves for the column cast of the same tensor
 IN_LOOP_GROUPS = (32, 128)
 ACTS = {None: 0, "silu": 1}
 
@@ -62,10 +67,11 @@ _GEMM_CANDIDATES = [
 ]
 _GEMM_INTERPRET = (16, 16, 32, 1, 1, False)
 # Whole-row casts: (rows per program, warps); rows up to 8192 values wide are held in registers.
-_ROWS_CANDIDATES = [(2, 4), (1, 4), (4, 8), (2, 8), (8, 8), (1, 8)]
+_ROWS_CANDIDATES = [(2, 4), (1, 4), (4, 4), (4, 8), (2, 8), (8, 8), (1, 8), (16, 8)]
 _ROWS_INTERPRET = (2, 1)
 # Chunked column casts: (BLOCK_R, BLOCK_C, warps).
-_COLS_CANDIDATES = [(64, 64, 4), (128, 32, 4), (64, 128, 8), (32, 128, 4), (128, 64, 8), (256, 32, 8)]
+_COLS_CANDIDATES = [(64, 64, 4), (128, 32, 4), (64, 128, 8), (32, 128, 4), (128, 64, 8), (256, 32, 8), (128, 128, 8),
+                    (256, 64, 8)]
 _COLS_INTERPRET = (8, 16, 1)
 _ROWS_IN_REGISTERS = 8192
 
@@ -243,23 +249,39 @@ def _fp8_gemm_tma_kernel(
 
 @triton.jit
 def _cast_rows_kernel(
-    X, DATA, SCALE, R, Cn, stride_xr, stride_dr,
+    X, DATA, SCALE, PART, R, Cn, stride_xr, stride_dr, stride_p,
     ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ONE_SWEEP: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ONE_SWEEP: tl.constexpr, ITERS: tl.constexpr,
+    COL_AMAX: tl.constexpr,
 ):
-    """Whole rows per program. ONE_SWEEP (BLOCK_C covers the row): one read, the rows held in
-    registers; otherwise a sweep for the amax and a second one (mostly L2 hits) to quantize."""
-    rr = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rr < R
-    rows = X + rr.to(tl.int64)[:, None] * stride_xr
-    out = DATA + rr.to(tl.int64)[:, None] * stride_dr
+    """Whole rows, ITERS blocks of BLOCK_R rows per program. ONE_SWEEP (BLOCK_C covers the row):
+    one read, the rows held in registers; otherwise (ITERS == 1) a sweep for the amax and a second
+    one (mostly L2 hits) to quantize. COL_AMAX (ONE_SWEEP only): also the |x| bits' maximum of
+    every column over the program's ITERS * BLOCK_R rows, PART [programs, Cn], from which the
+    column cast takes its chunk scales without a sweep of its own."""
+    pid = tl.program_id(0)
     if ONE_SWEEP:
         cc = tl.arange(0, BLOCK_C)
-        mask = rmask[:, None] & (cc[None, :] < Cn)
-        x = _load_act(rows + cc[None, :], mask, ACT, IN_BF16)
-        byte, inv, nan = _scale_from_amax(tl.max(_abs_bits(x, mask), axis=1))
-        tl.store(out + cc[None, :], _quantize(x, inv[:, None], nan[:, None], BIT_CAST), mask=mask)
+        col = tl.zeros((BLOCK_C,), dtype=tl.int32)
+        for i in range(ITERS):
+            rr = (pid * ITERS + i) * BLOCK_R + tl.arange(0, BLOCK_R)
+            rmask = rr < R
+            mask = rmask[:, None] & (cc[None, :] < Cn)
+            x = _load_act(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], mask, ACT, IN_BF16)
+            bits = _abs_bits(x, mask)
+            byte, inv, nan = _scale_from_amax(tl.max(bits, axis=1))
+            tl.store(DATA + rr.to(tl.int64)[:, None] * stride_dr + cc[None, :],
+                     _quantize(x, inv[:, None], nan[:, None], BIT_CAST), mask=mask)
+            tl.store(SCALE + rr, byte.to(tl.uint8), mask=rmask)
+            if COL_AMAX:
+                col = tl.maximum(col, tl.max(bits, axis=0))
+        if COL_AMAX:
+            tl.store(PART + pid.to(tl.int64) * stride_p + cc, col, mask=cc < Cn)
     else:
+        rr = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rr < R
+        rows = X + rr.to(tl.int64)[:, None] * stride_xr
+        out = DATA + rr.to(tl.int64)[:, None] * stride_dr
         amax = tl.zeros((BLOCK_R,), dtype=tl.int32)
         for c0 in range(0, Cn, BLOCK_C):
             cc = c0 + tl.arange(0, BLOCK_C)
@@ -271,7 +293,14 @@ def _cast_rows_kernel(
             mask = rmask[:, None] & (cc[None, :] < Cn)
             x = _load_act(rows + cc[None, :], mask, ACT, IN_BF16)
             tl.store(out + cc[None, :], _quantize(x, inv[:, None], nan[:, None], BIT_CAST), mask=mask)
-    tl.store(SCALE + rr, byte.to(tl.uint8), mask=rmask)
+        tl.store(SCALE + rr, byte.to(tl.uint8), mask=rmask)
+
+
+@triton.jit
+def _store_transposed(DATA_T, code, rr, cc, mask, stride_dt):
+    """A [BLOCK_R, BLOCK_C] tile of codes written to DATA_T [Cn, R] through a register transpose,
+    so that each column's run of rows is one contiguous store."""
+    tl.store(DATA_T + cc.to(tl.int64)[:, None] * stride_dt + rr[None, :], tl.trans(code), mask=tl.trans(mask))
 
 
 @triton.jit
@@ -298,8 +327,31 @@ def _cast_cols_kernel(
         rr = r0 + tl.arange(0, BLOCK_R)
         mask = (rr[:, None] < end) & cmask[None, :]
         x = _load_act(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], mask, ACT, IN_BF16)
-        code = _quantize(x, inv[None, :], nan[None, :], BIT_CAST)
-        tl.store(DATA_T + cc.to(tl.int64)[None, :] * stride_dt + rr[:, None], code, mask=mask)
+        _store_transposed(DATA_T, _quantize(x, inv[None, :], nan[None, :], BIT_CAST), rr, cc, mask, stride_dt)
+
+
+@triton.jit
+def _cast_cols_amax_kernel(
+    X, DATA_T, SCALE, PART, R, Cn, n_part, stride_xr, stride_dt, stride_sc, stride_p,
+    ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr,
+    CHUNK: tl.constexpr, PARTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """As _cast_cols_kernel, the chunk's column amax taken from the PARTS partial maxima the row
+    cast left in PART (CHUNK / PARTS rows each): one read of the chunk instead of two."""
+    cc = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    g = tl.program_id(1)
+    cmask = cc < Cn
+    pp = g * PARTS + tl.arange(0, PARTS)
+    part = tl.load(PART + pp.to(tl.int64)[:, None] * stride_p + cc[None, :], mask=(pp[:, None] < n_part) & cmask[None, :],
+                   other=0)
+    byte, inv, nan = _scale_from_amax(tl.max(part, axis=0))
+    tl.store(SCALE + cc.to(tl.int64) * stride_sc + g, byte.to(tl.uint8), mask=cmask)
+    end = tl.minimum(g * CHUNK + CHUNK, R)
+    for r0 in range(g * CHUNK, end, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        mask = (rr[:, None] < end) & cmask[None, :]
+        x = _load_act(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], mask, ACT, IN_BF16)
+        _store_transposed(DATA_T, _quantize(x, inv[None, :], nan[None, :], BIT_CAST), rr, cc, mask, stride_dt)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -320,48 +372,84 @@ def _bit_cast(bit_cast) -> bool:
     return INTERPRET if bit_cast is None else bool(bit_cast)
 
 
-def fp8_cast_rows(x: torch.Tensor, *, act: str | None = None, bit_cast: bool | None = None):
+def amax_rows_for(chunk: int, rows: int) -> int:
+    """Rows per column maximum for a row cast of ``rows`` rows whose column cast comes in chunks
+    of ``chunk`` rows: a power of two that divides ``chunk``, at most AMAX_ROWS and small enough to
+    leave the row cast ~1024 programs; 0 (no column maxima) below 16, the largest BLOCK_R of the
+    row cast, or when a chunk is not a power of two of them (the column cast combines them in
+    one power-of-two block)."""
+    fill = 1 << max(rows // 1024, 1).bit_length() - 1  # the power of two <= rows / 1024
+    amax_rows = min(chunk & -chunk, AMAX_ROWS, max(fill, 16))
+    parts = chunk // amax_rows if amax_rows else 0
+    return amax_rows if amax_rows >= 16 and parts & (parts - 1) == 0 else 0
+
+
+def fp8_cast_rows(x: torch.Tensor, *, act: str | None = None, col_amax: bool = False, amax_rows: int = AMAX_ROWS,
+                  bit_cast: bool | None = None):
     """Row-wise E4M3 operand of ``act(x)`` [R, C]: ``(data [R, C], scale [R])``, one scale per row
-    over all C values (the whole contraction of the GEMM that reads it)."""
+    over all C values (the whole contraction of the GEMM that reads it).
+
+    ``col_amax``: returns ``(data, scale, part)`` with ``part [ceil(R / amax_rows), C]`` int32, the
+    largest |act(x)| bits of every column over each run of ``amax_rows`` rows; ``fp8_cast_cols``
+    of the same tensor takes its chunk scales from it and reads the tensor once instead of twice.
+    ``part`` is None for rows wider than the registers hold (8192 values)."""
     xin = _as_kernel_input(x, act)
     r, c = x.shape
     data = torch.empty((r, c), dtype=torch.uint8, device=x.device)
     scale = torch.empty(r, dtype=torch.uint8, device=x.device)
+    one_sweep = c <= _ROWS_IN_REGISTERS
+    with_part = col_amax and one_sweep
+    part = torch.empty((triton.cdiv(r, amax_rows) if with_part else 1, c), dtype=torch.int32, device=x.device)
     if x.numel():
-        one_sweep = c <= _ROWS_IN_REGISTERS
-
         def run(cfg):
             br, warps = cfg
-            _cast_rows_kernel[(triton.cdiv(r, br),)](
-                xin, data, scale, r, c, xin.stride(0), data.stride(0), ACT=ACTS[act],
+            iters = amax_rows // br if with_part else 1
+            if with_part and amax_rows % br:
+                raise ValueError(f"fp8_cast_rows: amax_rows={amax_rows} is not a multiple of BLOCK_R={br}")
+            _cast_rows_kernel[(triton.cdiv(r, br * iters),)](
+                xin, data, scale, part, r, c, xin.stride(0), data.stride(0), part.stride(0), ACT=ACTS[act],
                 IN_BF16=x.dtype == torch.bfloat16, BIT_CAST=_bit_cast(bit_cast), BLOCK_R=br,
-                BLOCK_C=triton.next_power_of_2(c) if one_sweep else 2048, ONE_SWEEP=one_sweep, num_warps=warps)
+                BLOCK_C=triton.next_power_of_2(c) if one_sweep else 2048, ONE_SWEEP=one_sweep, ITERS=iters,
+                COL_AMAX=with_part, num_warps=warps)
 
-        key = ("fp8_cast_rows", bucket_len(r), bucket_len(c), x.dtype, act)
+        key = ("fp8_cast_rows", bucket_len(r), bucket_len(c), x.dtype, act, with_part and amax_rows)
         run(pick_config(key, _ROWS_CANDIDATES, run, _ROWS_INTERPRET))
-    return data.view(torch.float8_e4m3fn), scale
+    out = data.view(torch.float8_e4m3fn), scale
+    return (*out, part if with_part else None) if col_amax else out
 
 
 def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None = None,
-                  bit_cast: bool | None = None):
+                  part: torch.Tensor | None = None, amax_rows: int = AMAX_ROWS, bit_cast: bool | None = None):
     """Transposed column-wise E4M3 operand of ``act(x)`` [R, C]: ``(data [C, R], scale [C,
     ceil(R / chunk)])``, one scale per column and chunk of ``chunk`` rows (default TOKEN_CHUNK;
-    the last chunk may be partial). The weight-gradient GEMMs read it with ``group_k=chunk``."""
+    the last chunk may be partial). The weight-gradient GEMMs read it with ``group_k=chunk``.
+    ``part``: the column maxima ``fp8_cast_rows(x, act=act, col_amax=True, amax_rows=...)``
+    returned: one read of x (used when ``chunk / amax_rows`` is a power of two; the bytes are the
+    same either way)."""
     chunk = chunk or TOKEN_CHUNK
     xin = _as_kernel_input(x, act)
     r, c = x.shape
     n_chunks = max(triton.cdiv(r, chunk), 1)
     data = torch.empty((c, r), dtype=torch.uint8, device=x.device)
     scale = torch.empty((c, n_chunks), dtype=torch.uint8, device=x.device)
+    parts = chunk // amax_rows
+    use_part = part is not None and chunk % amax_rows == 0 and parts & (parts - 1) == 0
+    if use_part and tuple(part.shape) != (triton.cdiv(r, amax_rows), c):
+        raise ValueError(f"fp8_cast_cols: part {tuple(part.shape)} does not belong to x {tuple(x.shape)} "
+                         f"with amax_rows={amax_rows}")
     if x.numel():
         def run(cfg):
             br, bc, warps = cfg
-            _cast_cols_kernel[(triton.cdiv(c, bc), n_chunks)](
-                xin, data, scale, r, c, xin.stride(0), data.stride(0), scale.stride(0), ACT=ACTS[act],
-                IN_BF16=x.dtype == torch.bfloat16, BIT_CAST=_bit_cast(bit_cast), CHUNK=chunk, BLOCK_R=br, BLOCK_C=bc,
-                num_warps=warps)
+            common = dict(ACT=ACTS[act], IN_BF16=x.dtype == torch.bfloat16, BIT_CAST=_bit_cast(bit_cast), CHUNK=chunk,
+                          BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
+            grid = (triton.cdiv(c, bc), n_chunks)
+            if use_part:
+                _cast_cols_amax_kernel[grid](xin, data, scale, part, r, c, part.shape[0], xin.stride(0), data.stride(0),
+                                             scale.stride(0), part.stride(0), PARTS=parts, **common)
+            else:
+                _cast_cols_kernel[grid](xin, data, scale, r, c, xin.stride(0), data.stride(0), scale.stride(0), **common)
 
-        key = ("fp8_cast_cols", bucket_len(r), bucket_len(c), x.dtype, act, chunk)
+        key = ("fp8_cast_cols", bucket_len(r), bucket_len(c), x.dtype, act, chunk, use_part)
         run(pick_config(key, _COLS_CANDIDATES, run, _COLS_INTERPRET))
     return data.view(torch.float8_e4m3fn), scale
 
