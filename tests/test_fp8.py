@@ -193,13 +193,13 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("granularity", list(GRANULARITIES))
-@pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
-def test_linear_matches_emulated(granularity, wgrad, device="cpu", dtype=torch.float32, t=80, k=128, n=256):
+@pytest.mark.parametrize("wgrad,dgrad", [("fp8", "fp8"), ("bf16", "fp8"), ("bf16", "bf16")])
+def test_linear_matches_emulated(granularity, wgrad, dgrad, device="cpu", dtype=torch.float32, t=80, k=128, n=256):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(t, k, generator=g).to(device, dtype).requires_grad_()
     w = (torch.randn(n, k, generator=g) / k**0.5).to(device).requires_grad_()
     gy = torch.randn(t, n, generator=g).to(device, dtype)
-    recipe = Fp8Recipe(granularity=granularity, wgrad=wgrad, token_chunk=256 if t > 256 else 64)
+    recipe = Fp8Recipe(granularity=granularity, wgrad=wgrad, dgrad=dgrad, token_chunk=256 if t > 256 else 64)
     got = _grads(lambda: fp8_linear(x, w, None, recipe), [x, w], gy)
     want = _grads(lambda: _EmulatedFunction.apply(x, w, recipe), [x, w], gy)
     exact = _grads(lambda: x.double() @ w.double().t(), [x, w], gy.double())
@@ -251,15 +251,16 @@ def test_fused_mlp_matches_emulated():
     check_mlp("cpu", torch.float32, t=70, d=32, hidden=64, tol=3e-3, chunk=64)  # two token chunks
 
 
-@pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
-def test_fused_mlp_and_unfused_agree(wgrad):
+@pytest.mark.parametrize("wgrad,dgrad", [("fp8", "fp8"), ("bf16", "fp8"), ("fp8", "bf16")])
+def test_fused_mlp_and_unfused_agree(wgrad, dgrad):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(20, 32, generator=g).requires_grad_()
     w_up = (torch.randn(64, 32, generator=g) / 6).requires_grad_()
     w_down = (torch.randn(32, 64, generator=g) / 8).requires_grad_()
     gy = torch.randn(20, 32, generator=g)
-    fused = _grads(lambda: fp8_mlp(x, w_up, w_down, Fp8Recipe(wgrad=wgrad)), [x, w_up, w_down], gy)
-    unfused = _grads(lambda: fp8_mlp(x, w_up, w_down, Fp8Recipe(fused_mlp=False, wgrad=wgrad)), [x, w_up, w_down], gy)
+    fused = _grads(lambda: fp8_mlp(x, w_up, w_down, Fp8Recipe(wgrad=wgrad, dgrad=dgrad)), [x, w_up, w_down], gy)
+    unfused = _grads(lambda: fp8_mlp(x, w_up, w_down, Fp8Recipe(fused_mlp=False, wgrad=wgrad, dgrad=dgrad)),
+                     [x, w_up, w_down], gy)
     for a, b in zip(fused, unfused):
         assert _rel(a, b) < 0.05  # same format; the unfused path keeps pre in float32
 
@@ -337,6 +338,8 @@ def test_bad_fp8_options_name_the_field():
         validate(compose(["precision=fp8", "precision.fp8.granularity=col"]), check_device=False)
     with pytest.raises(ConfigError, match=r"^precision\.fp8\.wgrad: "):
         validate(compose(["precision=fp8", "precision.fp8.wgrad=fp4"]), check_device=False)
+    with pytest.raises(ConfigError, match=r"^precision\.fp8\.dgrad: "):
+        validate(compose(["precision=fp8", "precision.fp8.dgrad=e5m2"]), check_device=False)
     with pytest.raises(ConfigError, match=r"^precision\.fp8\.token_chunk: .*multiple of 128"):
         validate(compose(["precision=fp8", "precision.fp8.token_chunk=1000"]), check_device=False)
 
@@ -374,7 +377,7 @@ def test_gemm_promotion_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("granularity", list(GRANULARITIES))
 def test_linear_gpu(granularity):
-    test_linear_matches_emulated(granularity, "fp8", device="cuda", dtype=torch.bfloat16, t=4000, k=1024, n=2048)
+    test_linear_matches_emulated(granularity, "fp8", "fp8", device="cuda", dtype=torch.bfloat16, t=4000, k=1024, n=2048)
 
 
 @pytest.mark.gpu

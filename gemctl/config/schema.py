@@ -97,6 +97,7 @@ class Fp8Config:
 
     granularity: str = "row"  # values sharing a scale: row (whole contraction) | block128 | mx32
     wgrad: str = "fp8"  # weight-gradient GEMM: fp8 | bf16 (unquantized)
+    dgrad: str = "fp8"  # input-gradient GEMM: fp8 | bf16 (unquantized; with wgrad bf16: FP8 forward only)
     fused_mlp: bool = True  # row-wise MLP blocks (up -> SiLU -> down) with fused producers
     token_chunk: int = 4096  # row: tokens per scale of the weight-gradient operands (a multiple of 128)
     fsdp_gather: bool = True  # FSDP/HSDP: all-gather fp8 Linear weights FP8-quantized (gemctl.precision.fp8_fsdp)

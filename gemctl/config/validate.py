@@ -12,7 +12,7 @@ from gemctl.errors import ConfigError
 ATTENTION_KINDS = "full | block:<block_size> | window:<window> (integers >= 1)"
 PRECISION_FORMATS = ("bf16", "fp32", "mxfp8", "fp8")
 FP8_GRANULARITIES = ("row", "block128", "mx32")
-FP8_WGRAD_FORMATS = ("fp8", "bf16")
+FP8_GRAD_FORMATS = ("fp8", "bf16")  # precision.fp8.wgrad / dgrad: the gradient GEMM quantized or not
 MX_ELEMS = ("e4m3", "e5m2")
 MX_SCALE_RULES = ("floor", "rceil")
 MX_WGRAD_FORMATS = ("mxfp8", "bf16")
@@ -86,7 +86,8 @@ def validate(cfg, check_device: bool = True) -> None:
     _one_of(p.mx.wgrad_format, MX_WGRAD_FORMATS, "precision.mx.wgrad_format")
     _positive(cfg, "precision.mx.hadamard_seed", allow_zero=True)
     _one_of(p.fp8.granularity, FP8_GRANULARITIES, "precision.fp8.granularity")
-    _one_of(p.fp8.wgrad, FP8_WGRAD_FORMATS, "precision.fp8.wgrad")
+    _one_of(p.fp8.wgrad, FP8_GRAD_FORMATS, "precision.fp8.wgrad")
+    _one_of(p.fp8.dgrad, FP8_GRAD_FORMATS, "precision.fp8.dgrad")
     if p.fp8.token_chunk < 128 or p.fp8.token_chunk % 128:
         raise ConfigError("precision.fp8.token_chunk", f"must be a positive multiple of 128, got {p.fp8.token_chunk}")
     for i, rule in enumerate(p.rules):

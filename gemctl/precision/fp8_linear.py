@@ -23,7 +23,9 @@ For ``row``, the wgrad operands gy^T and x^T carry one scale per feature and chu
 float32 anyway: every cast then only reduces over rows it reads itself (a scale over the whole
 batch would need a reduction pass first). The forward saves x^T and W^T in FP8 for the backward,
 not the high-precision tensors. ``wgrad: bf16`` keeps the weight-gradient GEMM unquantized (saving
-x in its own dtype instead).
+x in its own dtype instead), ``dgrad: bf16`` the input-gradient GEMM (saving W itself); both
+together leave FP8 in the forward only, the ablation that tells the forward's quantization from
+the backward's.
 
 ``fp8_mlp(x, w_up, w_down)`` is the MLP block ``down(silu(up(x)))`` with the row-wise format
 and fused producers: the casts of the pre-activation apply silu on the fly (silu(pre) never
@@ -58,6 +60,7 @@ _said: set[str] = set()
 class Fp8Recipe:
     granularity: str = "row"
     wgrad: str = "fp8"  # fp8 | bf16 (the weight-gradient GEMM unquantized, in the compute dtype)
+    dgrad: str = "fp8"  # fp8 | bf16 (the input-gradient GEMM unquantized, in the compute dtype)
     fused_mlp: bool = True  # row-wise MLP blocks through fp8_mlp (the fused producers)
     token_chunk: int = 4096  # row-wise: tokens per scale of the weight-gradient operands
 
@@ -74,8 +77,8 @@ class Fp8Recipe:
     def from_config(cls, cfg) -> "Fp8Recipe":
         if cfg is None:
             return cls()
-        return cls(granularity=str(cfg.granularity), wgrad=str(cfg.wgrad), fused_mlp=bool(cfg.fused_mlp),
-                   token_chunk=int(cfg.token_chunk))
+        return cls(granularity=str(cfg.granularity), wgrad=str(cfg.wgrad), dgrad=str(cfg.dgrad),
+                   fused_mlp=bool(cfg.fused_mlp), token_chunk=int(cfg.token_chunk))
 
 
 def _say_once(key: str, message: str) -> None:
@@ -127,7 +130,10 @@ class _EmulatedFunction(torch.autograd.Function):
         g = recipe.group
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = (qdq(gy, g, 1) @ qdq(weight, g, 0)).to(x2d.dtype)
+            if recipe.dgrad == "bf16":
+                dx = (gy.float() @ weight.float()).to(x2d.dtype)
+            else:
+                dx = (qdq(gy, g, 1) @ qdq(weight, g, 0)).to(x2d.dtype)
         if ctx.needs_input_grad[1]:
             if recipe.wgrad == "bf16":
                 dw = gy.float().t() @ x2d.float()
@@ -195,21 +201,22 @@ class _Fp8LinearFunction(torch.autograd.Function):
         out_dtype = compute_dtype(x2d, weight)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         wgrad_fp8 = need_dw and recipe.wgrad == "fp8"
+        dgrad_fp8 = need_dx and recipe.dgrad == "fp8"
         saved = (None, None, None, None)
         if g == 0:
             xr, xs, xp = _rows(x2d, chunk=wgrad_fp8 and recipe.token_chunk)
             wr, ws, _ = _rows(weight)
             y = _gemm(xr, wr, xs, ws, 0, out_dtype)
             saved = (*(_cols(x2d, recipe.token_chunk, part=xp) if wgrad_fp8 else (None, None)),
-                     *(_transposed(weight) if need_dx else (None, None)))  # x^T for the wgrad, W^T for the dgrad
+                     *(_transposed(weight) if dgrad_fp8 else (None, None)))  # x^T for the wgrad, W^T for the dgrad
         else:
             a, sa = _k_major(x2d, g)
             b, sb = _k_major(weight, g)
             y = _gemm(a, b, sa, sb, g, out_dtype)
         ctx.recipe = recipe
         ctx.x_dtype, ctx.w_dtype, ctx.out_dtype = x2d.dtype, weight.dtype, out_dtype
-        ctx.save_for_backward(x2d if (g or recipe.wgrad == "bf16") and need_dw else None,
-                              weight if g and need_dx else None, *saved)
+        ctx.save_for_backward(x2d if (g or not wgrad_fp8) and need_dw else None,
+                              weight if need_dx and (g or not dgrad_fp8) else None, *saved)
         return y
 
     @staticmethod
@@ -219,18 +226,19 @@ class _Fp8LinearFunction(torch.autograd.Function):
         g = recipe.group
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         wgrad_fp8 = need_dw and recipe.wgrad == "fp8"
+        dgrad_fp8 = need_dx and recipe.dgrad == "fp8"
         dx = dw = None
         gy = gy.contiguous()
         if g == 0:
             gp = None
-            if need_dx:
+            if dgrad_fp8:
                 gr, gs, gp = _rows(gy, chunk=wgrad_fp8 and recipe.token_chunk)
                 dx = _gemm(gr, wt, gs, wcs, 0, ctx.x_dtype)
             if wgrad_fp8:
                 gt, gcs = _cols(gy, recipe.token_chunk, part=gp)
                 dw = _gemm(gt, xt, gcs, xcs, recipe.token_chunk, ctx.w_dtype)
         else:
-            if need_dx:
+            if dgrad_fp8:
                 a, sa = _k_major(gy, g)
                 b, sb = _k_major(weight.t(), g)
                 dx = _gemm(a, b, sa, sb, g, ctx.x_dtype)
@@ -238,7 +246,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 a, sa = _k_major(gy.t(), g)
                 b, sb = _k_major(x2d.t(), g)
                 dw = _gemm(a, b, sa, sb, g, ctx.w_dtype)
-        if need_dw and not wgrad_fp8:  # in the compute dtype (bf16 under autocast)
+        # The unquantized gradient GEMMs, in the compute dtype (bf16 under autocast).
+        if need_dx and not dgrad_fp8:
+            dx = (gy.to(ctx.out_dtype) @ weight.to(ctx.out_dtype)).to(ctx.x_dtype)
+        if need_dw and not wgrad_fp8:
             dw = (gy.to(ctx.out_dtype).t() @ x2d.to(ctx.out_dtype)).to(ctx.w_dtype)
         return dx, dw, None
 
@@ -283,7 +294,10 @@ class _Fp8MLPFunction(torch.autograd.Function):
         ctx.recipe = recipe
         ctx.dtypes = (x2d.dtype, w_up.dtype, w_down.dtype, out_dtype)
         x_saved = _cols(x2d, recipe.token_chunk, part=xp) if fp8_wgrad else (x2d, None)
-        ctx.save_for_backward(pre, *_transposed(w_up), *_transposed(w_down), *x_saved, hp)
+        # W^T operands for the FP8 dgrad GEMMs, or the weights themselves for unquantized ones
+        w_saved = ((*_transposed(w_up), *_transposed(w_down)) if recipe.dgrad == "fp8"
+                   else (w_up, None, w_down, None))
+        ctx.save_for_backward(pre, *w_saved, *x_saved, hp)
         return y
 
     @staticmethod
@@ -296,10 +310,17 @@ class _Fp8MLPFunction(torch.autograd.Function):
         chunk = recipe.token_chunk
         fp8_wgrad = recipe.wgrad == "fp8"
         gy = gy.contiguous()
-        gr, gs, gp = _rows(gy, chunk=fp8_wgrad and chunk)
-        dpre = fp8_gemm(gr, dt, gs, dcs, epilogue="silu_bwd", pre=pre)
-        pr, ps, pp = _rows(dpre, chunk=fp8_wgrad and chunk)
-        dx = fp8_gemm(pr, ut, ps, ucs, out_dtype=x_dtype)
+        if recipe.dgrad == "fp8":
+            gr, gs, gp = _rows(gy, chunk=fp8_wgrad and chunk)
+            dpre = fp8_gemm(gr, dt, gs, dcs, epilogue="silu_bwd", pre=pre)
+            pr, ps, pp = _rows(dpre, chunk=fp8_wgrad and chunk)
+            dx = fp8_gemm(pr, ut, ps, ucs, out_dtype=x_dtype)
+        else:  # ut, dt hold the weights: unquantized GEMMs in the compute dtype; dpre in bf16 as above
+            gp = pp = None
+            p = pre.float()
+            sig = torch.sigmoid(p)
+            dpre = ((gy.to(cdt) @ dt.to(cdt)).float() * sig * (1 + p * (1 - sig))).to(pre.dtype)
+            dx = (dpre.to(cdt) @ ut.to(cdt)).to(x_dtype)
         if fp8_wgrad:
             gt, gcs = _cols(gy, chunk, part=gp)
             ht, hcs = _cols(pre, chunk, act="silu", part=hp)
