@@ -297,10 +297,19 @@ def _cast_rows_kernel(
 
 
 @triton.jit
-def _store_transposed(DATA_T, code, rr, cc, mask, stride_dt):
-    """A [BLOCK_R, BLOCK_C] tile of codes written to DATA_T [Cn, R] through a register transpose,
-    so that each column's run of rows is one contiguous store."""
-    tl.store(DATA_T + cc.to(tl.int64)[:, None] * stride_dt + rr[None, :], tl.trans(code), mask=tl.trans(mask))
+def _quantize_chunk_transposed(X, DATA_T, SCALE, amax, cc, cmask, g, end, stride_xr, stride_dt, stride_sc,
+                               ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr, CHUNK: tl.constexpr,
+                               BLOCK_R: tl.constexpr):
+    """Chunk g of columns cc, given their amax over the chunk: the scales, and the codes written to
+    DATA_T [Cn, R] through a register transpose (each column's run of rows one contiguous store)."""
+    byte, inv, nan = _scale_from_amax(amax)
+    tl.store(SCALE + cc.to(tl.int64) * stride_sc + g, byte.to(tl.uint8), mask=cmask)
+    for r0 in range(g * CHUNK, end, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        mask = (rr[:, None] < end) & cmask[None, :]
+        x = _load_act(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], mask, ACT, IN_BF16)
+        code = _quantize(x, inv[None, :], nan[None, :], BIT_CAST)
+        tl.store(DATA_T + cc.to(tl.int64)[:, None] * stride_dt + rr[None, :], tl.trans(code), mask=tl.trans(mask))
 
 
 @triton.jit
@@ -321,13 +330,8 @@ def _cast_cols_kernel(
         mask = (rr[:, None] < end) & cmask[None, :]
         x = _load_act(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], mask, ACT, IN_BF16)
         amax = tl.maximum(amax, tl.max(_abs_bits(x, mask), axis=0))
-    byte, inv, nan = _scale_from_amax(amax)
-    tl.store(SCALE + cc.to(tl.int64) * stride_sc + g, byte.to(tl.uint8), mask=cmask)
-    for r0 in range(g * CHUNK, end, BLOCK_R):
-        rr = r0 + tl.arange(0, BLOCK_R)
-        mask = (rr[:, None] < end) & cmask[None, :]
-        x = _load_act(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], mask, ACT, IN_BF16)
-        _store_transposed(DATA_T, _quantize(x, inv[None, :], nan[None, :], BIT_CAST), rr, cc, mask, stride_dt)
+    _quantize_chunk_transposed(X, DATA_T, SCALE, amax, cc, cmask, g, end, stride_xr, stride_dt, stride_sc,
+                               ACT, IN_BF16, BIT_CAST, CHUNK, BLOCK_R)
 
 
 @triton.jit
@@ -344,14 +348,8 @@ def _cast_cols_amax_kernel(
     pp = g * PARTS + tl.arange(0, PARTS)
     part = tl.load(PART + pp.to(tl.int64)[:, None] * stride_p + cc[None, :], mask=(pp[:, None] < n_part) & cmask[None, :],
                    other=0)
-    byte, inv, nan = _scale_from_amax(tl.max(part, axis=0))
-    tl.store(SCALE + cc.to(tl.int64) * stride_sc + g, byte.to(tl.uint8), mask=cmask)
-    end = tl.minimum(g * CHUNK + CHUNK, R)
-    for r0 in range(g * CHUNK, end, BLOCK_R):
-        rr = r0 + tl.arange(0, BLOCK_R)
-        mask = (rr[:, None] < end) & cmask[None, :]
-        x = _load_act(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], mask, ACT, IN_BF16)
-        _store_transposed(DATA_T, _quantize(x, inv[None, :], nan[None, :], BIT_CAST), rr, cc, mask, stride_dt)
+    _quantize_chunk_transposed(X, DATA_T, SCALE, tl.max(part, axis=0), cc, cmask, g, tl.minimum(g * CHUNK + CHUNK, R),
+                               stride_xr, stride_dt, stride_sc, ACT, IN_BF16, BIT_CAST, CHUNK, BLOCK_R)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -399,7 +397,7 @@ def fp8_cast_rows(x: torch.Tensor, *, act: str | None = None, col_amax: bool = F
     scale = torch.empty(r, dtype=torch.uint8, device=x.device)
     one_sweep = c <= _ROWS_IN_REGISTERS
     with_part = col_amax and one_sweep
-    part = torch.empty((triton.cdiv(r, amax_rows) if with_part else 1, c), dtype=torch.int32, device=x.device)
+    part = torch.empty((triton.cdiv(r, amax_rows), c), dtype=torch.int32, device=x.device) if with_part else None
     if x.numel():
         def run(cfg):
             br, warps = cfg
@@ -407,7 +405,8 @@ def fp8_cast_rows(x: torch.Tensor, *, act: str | None = None, col_amax: bool = F
             if with_part and amax_rows % br:
                 raise ValueError(f"fp8_cast_rows: amax_rows={amax_rows} is not a multiple of BLOCK_R={br}")
             _cast_rows_kernel[(triton.cdiv(r, br * iters),)](
-                xin, data, scale, part, r, c, xin.stride(0), data.stride(0), part.stride(0), ACT=ACTS[act],
+                xin, data, scale, part if with_part else scale, r, c, xin.stride(0), data.stride(0),
+                part.stride(0) if with_part else 0, ACT=ACTS[act],
                 IN_BF16=x.dtype == torch.bfloat16, BIT_CAST=_bit_cast(bit_cast), BLOCK_R=br,
                 BLOCK_C=triton.next_power_of_2(c) if one_sweep else 2048, ONE_SWEEP=one_sweep, ITERS=iters,
                 COL_AMAX=with_part, num_warps=warps)
@@ -415,7 +414,7 @@ def fp8_cast_rows(x: torch.Tensor, *, act: str | None = None, col_amax: bool = F
         key = ("fp8_cast_rows", bucket_len(r), bucket_len(c), x.dtype, act, with_part and amax_rows)
         run(pick_config(key, _ROWS_CANDIDATES, run, _ROWS_INTERPRET))
     out = data.view(torch.float8_e4m3fn), scale
-    return (*out, part if with_part else None) if col_amax else out
+    return (*out, part) if col_amax else out
 
 
 def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None = None,
