@@ -43,7 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import bench, run_meta  # noqa: E402
 
-from gemctl.ops.triton.fp8_gemm import AMAX_ROWS, TOKEN_CHUNK, fp8_cast_cols, fp8_cast_rows, fp8_gemm  # noqa: E402
+from gemctl.ops.triton.fp8_gemm import (  # noqa: E402
+    AMAX_ROWS, TOKEN_CHUNK, fp8_cast_cols, fp8_cast_rows, fp8_gemm, fp8_rmsnorm_cast_rows,
+)
 from gemctl.ops.triton.mx_quant import mx_quantize  # noqa: E402
 from gemctl.precision.fp8_linear import GRANULARITIES, Fp8Recipe, fp8_mlp, qdq  # noqa: E402
 
@@ -120,6 +122,7 @@ def mlp_variants(d: int, h: int):
     norm_w = torch.ones(d, device="cuda", dtype=BF16)
     up.requires_grad_(True)
     down.requires_grad_(True)
+    norm_w.requires_grad_(True)  # trained, as in the model: every variant computes its gradient
 
     def bf16(x):
         return F.linear(F.silu(F.linear(F.rms_norm(x, (d,), norm_w, 1e-6), up)), down)
@@ -129,14 +132,18 @@ def mlp_variants(d: int, h: int):
         recipe = Fp8Recipe(granularity=gran, fused_mlp=gran == "row")
         label = "fp8 row fused" if gran == "row" else f"fp8 {gran}"
         variants[label] = lambda x, r=recipe: fp8_mlp(F.rms_norm(x, (d,), norm_w, 1e-6), up, down, r)
+    # The model's path: the pre-norm fused into the block's first cast (fp8_rmsnorm_cast_rows).
+    variants["fp8 row fused+norm"] = lambda x: fp8_mlp(x, up, down, Fp8Recipe(), norm_weight=norm_w, eps=1e-6)
     variants["fp8 row unfused"] = lambda x: fp8_mlp(
         F.rms_norm(x, (d,), norm_w, 1e-6), up, down, Fp8Recipe(granularity="row", fused_mlp=False))
-    return variants, (up, down)
+    return variants, (up, down, norm_w)
 
 
-def mlp_rows(tokens: int, only=None) -> list[dict]:
+def mlp_rows(tokens: int, only=None, widths=None) -> list[dict]:
     out = []
     for d, h in MLP_WIDTHS:
+        if widths and d not in widths:
+            continue
         variants, params = mlp_variants(d, h)
         if only:
             variants = {k: v for k, v in variants.items() if k in only or k == "bf16 eager"}
@@ -190,6 +197,16 @@ def cast_rows(tokens: int, copy: float) -> list[dict]:
             if part is not None:
                 cases[f"cols transposed{on}, {TOKEN_CHUNK}-token chunks, from column maxima"] = (
                     lambda act=act, part=part: fp8_cast_cols(x, act=act, part=part), 3 * n + col_scales + part_bytes)
+        # The MLP's pre-norm fused into the row cast (rstd written, 4 B per row) and recomputed by
+        # the column cast; torch's rms_norm alone (read 2 B, write 2 B) as the unfused producer.
+        nw = torch.rand(cols, device="cuda", dtype=BF16) + 0.5
+        _, _, rstd, npart = fp8_rmsnorm_cast_rows(x, nw, 1e-6, col_amax=True)
+        cases["torch rms_norm (bf16 out)"] = (lambda: F.rms_norm(x, (cols,), nw, 1e-6), 4 * n)
+        cases["rows, RMSNorm fused"] = (lambda: fp8_rmsnorm_cast_rows(x, nw, 1e-6), 3 * n + 5 * tokens)
+        cases["rows + column maxima, RMSNorm fused"] = (lambda: fp8_rmsnorm_cast_rows(x, nw, 1e-6, col_amax=True),
+                                                        3 * n + 5 * tokens + part_bytes)
+        cases[f"cols transposed, RMSNorm recomputed, {TOKEN_CHUNK}-token chunks, from column maxima"] = (
+            lambda: fp8_cast_cols(x, norm=(rstd, nw), part=npart), 3 * n + col_scales + part_bytes + 4 * tokens)
         for name, (fn, nbytes) in cases.items():
             ms = bench(fn)
             out.append({"cast": name, "shape": [tokens, cols], "ms": ms, "pct_copy": 100 * nbytes / (ms * 1e-3) / 1e12 / copy})
@@ -257,7 +274,7 @@ def profile_rows(tokens: int) -> list[dict]:
     out = []
     for d, h in MLP_WIDTHS:
         variants, params = mlp_variants(d, h)
-        fn = variants["fp8 row fused"]
+        fn = variants["fp8 row fused+norm"]
         x = torch.randn(tokens, d, device="cuda", dtype=BF16, requires_grad=True)
         gy = torch.randn(tokens, d, device="cuda", dtype=BF16)
         for _ in range(3):
@@ -282,6 +299,7 @@ def main() -> None:
     ap.add_argument("--only", default="accuracy,accumulation,cast,gemm,mlp,profile")
     ap.add_argument("--grans", default=",".join(GRANULARITIES), help="granularities timed in the gemm section")
     ap.add_argument("--mlp", default="", help="comma-separated MLP variants to time (default: all)")
+    ap.add_argument("--widths", default="", help="comma-separated model widths d of the MLP section (default: all)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8: needs a CUDA GPU")
@@ -292,7 +310,8 @@ def main() -> None:
     for part, fn in (("accuracy", accuracy_rows), ("accumulation", accumulation_rows),
                      ("cast", lambda: cast_rows(args.tokens, meta["copy_tbps"])),
                      ("gemm", lambda: gemm_rows(args.tokens, args.grans.split(","))),
-                     ("mlp", lambda: mlp_rows(args.tokens, [v for v in args.mlp.split(",") if v])),
+                     ("mlp", lambda: mlp_rows(args.tokens, [v for v in args.mlp.split(",") if v],
+                                             [int(w) for w in args.widths.split(",") if w])),
                      ("profile", lambda: profile_rows(args.tokens))):
         if part in parts:
             result[part] = fn()

@@ -57,7 +57,7 @@ def kernels():
         yield mx._rmsnorm_mx_quant_kernel, mx_io, dict(e4m3, BIT_CAST=False, WRITE_Y=write_y, HAS_W=True,
                                                        BLOCK_R=4, BLOCKS_C=64)
     f8_io = dict(A="*fp8e4nv", B="*fp8e4nv", C="*bf16", SA="*u8", SB="*u8", PRE="*bf16", X="*i16", DATA="*u8",
-                 SCALE="*u8", DATA_T="*u8", PART="*i32")
+                 SCALE="*u8", DATA_T="*u8", PART="*i32", NW="*fp32", RSTD="*fp32", eps="fp32")
     for group, chunk, epi in ((0, 0, 0), (0, 0, 2), (0, 4096, 0), (4096, 4096, 0), (128, 0, 0), (32, 0, 0)):
         yield f8._fp8_gemm_kernel, f8_io, dict(GROUP_K=group, CHUNK_K=chunk, EPI=epi, BLOCK_M=128, BLOCK_N=128,
                                                BLOCK_K=group if group in (32, 128) else 128, GROUP_M=8)
@@ -65,9 +65,12 @@ def kernels():
         yield f8._cast_rows_kernel, f8_io, dict(ACT=1, IN_BF16=True, BIT_CAST=False, BLOCK_R=2,
                                                 BLOCK_C=4096 if one_sweep else 2048, ONE_SWEEP=one_sweep,
                                                 ITERS=64 if col_amax else 1, COL_AMAX=col_amax)
+    yield f8._cast_rows_kernel, f8_io, dict(ACT=0, IN_BF16=True, BIT_CAST=False, BLOCK_R=1, BLOCK_C=1024,
+                                            ONE_SWEEP=True, ITERS=64, COL_AMAX=True, NORM=True)  # RMSNorm fused
     cast = dict(ACT=1, IN_BF16=True, BIT_CAST=False, CHUNK=4096, BLOCK_R=64, BLOCK_C=64)
     yield f8._cast_cols_kernel, f8_io, cast
     yield f8._cast_cols_amax_kernel, f8_io, dict(cast, PARTS=32)
+    yield f8._cast_cols_amax_kernel, f8_io, dict(cast, ACT=0, PARTS=32, NORM=True)
     for block, rope in ((64, False), (64, True), (32, True), (128, True)):  # 128 + rope: the most shared memory
         consts = dict(HEAD_DIM=128, BLOCK=block, ROPE=rope)
         yield ba._block_attn_fwd, io, consts
@@ -88,9 +91,11 @@ def main() -> int:
     target = GPUTarget("cuda", args.arch, 32)
     for fn, types, consts in kernels():
         t0 = time.time()
+        # constexpr parameters left at their defaults are compiled with them
+        consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
         src = ASTSource(fn=fn, signature=_signature(fn, types, consts), constexprs=consts)
         compiled = triton.compile(src, target=target, options={"num_warps": 4, "num_stages": 3})
-        flags = ",".join(f"{k}={int(v)}" for k, v in consts.items() if k in ("CAUSAL", "HAS_BIAS", "ACT", "ROPE", "E5M2", "RCEIL", "BIT_CAST", "WRITE_Y", "WINDOWED", "GROUP_K", "EPI", "CHUNK_K", "ONE_SWEEP", "COL_AMAX"))
+        flags = ",".join(f"{k}={int(v)}" for k, v in consts.items() if k in ("CAUSAL", "HAS_BIAS", "ACT", "ROPE", "E5M2", "RCEIL", "BIT_CAST", "WRITE_Y", "WINDOWED", "GROUP_K", "EPI", "CHUNK_K", "ONE_SWEEP", "COL_AMAX", "NORM"))
         if "BLOCK" in consts:
             flags = f"BLOCK={consts['BLOCK']},{flags}"
         print(f"{fn.__name__:<24} {flags:<30} sm_{args.arch}: ok ({time.time() - t0:.1f} s, {compiled.metadata.shared} B shared)")

@@ -21,6 +21,7 @@ from gemctl.precision.mx import dequantize_mx, e8m0_to_float, quantize_mx
 pytest.importorskip("triton")
 from gemctl.ops.triton.common import INTERPRET, forced_config  # noqa: E402
 from gemctl.ops.triton.fp8_gemm import fp8_cast_cols, fp8_cast_rows, fp8_gemm  # noqa: E402
+from gemctl.ops.triton import fp8_gemm as fp8_kernels  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 TMA = {"fp8_gemm": (16, 16, 32, 1, 1, True)}  # the persistent TMA kernel under the interpreter
@@ -53,6 +54,9 @@ def check_cast(x: torch.Tensor, chunk: int) -> None:
     amax_rows = max(2, chunk // 4)
     dr2, sr2, part = fp8_cast_rows(x, col_amax=True, amax_rows=amax_rows)
     assert torch.equal(_bytes(dr2), _bytes(dr)) and torch.equal(sr2, sr)
+    if x.shape[1] > fp8_kernels._ROWS_IN_REGISTERS:  # wide rows: two sweeps, no column maxima
+        assert part is None
+        return
     assert part.shape == (-(-x.shape[0] // amax_rows), x.shape[1])
     dt2, sc2 = fp8_cast_cols(x, chunk, part=part, amax_rows=amax_rows)
     assert torch.equal(_bytes(dt2), _bytes(dt)) and torch.equal(sc2, sc)
@@ -87,6 +91,47 @@ def test_cast_nan_inf_rows_and_columns():
     assert sc[3, 0] == 255 and sc[7, 1] == 255 and sc[3, 1] != 255  # rows 0-3 and 4-5 are chunks
     assert torch.isnan(dr[1].float()).all() and torch.isnan(dt[7, 4:].float()).all()
     assert not torch.isnan(dr[0].float()).any() and not torch.isnan(dt[7, :4].float()).any()
+
+
+def check_norm_cast(x: torch.Tensor, chunk: int) -> None:
+    """fp8_rmsnorm_cast_rows against RMSNorm computed in torch from the kernel's rstd (float32, one
+    rounding to x's dtype) then cast by fp8_cast_rows: the same bytes; rstd against float64; the
+    column cast with norm=(rstd, w) against the column cast of that RMSNorm output."""
+    from gemctl.ops.triton.fp8_gemm import fp8_rmsnorm_cast_rows
+
+    g = torch.Generator().manual_seed(x.shape[1])
+    w = (torch.randn(x.shape[1], generator=g) * 2).to(x.device)
+    eps = 1e-6
+    amax_rows = max(2, chunk // 4)
+    data, scale, rstd, part = fp8_rmsnorm_cast_rows(x, w, eps, col_amax=True, amax_rows=amax_rows)
+    want_rstd = torch.rsqrt(x.double().pow(2).mean(-1) + eps)
+    assert torch.allclose(rstd.double(), want_rstd, rtol=1e-6, atol=0)  # GPU rsqrt: ~2 ulp
+    y = ((x.float() * rstd[:, None]) * w.to(x.dtype).float()).to(x.dtype)
+    dr, sr, pr = fp8_cast_rows(y, col_amax=True, amax_rows=amax_rows)
+    assert torch.equal(_bytes(data), _bytes(dr)) and torch.equal(scale, sr) and torch.equal(part, pr)
+    dt, sc = fp8_cast_cols(y, chunk)
+    for kwargs in ({}, {"part": part, "amax_rows": amax_rows}):  # two reads, and the row cast's maxima
+        ct, cs = fp8_cast_cols(x, chunk, norm=(rstd, w), **kwargs)
+        assert torch.equal(_bytes(ct), _bytes(dt)) and torch.equal(cs, sc)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,chunk", [((37, 70), 16), ((1, 1), 4), ((33, 16), 64)])
+def test_rmsnorm_cast_bit_exact(shape, chunk, dtype):
+    x = _hostile(*shape, dtype)
+    if shape[0] > 2:
+        x[1] = 0.0  # the hostile rows' subnormals overflow x^2's float32 range the other way: a zero row
+        x[2, shape[1] // 2] = 1e18  # x^2 stays finite in float32
+    check_norm_cast(x, chunk)
+
+
+def test_rmsnorm_cast_rejects_bad_inputs():
+    from gemctl.ops.triton.fp8_gemm import fp8_rmsnorm_cast_rows
+
+    with pytest.raises(ValueError, match="weight"):
+        fp8_rmsnorm_cast_rows(torch.randn(4, 8), torch.ones(7), 1e-6)
+    with pytest.raises(ValueError, match="norm"):
+        fp8_cast_cols(torch.randn(4, 8), 4, act="silu", norm=(torch.ones(4), torch.ones(8)))
 
 
 def test_cast_silu():
@@ -265,6 +310,71 @@ def test_fused_mlp_and_unfused_agree(wgrad, dgrad):
         assert _rel(a, b) < 0.05  # same format; the unfused path keeps pre in float32
 
 
+@pytest.mark.parametrize("wgrad,dgrad", [("fp8", "fp8"), ("bf16", "fp8"), ("fp8", "bf16")])
+def test_fused_norm_mlp_matches_norm_then_mlp(wgrad, dgrad):
+    # The pre-norm fused into the block's first cast against F.rms_norm followed by the same block:
+    # the same quantized operands (the bytes test above), so only float32 summation order differs;
+    # the norm weight's gradient included.
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(70, 32, generator=g) * 3).requires_grad_()
+    norm_w = (1 + 0.1 * torch.randn(32, generator=g)).requires_grad_()
+    w_up = (torch.randn(64, 32, generator=g) / 6).requires_grad_()
+    w_down = (torch.randn(32, 64, generator=g) / 8).requires_grad_()
+    gy = torch.randn(70, 32, generator=g)
+    recipe = Fp8Recipe(wgrad=wgrad, dgrad=dgrad, token_chunk=64)
+    tensors = [x, norm_w, w_up, w_down]
+    fused = _grads(lambda: fp8_mlp(x, w_up, w_down, recipe, norm_weight=norm_w, eps=1e-6), tensors, gy)
+    apart = _grads(lambda: fp8_mlp(F.rms_norm(x, (32,), norm_w, 1e-6), w_up, w_down, recipe), tensors, gy)
+    for name, a, b in zip(("y", "dx", "dnorm_w", "dw_up", "dw_down"), fused, apart):
+        assert _rel(a, b) < 1e-5, (name, _rel(a, b))
+
+
+def test_rms_norm_backward_matches_autograd():
+    from gemctl.precision.fp8_linear import _rms_norm_backward
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 24, generator=g, dtype=torch.float64).requires_grad_()
+    w = torch.randn(24, generator=g, dtype=torch.float64).requires_grad_()
+    dy = torch.randn(9, 24, generator=g, dtype=torch.float64)
+    F.rms_norm(x, (24,), w, 1e-5).backward(dy)
+    rstd = torch.rsqrt(x.detach().pow(2).mean(-1) + 1e-5)
+    dx, dw = _rms_norm_backward(dy, x.detach(), rstd, w.detach())
+    # float32 math (as on a GPU without the fused op) against float64 autograd
+    assert torch.allclose(dx, x.grad, rtol=1e-5, atol=1e-6) and torch.allclose(dw, w.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_model_fuses_the_mlp_pre_norm(monkeypatch):
+    # fp8 rules hand each sequence layer's MLP its pre-norm; on the emulated path the block runs the
+    # same RMSNorm itself, so the model's output is unchanged by the fusion (the fused kernels'
+    # numerics: test_fused_norm_mlp_matches_norm_then_mlp).
+    from gemctl.precision import fp8_linear as mod
+
+    monkeypatch.setattr(mod, "triton_ready", lambda *t: False)
+    monkeypatch.setattr(mod, "_said", {"emulated"})
+    from gemctl.config.compose import compose
+    from gemctl.data.source import build_source
+    from gemctl.model import build_model
+    from gemctl.precision.rules import apply_precision
+
+    cfg = compose(["model=tiny", "precision=fp8", "train.device=cpu"])
+    source = build_source(cfg.data, cfg.shuffle, 1, 0)
+    batch = source.train_batch(0)
+    outs = []
+    for fuse in (True, False):
+        torch.manual_seed(0)
+        model = build_model(cfg.model, source.spec, device=torch.device("cpu"))
+        apply_precision(model, cfg.precision, cfg.model.num_layers, "cpu")
+        assert all(getattr(layer.mlp, "norm_fused", False) for layer in model.tower.layers)
+        if not fuse:
+            for layer in model.tower.layers:
+                layer.mlp.norm_fused = False
+                w_up, w_down, recipe = layer.mlp.up.weight, layer.mlp.down.weight, layer.mlp.fp8_recipe
+                layer.mlp.forward = lambda h, u=w_up, d=w_down, r=recipe: fp8_mlp(h, u, d, r)
+        with torch.no_grad():
+            outs.append(model(batch))
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_emulated_off_gpu_is_said_once(monkeypatch, capsys):
     from gemctl.precision import fp8_linear as mod
 
@@ -390,6 +500,29 @@ def test_cast_bit_exact_gpu():
 @pytest.mark.gpu
 def test_fused_mlp_gpu():
     check_mlp("cuda", torch.bfloat16, t=8192, d=1024, hidden=4096, tol=2e-2, chunk=4096)
+
+
+@pytest.mark.gpu
+def test_rmsnorm_cast_bit_exact_gpu():
+    g = torch.Generator().manual_seed(5)
+    for shape in ((8192, 1024), (300, 768), (7, 70)):
+        x = (torch.randn(*shape, generator=g) * 3).to("cuda", torch.bfloat16)
+        check_norm_cast(x, 4096 if shape[0] > 4096 else 64)
+
+
+@pytest.mark.gpu
+def test_fused_norm_mlp_gpu():
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(8192, 1024, generator=g) * 3).to("cuda", torch.bfloat16).requires_grad_()
+    norm_w = (1 + 0.1 * torch.randn(1024, generator=g)).cuda().requires_grad_()
+    w_up = (torch.randn(4096, 1024, generator=g) / 32).cuda().requires_grad_()
+    w_down = (torch.randn(1024, 4096, generator=g) / 64).cuda().requires_grad_()
+    gy = torch.randn(8192, 1024, generator=g).to("cuda", torch.bfloat16)
+    tensors, recipe = [x, norm_w, w_up, w_down], Fp8Recipe()
+    fused = _grads(lambda: fp8_mlp(x, w_up, w_down, recipe, norm_weight=norm_w, eps=1e-6), tensors, gy)
+    apart = _grads(lambda: fp8_mlp(F.rms_norm(x, (1024,), norm_w.to(x.dtype), 1e-6), w_up, w_down, recipe), tensors, gy)
+    for name, a, b in zip(("y", "dx", "dnorm_w", "dw_up", "dw_down"), fused, apart):
+        assert _rel(a, b) < 2e-2, (name, _rel(a, b))
 
 
 @pytest.mark.gpu

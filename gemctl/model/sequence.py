@@ -43,7 +43,8 @@ class SequenceLayer(nn.Module):
 
     def forward(self, x, offsets, max_len, backend):
         x = x + self.attn(self.attn_norm(x), offsets, max_len, backend)
-        return x + self.mlp(self.mlp_norm(x))
+        # An FP8 MLP may run the pre-norm itself, fused into its first cast (gemctl.precision.fp8_linear).
+        return x + self.mlp(x if getattr(self.mlp, "norm_fused", False) else self.mlp_norm(x))
 
 
 def layer_kinds(cfg) -> list[str]:

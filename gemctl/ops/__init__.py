@@ -40,7 +40,9 @@ BACKENDS = ("auto", "torch", "triton")
 _TRITON_IMPLS = {
     "jagged_attention": ("gemctl.ops.triton.jagged_attention", "jagged_attention_triton", True),
     "gdpa": ("gemctl.ops.triton.gdpa", "gdpa_triton", True),
-    "block_attention": ("gemctl.ops.triton.block_attention", "block_attention_triton", False),
+    # GPU tier on the H200 (2026-11-29): 27 passed on db00617; the fullgraph-compile test, which
+    # needed gemctl.ops.preload(), passed on 01cf4d0.
+    "block_attention": ("gemctl.ops.triton.block_attention", "block_attention_triton", True),
 }
 triton_kernels: dict[str, object] = {}  # loaded implementations
 _warned: set[str] = set()

@@ -30,7 +30,11 @@ the backward's.
 ``fp8_mlp(x, w_up, w_down)`` is the MLP block ``down(silu(up(x)))`` with the row-wise format
 and fused producers: the casts of the pre-activation apply silu on the fly (silu(pre) never
 exists in bf16 in memory), and the backward's first GEMM multiplies by silu'(pre) in its
-epilogue, so dpre is written once, in bf16, and cast from there. (Amax reductions folded into
+epilogue, so dpre is written once, in bf16, and cast from there. With ``norm_weight`` the block's
+pre-norm is fused too (``down(silu(up(RMSNorm(x))))``): the norm's output is quantized where it
+is computed (fp8_rmsnorm_cast_rows) and recomputed from x and the rows' rstd by the column cast
+of the weight-gradient operand, so it never exists in bf16 in memory either; the norm's backward
+is torch's fused RMSNorm backward (CUDA) on the dgrad GEMM's output. (Amax reductions folded into
 the GEMM epilogues with atomics were measured and dropped: on the H200 the up-projection fell
 from 990 to 648 TF/s with them, more than the casts they saved.)
 
@@ -177,14 +181,49 @@ def _rows(t: torch.Tensor, act=None, chunk: int = 0):
     return fp8_cast_rows(t, act=act, col_amax=True, amax_rows=amax_rows)
 
 
-def _cols(t: torch.Tensor, chunk: int, act=None, part=None):
+def _norm_rows(t: torch.Tensor, weight: torch.Tensor, eps: float, chunk: int = 0):
+    """(data, scales, rstd, column maxima) of RMSNorm(t) as the row-wise operand (see _rows)."""
+    from gemctl.ops.triton.fp8_gemm import amax_rows_for, fp8_rmsnorm_cast_rows
+
+    amax_rows = amax_rows_for(chunk, t.shape[0]) if chunk else 0
+    if not amax_rows:
+        return (*fp8_rmsnorm_cast_rows(t, weight, eps), None)
+    return fp8_rmsnorm_cast_rows(t, weight, eps, col_amax=True, amax_rows=amax_rows)
+
+
+def _cols(t: torch.Tensor, chunk: int, act=None, part=None, norm=None):
     """Transposed operand with scales per column and chunk of ``chunk`` rows (``part``: the column
-    maxima from ``_rows(t, act, chunk)``)."""
+    maxima from ``_rows(t, act, chunk)``; ``norm=(rstd, weight)``: of RMSNorm(t), see _norm_rows)."""
     from gemctl.ops.triton.fp8_gemm import amax_rows_for, fp8_cast_cols
 
     if part is None:
-        return fp8_cast_cols(t, chunk, act=act)
-    return fp8_cast_cols(t, chunk, act=act, part=part, amax_rows=amax_rows_for(chunk, t.shape[0]))
+        return fp8_cast_cols(t, chunk, act=act, norm=norm)
+    return fp8_cast_cols(t, chunk, act=act, part=part, amax_rows=amax_rows_for(chunk, t.shape[0]), norm=norm)
+
+
+def _rms_normed(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """RMSNorm(x) from its rstd, as the fused kernels compute it (float32, rounded to x's dtype)."""
+    return ((x.float() * rstd[:, None]) * weight.to(x.dtype).float()).to(x.dtype)
+
+
+def _rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+                       need_dw: bool = True):
+    """(dx, dweight) of y = x * rstd * w (w = weight in x's dtype, as gemctl.model.norm applies it;
+    dweight None unless need_dw): torch's fused RMSNorm backward on CUDA, the same math in
+    float32 elsewhere."""
+    w = weight.to(x.dtype)
+    if x.is_cuda and "rms_backward_missing" not in _said:
+        try:
+            dx, dw = torch.ops.aten._fused_rms_norm_backward(dy, x, [x.shape[-1]], rstd.view(-1, 1), w,
+                                                             [True, need_dw])
+            return dx, dw.to(weight.dtype) if need_dw else None
+        except (AttributeError, NotImplementedError, RuntimeError) as exc:
+            _say_once("rms_backward_missing", f"torch has no fused RMSNorm backward here ({type(exc).__name__}); "
+                      "the fused FP8 MLP's norm backward runs as separate float32 ops")
+    xhat = x.float() * rstd[:, None]
+    g = dy.float() * w.float()
+    dx = rstd[:, None] * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    return dx.to(x.dtype), (dy.float() * xhat).sum(0).to(weight.dtype) if need_dw else None
 
 
 def _transposed(w: torch.Tensor):
@@ -278,12 +317,17 @@ def _group_fits(group: int, k: int, n: int) -> bool:
 
 class _Fp8MLPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, w_up, w_down, recipe: Fp8Recipe):
+    def forward(ctx, x2d, w_up, w_down, recipe: Fp8Recipe, norm_w=None, eps: float = 0.0):
         from gemctl.ops.triton.fp8_gemm import fp8_gemm
 
         out_dtype = compute_dtype(x2d, w_up)
         fp8_wgrad = recipe.wgrad == "fp8"
-        xr, xs, xp = _rows(x2d, chunk=fp8_wgrad and recipe.token_chunk)
+        chunk = fp8_wgrad and recipe.token_chunk
+        rstd = None
+        if norm_w is not None:  # the pre-norm's output quantized where it is computed
+            xr, xs, rstd, xp = _norm_rows(x2d, norm_w, eps, chunk=chunk)
+        else:
+            xr, xs, xp = _rows(x2d, chunk=chunk)
         ur, us, _ = _rows(w_up)
         dr, ds, _ = _rows(w_down)
         pre = fp8_gemm(xr, ur, xs, us)
@@ -293,18 +337,21 @@ class _Fp8MLPFunction(torch.autograd.Function):
         y = fp8_gemm(hr, dr, hs, ds, out_dtype=out_dtype)
         ctx.recipe = recipe
         ctx.dtypes = (x2d.dtype, w_up.dtype, w_down.dtype, out_dtype)
-        x_saved = _cols(x2d, recipe.token_chunk, part=xp) if fp8_wgrad else (x2d, None)
+        norm = (rstd, norm_w) if norm_w is not None else None
+        x_saved = _cols(x2d, recipe.token_chunk, part=xp, norm=norm) if fp8_wgrad else (x2d, None)
         # W^T operands for the FP8 dgrad GEMMs, or the weights themselves for unquantized ones
         w_saved = ((*_transposed(w_up), *_transposed(w_down)) if recipe.dgrad == "fp8"
                    else (w_up, None, w_down, None))
-        ctx.save_for_backward(pre, *w_saved, *x_saved, hp)
+        # the norm's backward needs x, its rstd and weight
+        norm_saved = (x2d, rstd, norm_w) if norm_w is not None else (None, None, None)
+        ctx.save_for_backward(pre, *w_saved, *x_saved, hp, *norm_saved)
         return y
 
     @staticmethod
     def backward(ctx, gy):
         from gemctl.ops.triton.fp8_gemm import fp8_gemm
 
-        pre, ut, ucs, dt, dcs, xt, xcs, hp = ctx.saved_tensors
+        pre, ut, ucs, dt, dcs, xt, xcs, hp, x_in, rstd, norm_w = ctx.saved_tensors
         x_dtype, up_dtype, down_dtype, cdt = ctx.dtypes
         recipe = ctx.recipe
         chunk = recipe.token_chunk
@@ -330,17 +377,31 @@ class _Fp8MLPFunction(torch.autograd.Function):
         else:  # xt holds x in its own dtype; the GEMMs in the compute dtype (bf16 under autocast)
             h = F.silu(pre.float()).to(cdt)
             dw_down = (gy.to(cdt).t() @ h).to(down_dtype)
-            dw_up = (dpre.to(cdt).t() @ xt.to(cdt)).to(up_dtype)
-        return dx, dw_up, dw_down, None
+            xn = xt if norm_w is None else _rms_normed(xt, rstd, norm_w)
+            dw_up = (dpre.to(cdt).t() @ xn.to(cdt)).to(up_dtype)
+        dnorm = None
+        if norm_w is not None:  # dx is the gradient of the norm's output so far
+            dx, dnorm = _rms_norm_backward(dx, x_in, rstd, norm_w, ctx.needs_input_grad[4])
+        return dx, dw_up, dw_down, None, dnorm, None
 
 
-def fp8_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
+def fp8_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, recipe: Fp8Recipe,
+            norm_weight: torch.Tensor | None = None, eps: float | None = None) -> torch.Tensor:
     """``down(silu(up(x)))`` with row-wise FP8 GEMMs and fused producers; x [..., d],
-    w_up [hidden, d], w_down [d, hidden]. Other granularities (or no Triton) run the two
-    linears of ``fp8_linear`` with silu between them."""
+    w_up [hidden, d], w_down [d, hidden]. ``norm_weight`` [d]: the block's pre-norm too,
+    ``down(silu(up(RMSNorm(x))))`` (gemctl.model.norm's RMSNorm: weight applied in x's dtype; eps
+    None is x's dtype's machine epsilon, as torch's rms_norm takes it). Other granularities (or
+    no Triton) run the norm, then the two linears of ``fp8_linear`` with silu between them."""
+    from gemctl.ops.triton.fp8_gemm import _ROWS_IN_REGISTERS
+
     x2d = x.reshape(-1, x.shape[-1])
-    if recipe.group == 0 and recipe.fused_mlp and triton_ready(x2d, w_up, w_down):
-        y = _Fp8MLPFunction.apply(x2d, w_up, w_down, recipe)
+    eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
+    fused = recipe.group == 0 and recipe.fused_mlp and triton_ready(x2d, w_up, w_down)
+    if norm_weight is not None and not (fused and x.shape[-1] <= _ROWS_IN_REGISTERS):
+        x = F.rms_norm(x, (x.shape[-1],), norm_weight.to(x.dtype), eps)
+        x2d, norm_weight = x.reshape(-1, x.shape[-1]), None
+    if fused:
+        y = _Fp8MLPFunction.apply(x2d, w_up, w_down, recipe, norm_weight, eps)
         return y.reshape(*x.shape[:-1], w_down.shape[0])
     return fp8_linear(F.silu(fp8_linear(x, w_up, None, recipe)), w_down, None, recipe)
 
@@ -356,11 +417,18 @@ def use_fp8_linear(module: nn.Linear, recipe: Fp8Recipe) -> None:
     module.fp8_recipe = recipe
 
 
-def use_fp8_mlp(mlp: nn.Module, recipe: Fp8Recipe) -> None:
-    """Route an MLP (``up`` -> SiLU -> ``down``, no biases) through fp8_mlp."""
+def use_fp8_mlp(mlp: nn.Module, recipe: Fp8Recipe, norm: nn.Module | None = None) -> None:
+    """Route an MLP (``up`` -> SiLU -> ``down``, no biases) through fp8_mlp. ``norm``: the block's
+    pre-norm (an RMSNorm with a weight), fused into the MLP: the MLP then takes the norm's input,
+    and ``mlp.norm_fused`` tells the caller (gemctl.model.sequence) to pass it un-normalized."""
+    if norm is not None:
+        def forward(x):
+            return fp8_mlp(x, mlp.up.weight, mlp.down.weight, recipe, norm_weight=norm.weight, eps=norm.eps)
 
-    def forward(x):
-        return fp8_mlp(x, mlp.up.weight, mlp.down.weight, recipe)
+        mlp.norm_fused = True
+    else:
+        def forward(x):
+            return fp8_mlp(x, mlp.up.weight, mlp.down.weight, recipe)
 
     mlp.forward = forward
     mlp.fp8_recipe = recipe

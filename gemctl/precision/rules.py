@@ -58,16 +58,20 @@ def _fp32_forward(forward, device_type: str):
 
 
 def _apply_fp8(model: nn.Module, formats: dict[str, str], fp8_cfg) -> None:
-    from gemctl.model.sequence import MLP
+    from gemctl.model.norm import RMSNorm
+    from gemctl.model.sequence import MLP, SequenceLayer
     from gemctl.precision.fp8_linear import Fp8Recipe, use_fp8_linear, use_fp8_mlp
 
     recipe = Fp8Recipe.from_config(fp8_cfg)
+    # A sequence layer's MLP pre-norm (RMSNorm with a weight) fuses into the FP8 MLP's first cast.
+    pre_norms = {id(m.mlp): m.mlp_norm for m in model.modules()
+                 if isinstance(m, SequenceLayer) and isinstance(m.mlp_norm, RMSNorm) and m.mlp_norm.weight is not None}
     fused: set[str] = set()
     for path, module in model.named_modules():
         if isinstance(module, MLP) and isinstance(module.act, nn.SiLU):
             up, down = f"{path}.up" if path else "up", f"{path}.down" if path else "down"
             if formats.get(up) == formats.get(down) == "fp8" and module.up.bias is None and module.down.bias is None:
-                use_fp8_mlp(module, recipe)
+                use_fp8_mlp(module, recipe, norm=pre_norms.get(id(module)) if recipe.fused_mlp else None)
                 fused.update((up, down))
     for path, module in model.named_modules():
         if formats[path] == "fp8" and isinstance(module, nn.Linear) and path not in fused:

@@ -67,7 +67,7 @@ _GEMM_CANDIDATES = [
 ]
 _GEMM_INTERPRET = (16, 16, 32, 1, 1, False)
 # Whole-row casts: (rows per program, warps); rows up to 8192 values wide are held in registers.
-_ROWS_CANDIDATES = [(2, 4), (1, 4), (4, 4), (4, 8), (2, 8), (8, 8), (1, 8), (16, 8)]
+_ROWS_CANDIDATES = [(2, 4), (1, 4), (4, 4), (4, 8), (2, 8), (8, 8), (1, 8), (16, 8), (1, 16)]
 _ROWS_INTERPRET = (2, 1)
 # Chunked column casts: (BLOCK_R, BLOCK_C, warps).
 _COLS_CANDIDATES = [(64, 64, 4), (128, 32, 4), (64, 128, 8), (32, 128, 4), (128, 64, 8), (256, 32, 8), (128, 128, 8),
@@ -107,6 +107,37 @@ def _scale_from_amax(amax_bits):
 def _load_act(ptrs, mask, ACT: tl.constexpr, IN_BF16: tl.constexpr):
     """float32 values at ptrs (0 where masked), through silu if ACT == 1."""
     x = _load_f32(ptrs, mask, IN_BF16)
+    if ACT == 1:
+        x = _silu(x)
+    return x
+
+
+@triton.jit
+def _normed(X, x, rstd, nw, IN_BF16: tl.constexpr):
+    """RMSNorm's output (x * rstd) * nw (rows x columns, float32) rounded to X's element type (bf16
+    when IN_BF16: X then holds int16 bit patterns), as the unfused norm would have stored it."""
+    y = (x * rstd[:, None]) * nw[None, :]
+    if IN_BF16:  # round to nearest even on the bits (the interpreter's bf16 conversion does not)
+        bits = y.to(tl.int32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        return tl.where(y != y, y, rounded)
+    return y.to(X.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _load_raw(ptrs, mask, IN_BF16: tl.constexpr):
+    """The stored values (bf16 as int16 bit patterns), 0 where masked: a load whose consumers
+    (_widen_act) can come later, so the next block's load is in flight while this one computes."""
+    return tl.load(ptrs, mask=mask, other=0)
+
+
+@triton.jit
+def _widen_act(raw, ACT: tl.constexpr, IN_BF16: tl.constexpr):
+    """_load_raw's values as float32 (bf16 widened exactly by a shift), through silu if ACT == 1."""
+    if IN_BF16:
+        x = (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = raw.to(tl.float32)
     if ACT == 1:
         x = _silu(x)
     return x
@@ -249,34 +280,52 @@ def _fp8_gemm_tma_kernel(
 
 @triton.jit
 def _cast_rows_kernel(
-    X, DATA, SCALE, PART, R, Cn, stride_xr, stride_dr, stride_p,
+    X, DATA, SCALE, PART, NW, RSTD, R, Cn, stride_xr, stride_dr, stride_p, eps,
     ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ONE_SWEEP: tl.constexpr, ITERS: tl.constexpr,
-    COL_AMAX: tl.constexpr,
+    COL_AMAX: tl.constexpr, NORM: tl.constexpr = False,
 ):
     """Whole rows, ITERS blocks of BLOCK_R rows per program. ONE_SWEEP (BLOCK_C covers the row):
     one read, the rows held in registers; otherwise (ITERS == 1) a sweep for the amax and a second
     one (mostly L2 hits) to quantize. COL_AMAX (ONE_SWEEP only): also the |x| bits' maximum of
     every column over the program's ITERS * BLOCK_R rows, PART [programs, Cn], from which the
-    column cast takes its chunk scales without a sweep of its own."""
+    column cast takes its chunk scales without a sweep of its own. NORM (ONE_SWEEP, ACT 0): the
+    rows are RMS-normalized first, y = x * rstd * NW (float32 NW [Cn]), rounded to X's dtype
+    (what the unfused norm would store), and rstd = 1 / sqrt(mean(x^2) + eps) goes to RSTD [R]."""
     pid = tl.program_id(0)
     if ONE_SWEEP:
         cc = tl.arange(0, BLOCK_C)
-        col = tl.zeros((BLOCK_C,), dtype=tl.int32)
+        cmask = (cc < Cn)[None, :]
+        nw = tl.load(NW + cc, mask=cc < Cn, other=0.0) if NORM else 0.0
+        # Column maxima accumulate element-wise over the iterations (no cross-thread reduction,
+        # hence no barrier, inside the loop); one reduction over the BLOCK_R rows at the end.
+        col = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.int32)
+        rr = pid * ITERS * BLOCK_R + tl.arange(0, BLOCK_R)
+        raw = _load_raw(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], (rr < R)[:, None] & cmask, IN_BF16)
         for i in range(ITERS):
-            rr = (pid * ITERS + i) * BLOCK_R + tl.arange(0, BLOCK_R)
+            if ITERS > 1:  # the next block requested before this one's reductions: one in flight
+                nxt = rr + BLOCK_R
+                raw_next = _load_raw(X + nxt.to(tl.int64)[:, None] * stride_xr + cc[None, :],
+                                     (nxt < R)[:, None] & cmask & (i + 1 < ITERS), IN_BF16)
+            else:
+                nxt, raw_next = rr, raw
             rmask = rr < R
-            mask = rmask[:, None] & (cc[None, :] < Cn)
-            x = _load_act(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], mask, ACT, IN_BF16)
+            mask = rmask[:, None] & cmask
+            x = _widen_act(raw, ACT, IN_BF16)
+            if NORM:
+                rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / Cn + eps)
+                tl.store(RSTD + rr, rstd, mask=rmask)
+                x = _normed(X, x, rstd, nw, IN_BF16)
             bits = _abs_bits(x, mask)
             byte, inv, nan = _scale_from_amax(tl.max(bits, axis=1))
             tl.store(DATA + rr.to(tl.int64)[:, None] * stride_dr + cc[None, :],
                      _quantize(x, inv[:, None], nan[:, None], BIT_CAST), mask=mask)
             tl.store(SCALE + rr, byte.to(tl.uint8), mask=rmask)
             if COL_AMAX:
-                col = tl.maximum(col, tl.max(bits, axis=0))
+                col = tl.maximum(col, bits)
+            rr, raw = nxt, raw_next
         if COL_AMAX:
-            tl.store(PART + pid.to(tl.int64) * stride_p + cc, col, mask=cc < Cn)
+            tl.store(PART + pid.to(tl.int64) * stride_p + cc, tl.max(col, axis=0), mask=cc < Cn)
     else:
         rr = pid * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rr < R
@@ -297,26 +346,38 @@ def _cast_rows_kernel(
 
 
 @triton.jit
-def _quantize_chunk_transposed(X, DATA_T, SCALE, amax, cc, cmask, g, end, stride_xr, stride_dt, stride_sc,
+def _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, amax, cc, cmask, g, end, stride_xr, stride_dt, stride_sc,
                                ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr, CHUNK: tl.constexpr,
-                               BLOCK_R: tl.constexpr):
+                               BLOCK_R: tl.constexpr, NORM: tl.constexpr):
     """Chunk g of columns cc, given their amax over the chunk: the scales, and the codes written to
     DATA_T [Cn, R] through a register transpose (each column's run of rows one contiguous store)."""
     byte, inv, nan = _scale_from_amax(amax)
     tl.store(SCALE + cc.to(tl.int64) * stride_sc + g, byte.to(tl.uint8), mask=cmask)
+    nw = tl.load(NW + cc, mask=cmask, other=0.0) if NORM else 0.0
     for r0 in range(g * CHUNK, end, BLOCK_R):
         rr = r0 + tl.arange(0, BLOCK_R)
         mask = (rr[:, None] < end) & cmask[None, :]
-        x = _load_act(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], mask, ACT, IN_BF16)
+        x = _load_cols(X, RSTD, nw, rr, cc, mask, end, stride_xr, ACT, IN_BF16, NORM)
         code = _quantize(x, inv[None, :], nan[None, :], BIT_CAST)
         tl.store(DATA_T + cc.to(tl.int64)[:, None] * stride_dt + rr[None, :], tl.trans(code), mask=tl.trans(mask))
 
 
 @triton.jit
+def _load_cols(X, RSTD, nw, rr, cc, mask, end, stride_xr, ACT: tl.constexpr, IN_BF16: tl.constexpr,
+               NORM: tl.constexpr):
+    """A (rows, columns) tile of act(x), or with NORM of RMSNorm(x) recomputed from the rows' rstd
+    and the columns' weights nw (bit-identical to what the row cast quantized)."""
+    x = _load_act(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], mask, ACT, IN_BF16)
+    if NORM:
+        x = _normed(X, x, tl.load(RSTD + rr, mask=rr < end, other=0.0), nw, IN_BF16)
+    return x
+
+
+@triton.jit
 def _cast_cols_kernel(
-    X, DATA_T, SCALE, R, Cn, stride_xr, stride_dt, stride_sc,
+    X, DATA_T, SCALE, NW, RSTD, R, Cn, stride_xr, stride_dt, stride_sc,
     ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr = False,
 ):
     """Program (j, g): columns [j*BLOCK_C, +BLOCK_C) over rows [g*CHUNK, +CHUNK): the columns'
     amax over the chunk, then the quantized chunk written transposed (DATA_T [Cn, R])."""
@@ -325,20 +386,21 @@ def _cast_cols_kernel(
     cmask = cc < Cn
     amax = tl.zeros((BLOCK_C,), dtype=tl.int32)
     end = tl.minimum(g * CHUNK + CHUNK, R)
+    nw = tl.load(NW + cc, mask=cmask, other=0.0) if NORM else 0.0
     for r0 in range(g * CHUNK, end, BLOCK_R):
         rr = r0 + tl.arange(0, BLOCK_R)
         mask = (rr[:, None] < end) & cmask[None, :]
-        x = _load_act(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], mask, ACT, IN_BF16)
+        x = _load_cols(X, RSTD, nw, rr, cc, mask, end, stride_xr, ACT, IN_BF16, NORM)
         amax = tl.maximum(amax, tl.max(_abs_bits(x, mask), axis=0))
-    _quantize_chunk_transposed(X, DATA_T, SCALE, amax, cc, cmask, g, end, stride_xr, stride_dt, stride_sc,
-                               ACT, IN_BF16, BIT_CAST, CHUNK, BLOCK_R)
+    _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, amax, cc, cmask, g, end, stride_xr, stride_dt, stride_sc,
+                               ACT, IN_BF16, BIT_CAST, CHUNK, BLOCK_R, NORM)
 
 
 @triton.jit
 def _cast_cols_amax_kernel(
-    X, DATA_T, SCALE, PART, R, Cn, n_part, stride_xr, stride_dt, stride_sc, stride_p,
+    X, DATA_T, SCALE, PART, NW, RSTD, R, Cn, n_part, stride_xr, stride_dt, stride_sc, stride_p,
     ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr,
-    CHUNK: tl.constexpr, PARTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    CHUNK: tl.constexpr, PARTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr = False,
 ):
     """As _cast_cols_kernel, the chunk's column amax taken from the PARTS partial maxima the row
     cast left in PART (CHUNK / PARTS rows each): one read of the chunk instead of two."""
@@ -348,8 +410,9 @@ def _cast_cols_amax_kernel(
     pp = g * PARTS + tl.arange(0, PARTS)
     part = tl.load(PART + pp.to(tl.int64)[:, None] * stride_p + cc[None, :], mask=(pp[:, None] < n_part) & cmask[None, :],
                    other=0)
-    _quantize_chunk_transposed(X, DATA_T, SCALE, tl.max(part, axis=0), cc, cmask, g, tl.minimum(g * CHUNK + CHUNK, R),
-                               stride_xr, stride_dt, stride_sc, ACT, IN_BF16, BIT_CAST, CHUNK, BLOCK_R)
+    _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, tl.max(part, axis=0), cc, cmask, g,
+                               tl.minimum(g * CHUNK + CHUNK, R), stride_xr, stride_dt, stride_sc, ACT, IN_BF16, BIT_CAST,
+                               CHUNK, BLOCK_R, NORM)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -391,6 +454,32 @@ def fp8_cast_rows(x: torch.Tensor, *, act: str | None = None, col_amax: bool = F
     largest |act(x)| bits of every column over each run of ``amax_rows`` rows; ``fp8_cast_cols``
     of the same tensor takes its chunk scales from it and reads the tensor once instead of twice.
     ``part`` is None for rows wider than the registers hold (8192 values)."""
+    data, scale, _, part = _cast_rows(x, act, col_amax, amax_rows, bit_cast, None)
+    return (data, scale, part) if col_amax else (data, scale)
+
+
+def fp8_rmsnorm_cast_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, *, col_amax: bool = False,
+                          amax_rows: int = AMAX_ROWS, bit_cast: bool | None = None):
+    """The producer of an RMSNorm -> linear pair: ``y = x / sqrt(mean(x^2) + eps) * weight``
+    (float32 math, y rounded to x's dtype as the unfused norm stores it) quantized as the row-wise
+    E4M3 operand, y itself never written. Returns ``(data [R, C], scale [R], rstd [R] float32)``,
+    plus ``part`` with ``col_amax`` (see fp8_cast_rows); ``fp8_cast_cols(x, norm=(rstd, weight))``
+    then quantizes y's columns from x. Rows of at most 8192 values (one read)."""
+    if x.dim() != 2 or weight.shape != (x.shape[1],):
+        raise ValueError(f"fp8_rmsnorm_cast_rows: x [R, C] and weight [C] expected, got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if x.shape[1] > _ROWS_IN_REGISTERS:
+        raise ValueError(f"fp8_rmsnorm_cast_rows: rows of at most {_ROWS_IN_REGISTERS} values, got {x.shape[1]}")
+    data, scale, rstd, part = _cast_rows(x, None, col_amax, amax_rows, bit_cast, (_norm_weight(weight, x), float(eps)))
+    return (data, scale, rstd, part) if col_amax else (data, scale, rstd)
+
+
+def _norm_weight(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    # The norm's weight as the unfused norm applies it: in x's dtype (gemctl.model.norm), then float32.
+    return weight.detach().to(x.dtype).float().contiguous()
+
+
+def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
     xin = _as_kernel_input(x, act)
     r, c = x.shape
     data = torch.empty((r, c), dtype=torch.uint8, device=x.device)
@@ -398,6 +487,8 @@ def fp8_cast_rows(x: torch.Tensor, *, act: str | None = None, col_amax: bool = F
     one_sweep = c <= _ROWS_IN_REGISTERS
     with_part = col_amax and one_sweep
     part = torch.empty((triton.cdiv(r, amax_rows), c), dtype=torch.int32, device=x.device) if with_part else None
+    rstd = torch.empty(r, dtype=torch.float32, device=x.device) if norm else None
+    nw, eps = norm if norm else (scale, 0.0)  # placeholders the kernel does not read without NORM
     if x.numel():
         def run(cfg):
             br, warps = cfg
@@ -405,27 +496,30 @@ def fp8_cast_rows(x: torch.Tensor, *, act: str | None = None, col_amax: bool = F
             if with_part and amax_rows % br:
                 raise ValueError(f"fp8_cast_rows: amax_rows={amax_rows} is not a multiple of BLOCK_R={br}")
             _cast_rows_kernel[(triton.cdiv(r, br * iters),)](
-                xin, data, scale, part if with_part else scale, r, c, xin.stride(0), data.stride(0),
-                part.stride(0) if with_part else 0, ACT=ACTS[act],
+                xin, data, scale, part if with_part else scale, nw, rstd if norm else scale, r, c, xin.stride(0),
+                data.stride(0), part.stride(0) if with_part else 0, eps, ACT=ACTS[act],
                 IN_BF16=x.dtype == torch.bfloat16, BIT_CAST=_bit_cast(bit_cast), BLOCK_R=br,
                 BLOCK_C=triton.next_power_of_2(c) if one_sweep else 2048, ONE_SWEEP=one_sweep, ITERS=iters,
-                COL_AMAX=with_part, num_warps=warps)
+                COL_AMAX=with_part, NORM=norm is not None, num_warps=warps)
 
-        key = ("fp8_cast_rows", bucket_len(r), bucket_len(c), x.dtype, act, with_part and amax_rows)
+        key = ("fp8_cast_rows", bucket_len(r), bucket_len(c), x.dtype, act, with_part and amax_rows, norm is not None)
         run(pick_config(key, _ROWS_CANDIDATES, run, _ROWS_INTERPRET))
-    out = data.view(torch.float8_e4m3fn), scale
-    return (*out, part) if col_amax else out
+    return data.view(torch.float8_e4m3fn), scale, rstd, part
 
 
 def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None = None,
-                  part: torch.Tensor | None = None, amax_rows: int = AMAX_ROWS, bit_cast: bool | None = None):
+                  part: torch.Tensor | None = None, amax_rows: int = AMAX_ROWS, bit_cast: bool | None = None,
+                  norm: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Transposed column-wise E4M3 operand of ``act(x)`` [R, C]: ``(data [C, R], scale [C,
     ceil(R / chunk)])``, one scale per column and chunk of ``chunk`` rows (default TOKEN_CHUNK;
     the last chunk may be partial). The weight-gradient GEMMs read it with ``group_k=chunk``.
     ``part``: the column maxima ``fp8_cast_rows(x, act=act, col_amax=True, amax_rows=...)``
     returned: one read of x (used when ``chunk / amax_rows`` is a power of two; the bytes are the
-    same either way)."""
+    same either way). ``norm=(rstd, weight)``: the operand is RMSNorm(x), recomputed from x with the
+    rstd that ``fp8_rmsnorm_cast_rows(x, weight, ...)`` returned (``act`` must then be None)."""
     chunk = chunk or TOKEN_CHUNK
+    if norm is not None and (act is not None or tuple(norm[0].shape) != (x.shape[0],)):
+        raise ValueError("fp8_cast_cols: norm=(rstd [R], weight [C]) takes no act and one rstd per row of x")
     xin = _as_kernel_input(x, act)
     r, c = x.shape
     n_chunks = max(triton.cdiv(r, chunk), 1)
@@ -440,15 +534,18 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
         def run(cfg):
             br, bc, warps = cfg
             common = dict(ACT=ACTS[act], IN_BF16=x.dtype == torch.bfloat16, BIT_CAST=_bit_cast(bit_cast), CHUNK=chunk,
-                          BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
+                          BLOCK_R=br, BLOCK_C=bc, NORM=norm is not None, num_warps=warps)
             grid = (triton.cdiv(c, bc), n_chunks)
             if use_part:
-                _cast_cols_amax_kernel[grid](xin, data, scale, part, r, c, part.shape[0], xin.stride(0), data.stride(0),
-                                             scale.stride(0), part.stride(0), PARTS=parts, **common)
+                _cast_cols_amax_kernel[grid](xin, data, scale, part, nw, rstd, r, c, part.shape[0], xin.stride(0),
+                                             data.stride(0), scale.stride(0), part.stride(0), PARTS=parts, **common)
             else:
-                _cast_cols_kernel[grid](xin, data, scale, r, c, xin.stride(0), data.stride(0), scale.stride(0), **common)
+                _cast_cols_kernel[grid](xin, data, scale, nw, rstd, r, c, xin.stride(0), data.stride(0), scale.stride(0),
+                                        **common)
 
-        key = ("fp8_cast_cols", bucket_len(r), bucket_len(c), x.dtype, act, chunk, use_part)
+        # placeholders the kernels do not read without NORM
+        rstd, nw = (norm[0], _norm_weight(norm[1], x)) if norm is not None else (scale, scale)
+        key = ("fp8_cast_cols", bucket_len(r), bucket_len(c), x.dtype, act, chunk, use_part, norm is not None)
         run(pick_config(key, _COLS_CANDIDATES, run, _COLS_INTERPRET))
     return data.view(torch.float8_e4m3fn), scale
 
