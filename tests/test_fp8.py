@@ -433,6 +433,24 @@ def test_fp8_tower_recipe_routes_only_the_tower():
     assert all(hasattr(layer.mlp, "fp8_recipe") for layer in model.tower.layers)  # fused MLP blocks
 
 
+def test_fp8_mlp_recipe_routes_only_the_mlp_blocks():
+    from gemctl.config.compose import compose
+    from gemctl.data.source import build_source
+    from gemctl.model import build_model
+    from gemctl.precision.rules import apply_precision
+
+    cfg = compose(["model=tiny", "precision=fp8_mlp", "train.device=cpu"])
+    source = build_source(cfg.data, cfg.shuffle, 1, 0)
+    model = build_model(cfg.model, source.spec, device=torch.device("cpu"))
+    formats = apply_precision(model, cfg.precision, cfg.model.num_layers, "cpu")
+    linears = {p: formats[p] for p, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    mlp = {p for p in linears if p.startswith("tower.layers.") and ".mlp." in p}
+    assert len(mlp) == 2 * cfg.model.num_layers and all(linears[p] == "fp8" for p in mlp)
+    assert all(f == ("fp32" if p.startswith("heads.") else "bf16") for p, f in linears.items() if p not in mlp)
+    assert all(getattr(layer.mlp, "norm_fused", False) for layer in model.tower.layers)  # fused with the pre-norm
+    assert not any(hasattr(m, "fp8_recipe") for m in model.tower.layers[0].attn.modules())
+
+
 def test_config_and_kernels_name_the_same_granularities():
     from gemctl.config.validate import FP8_GRANULARITIES
 
