@@ -87,6 +87,7 @@ class MXConfig:
     hadamard_wgrad: bool = False  # random Hadamard rotation of both wgrad operands along the tokens
     hadamard_seed: int = 0  # seed of the rotation's fixed sign vector
     stochastic_rounding: bool = False  # round the gradient operands stochastically (unbiased)
+    attention: bool = False  # MXFP8 QK^T and PV operands where the QKV projection is mxfp8 (full/window layers)
     fsdp_gather: bool = True  # FSDP/HSDP: all-gather mxfp8 Linear weights MX-quantized (gemctl.precision.mx_fsdp)
 
 

@@ -85,6 +85,10 @@ def validate(cfg, check_device: bool = True) -> None:
     _one_of(p.mx.scale_rule, MX_SCALE_RULES, "precision.mx.scale_rule")
     _one_of(p.mx.wgrad_format, MX_WGRAD_FORMATS, "precision.mx.wgrad_format")
     _positive(cfg, "precision.mx.hadamard_seed", allow_zero=True)
+    blocks = [i for i, kind in enumerate(kinds) if kind.startswith("block:")]
+    if p.mx.attention and blocks:
+        raise ConfigError("precision.mx.attention", f"quantizes full and window attention only; model.attention"
+                          f"[{blocks[0]}] is '{kinds[blocks[0]]}' (block attention has no quantized operands)")
     _one_of(p.fp8.granularity, FP8_GRANULARITIES, "precision.fp8.granularity")
     _one_of(p.fp8.wgrad, FP8_GRAD_FORMATS, "precision.fp8.wgrad")
     _one_of(p.fp8.dgrad, FP8_GRAD_FORMATS, "precision.fp8.dgrad")

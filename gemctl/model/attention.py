@@ -59,6 +59,7 @@ class JaggedSelfAttention(nn.Module):
         self.causal = causal
         self.qkv = nn.Linear(d_model, 3 * num_heads * head_dim, bias=False)
         self.out = nn.Linear(num_heads * head_dim, d_model, bias=False)
+        self.operand_quant = None  # MXFP8 attention operands (gemctl.precision.mx_linear.use_mx_attention)
         self.relpos = None
         if self.kind in ("full", "window") and relpos_buckets > 0:
             self.relpos = nn.Parameter(torch.zeros(num_heads, relpos_buckets))
@@ -82,7 +83,7 @@ class JaggedSelfAttention(nn.Module):
                 bias = ops.RelativePositionBias(self.relpos, self.relpos_max_distance)
             y = ops.jagged_attention(
                 q, k, v, offsets, offsets, max_len, max_len, bias=bias, causal=self.causal, window=self.window,
-                backend=_op_backend(backend, "jagged_attention"),
+                backend=_op_backend(backend, "jagged_attention"), operand_quant=self.operand_quant,
             )
         return self.out(y.reshape(n, self.num_heads * self.head_dim))
 

@@ -93,7 +93,7 @@ def _pick(op: str, backend: str, device: torch.device):
 
 def jagged_attention(
     q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, bias=None, causal=False, scale=None, window=None,
-    backend="auto",
+    backend="auto", operand_quant=None,
 ):
     """Softmax attention per sequence over jagged q ``[Nq, H, D]`` and k/v ``[Nk, H, D]``.
 
@@ -104,13 +104,30 @@ def jagged_attention(
     position (0 <= d < w); without it the window is symmetric (|d| < w, up to 2w - 1 keys).
     The Triton kernel skips the tiles outside the window: O(L * w) work instead of O(L^2).
     A query with no key outputs zeros.
+
+    ``operand_quant``: a callable ``(tensor, axis) -> tensor`` applied to the operands of both
+    GEMMs along their contraction axes (q and k along D; the probabilities and v along the keys,
+    blocks starting at each sequence's first key), e.g. MX quantize-dequantize
+    (gemctl.precision.mx_linear.mx_attention_quant). It runs on the PyTorch reference: the Triton
+    kernel has no quantized operands (said once when that replaces it; backend="triton" refuses).
     """
     check_window(window)
-    kernel = _pick("jagged_attention", backend, q.device)
+    if operand_quant is not None:
+        if backend == "triton":
+            raise ValueError("jagged_attention: operand_quant runs on the PyTorch reference only; use backend 'auto' "
+                             "or 'torch'")
+        if backend == "auto" and q.device.type == "cuda" and "jagged_attention:operand_quant" not in _warned:
+            _warned.add("jagged_attention:operand_quant")
+            print("gemctl.ops: jagged_attention with quantized operands (MXFP8 attention) runs the PyTorch reference; "
+                  "the Triton kernel has no quantized operands", file=sys.stderr)
+        kernel = None
+    else:
+        kernel = _pick("jagged_attention", backend, q.device)
     fn = kernel or jagged_attention_reference
+    extra = {} if operand_quant is None else {"operand_quant": operand_quant}
     with torch.profiler.record_function("gemctl.attention.jagged_attention"):
         return fn(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias=bias, causal=causal, scale=scale,
-                  window=None if window is None else int(window))
+                  window=None if window is None else int(window), **extra)
 
 
 def gdpa(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, activation="gelu", scale=None, backend="auto"):

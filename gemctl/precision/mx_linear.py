@@ -25,6 +25,11 @@ Recipe options (``precision.mx`` in the config):
   an outlier token is spread over the 32 tokens of its MX block before they share one scale.
 - ``stochastic_rounding``: the gradient gy is rounded stochastically (unbiased) in both backward
   GEMMs; weights and activations always round to nearest even.
+- ``attention``: MXFP8 attention in the sequence tower's layers whose QKV projection is mxfp8:
+  the operands of QK^T (q, k along the head dim) and of PV (the softmax probabilities and v along
+  the keys) are MX-quantized in the forward (``mx_attention_quant``; gemctl.ops.jagged_attention's
+  ``operand_quant``); the backward passes gradients straight through the quantization and runs
+  on those quantized values. Emulated on the PyTorch reference attention (no MX MMA on Hopper).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class MXRecipe:
     hadamard_wgrad: bool = False
     hadamard_seed: int = 0
     stochastic_rounding: bool = False
+    attention: bool = False  # MXFP8 QK^T and PV operands (full / window attention layers)
 
     @classmethod
     def from_config(cls, mx_cfg) -> "MXRecipe":
@@ -65,6 +71,7 @@ class MXRecipe:
             hadamard_wgrad=bool(mx_cfg.hadamard_wgrad),
             hadamard_seed=int(mx_cfg.hadamard_seed),
             stochastic_rounding=bool(mx_cfg.stochastic_rounding),
+            attention=bool(mx_cfg.attention),
         )
 
 
@@ -138,6 +145,23 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     y = _MXLinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, recipe)
     y = y.reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias.to(y.dtype)
+
+
+def mx_attention_quant(recipe: MXRecipe):
+    """The ``operand_quant`` of gemctl.ops.jagged_attention for MXFP8 attention: ``(t, axis) ->``
+    t MX-quantized and dequantized along ``axis`` (blocks of ``recipe.block``, ``recipe.elem``,
+    ``recipe.scale_rule``) in the forward, the identity for the gradient (straight through)."""
+
+    def quant(t: torch.Tensor, axis: int) -> torch.Tensor:
+        flat = t.detach()
+        return t + (mx_qdq(flat, recipe.block, recipe.elem, axis=axis, scale_rule=recipe.scale_rule) - flat)
+
+    return quant
+
+
+def use_mx_attention(attention: nn.Module, recipe: MXRecipe) -> None:
+    """MXFP8 QK^T and PV operands in a gemctl.model.attention.JaggedSelfAttention (full or window)."""
+    attention.operand_quant = mx_attention_quant(recipe)
 
 
 def use_mx_linear(module: nn.Linear, recipe: MXRecipe) -> None:

@@ -83,12 +83,16 @@ def apply_precision(model: nn.Module, precision_cfg, num_layers: int, device_typ
     linear and the fp8 ones on FP8 GEMMs; returns the resolved formats."""
     formats = resolve_formats(model, precision_cfg, num_layers)
     if "mxfp8" in formats.values():
-        from gemctl.precision.mx_linear import MXRecipe, use_mx_linear
+        from gemctl.model.attention import JaggedSelfAttention
+        from gemctl.precision.mx_linear import MXRecipe, use_mx_attention, use_mx_linear
 
         recipe = MXRecipe.from_config(getattr(precision_cfg, "mx", None))
         for path, module in model.named_modules():
             if formats[path] == "mxfp8" and isinstance(module, nn.Linear):
                 use_mx_linear(module, recipe)
+            elif (recipe.attention and isinstance(module, JaggedSelfAttention) and module.kind != "block"
+                  and formats.get(f"{path}.qkv") == "mxfp8"):
+                use_mx_attention(module, recipe)
     if "fp8" in formats.values():
         _apply_fp8(model, formats, getattr(precision_cfg, "fp8", None))
     covered: set[str] = set()  # modules that already run inside a wrapped fp32 forward

@@ -58,7 +58,8 @@ def _bias_scores(bias: RelativePositionBias, dist: torch.Tensor, dtype) -> torch
 
 
 def jagged_attention_reference(
-    q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, bias=None, causal=False, scale=None, window=None
+    q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, bias=None, causal=False, scale=None, window=None,
+    operand_quant=None,
 ):
     check_window(window)
     n_q, heads, dim = q.shape
@@ -88,8 +89,14 @@ def jagged_attention_reference(
         if not isinstance(bias, RelativePositionBias):
             raise TypeError("bias must be a gemctl.ops.RelativePositionBias")
         mask = mask + _bias_scores(bias, dist, q.dtype)
-    out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=mask, scale=scale
-    ).transpose(1, 2)  # (B, Lq, H, D)
+    if operand_quant is None:
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=mask, scale=scale
+        ).transpose(1, 2)  # (B, Lq, H, D)
+    else:  # the two GEMMs on quantized operands, each along its contraction axis
+        qh, kh = operand_quant(qp, -1).transpose(1, 2), operand_quant(kp, -1).transpose(1, 2)  # (B, H, L, D)
+        vh = operand_quant(vp, 1).transpose(1, 2)  # keys padded after each sequence: blocks start at its first key
+        p = torch.softmax((qh @ kh.transpose(-1, -2)) * scale + mask, dim=-1)  # (B, H, Lq, Lk)
+        out = (operand_quant(p, -1) @ vh).transpose(1, 2)
     out = out * has_key[:, :, None, None].to(out.dtype)
     return unpad(out, q_offsets, q.shape[0])
