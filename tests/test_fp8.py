@@ -416,17 +416,22 @@ def test_recipe_rules_route_modules():
         assert OmegaConf.select(cfg, "precision.fp8.wgrad") == ("fp8" if name == "fp8" else "bf16")
 
 
-def test_fp8_tower_recipe_routes_only_the_tower():
+def _routed_tiny_model(precision: str):
+    """The tiny model with a precision recipe applied on the CPU: (config, model, Linear formats)."""
     from gemctl.config.compose import compose
     from gemctl.data.source import build_source
     from gemctl.model import build_model
     from gemctl.precision.rules import apply_precision
 
-    cfg = compose(["model=tiny", "precision=fp8_tower", "train.device=cpu"])
+    cfg = compose(["model=tiny", f"precision={precision}", "train.device=cpu"])
     source = build_source(cfg.data, cfg.shuffle, 1, 0)
     model = build_model(cfg.model, source.spec, device=torch.device("cpu"))
     formats = apply_precision(model, cfg.precision, cfg.model.num_layers, "cpu")
-    linears = {p: formats[p] for p, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    return cfg, model, {p: formats[p] for p, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def test_fp8_tower_recipe_routes_only_the_tower():
+    _, model, linears = _routed_tiny_model("fp8_tower")
     tower = {p for p in linears if p.startswith("tower.layers.")}
     assert tower and all(linears[p] == "fp8" for p in tower)
     assert all(f == ("fp32" if p.startswith("heads.") else "bf16") for p, f in linears.items() if p not in tower)
@@ -434,16 +439,7 @@ def test_fp8_tower_recipe_routes_only_the_tower():
 
 
 def test_fp8_mlp_recipe_routes_only_the_mlp_blocks():
-    from gemctl.config.compose import compose
-    from gemctl.data.source import build_source
-    from gemctl.model import build_model
-    from gemctl.precision.rules import apply_precision
-
-    cfg = compose(["model=tiny", "precision=fp8_mlp", "train.device=cpu"])
-    source = build_source(cfg.data, cfg.shuffle, 1, 0)
-    model = build_model(cfg.model, source.spec, device=torch.device("cpu"))
-    formats = apply_precision(model, cfg.precision, cfg.model.num_layers, "cpu")
-    linears = {p: formats[p] for p, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    cfg, model, linears = _routed_tiny_model("fp8_mlp")
     mlp = {p for p in linears if p.startswith("tower.layers.") and ".mlp." in p}
     assert len(mlp) == 2 * cfg.model.num_layers and all(linears[p] == "fp8" for p in mlp)
     assert all(f == ("fp32" if p.startswith("heads.") else "bf16") for p, f in linears.items() if p not in mlp)
