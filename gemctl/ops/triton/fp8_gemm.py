@@ -143,7 +143,7 @@ def _normed(X, x, rstd, nw, IN_BF16: tl.constexpr):
 
 
 @triton.jit
-def _load_raw(ptrs, mask, IN_BF16: tl.constexpr):
+def _load_raw(ptrs, mask):
     """The stored values (bf16 as int16 bit patterns), 0 where masked: a load whose consumers
     (_widen_act) can come later, so the next block's load is in flight while this one computes."""
     return tl.load(ptrs, mask=mask, other=0)
@@ -319,12 +319,12 @@ def _cast_rows_kernel(
         # hence no barrier, inside the loop); one reduction over the BLOCK_R rows at the end.
         col = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.int32)
         rr = pid * ITERS * BLOCK_R + tl.arange(0, BLOCK_R)
-        raw = _load_raw(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], (rr < R)[:, None] & cmask, IN_BF16)
+        raw = _load_raw(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], (rr < R)[:, None] & cmask)
         for i in range(ITERS):
             if ITERS > 1:  # the next block requested before this one's reductions: one in flight
                 nxt = rr + BLOCK_R
                 raw_next = _load_raw(X + nxt.to(tl.int64)[:, None] * stride_xr + cc[None, :],
-                                     (nxt < R)[:, None] & cmask & (i + 1 < ITERS), IN_BF16)
+                                     (nxt < R)[:, None] & cmask & (i + 1 < ITERS))
             else:
                 nxt, raw_next = rr, raw
             rmask = rr < R
