@@ -1,10 +1,11 @@
 """Benchmark the FP8 GEMMs and the FP8 MLP block against BF16 on the BENCHMARKS.md `mlp` shapes.
 
-    python scripts/bench_fp8.py [--out bench_fp8.json] [--tokens 65536] [--only cast,gemm,mlp]
-                                [--grans row] [--mlp "bf16 compiled,fp8 row fused"]
+    python scripts/bench_fp8.py [--out bench_fp8.json] [--tokens 65536] [--only mlp,cast,gemm]
+                                [--grans row] [--mlp "bf16 compiled,fp8 row fused+norm"] [--widths 1024]
 
-Everything in one run, on one GPU (``--only`` picks sections; a cold Triton cache makes the gemm
-section the slow one: every shape autotunes its row-wise, promoted and token-chunk variants):
+Everything in one run, on one GPU (``--only`` picks sections, run in the order given; a cold
+Triton cache makes the gemm section the slow one: every shape autotunes its row-wise, promoted
+and token-chunk variants):
 
 1. ceilings: device copy bandwidth (1 GiB bf16 copy) and, per GEMM shape, torch's BF16 GEMM and
    torch's FP8 row-wise ``_scaled_mm`` (cuBLAS) as anchors;
@@ -13,8 +14,9 @@ section the slow one: every shape autotunes its row-wise, promoted and token-chu
    anchors;
 3. MLP block ``rms_norm -> up -> silu -> down`` (tokens x d -> 4d -> d), forward and
    forward+backward: BF16 eager and BF16 torch.compile against ``fp8_mlp`` (row-wise, fused
-   producers) and the unfused FP8 linears of each granularity; the speed-ups use the faster
-   BF16;
+   producers; "+norm": the pre-norm fused into the first cast, as the model runs it) and the
+   unfused FP8 linears of each granularity; the speed-ups use the faster BF16; the norm weight
+   is trained in every variant;
 4. casts: the FP8 cast kernels' bandwidth against the copy bandwidth (read 2 B + write 1 B per
    element per output written, 1 B per scale);
 5. accuracy: relative error (Frobenius) of y = x W^T against float64 for each granularity, on
@@ -307,15 +309,18 @@ def main() -> None:
     result = {"meta": meta}
     parts = args.only.split(",")
     path = Path(args.out)
-    for part, fn in (("accuracy", accuracy_rows), ("accumulation", accumulation_rows),
-                     ("cast", lambda: cast_rows(args.tokens, meta["copy_tbps"])),
-                     ("gemm", lambda: gemm_rows(args.tokens, args.grans.split(","))),
-                     ("mlp", lambda: mlp_rows(args.tokens, [v for v in args.mlp.split(",") if v],
-                                             [int(w) for w in args.widths.split(",") if w])),
-                     ("profile", lambda: profile_rows(args.tokens))):
-        if part in parts:
-            result[part] = fn()
-            path.write_text(json.dumps(result, indent=1))  # partial results survive a timeout
+    sections = {"accuracy": accuracy_rows, "accumulation": accumulation_rows,
+                "cast": lambda: cast_rows(args.tokens, meta["copy_tbps"]),
+                "gemm": lambda: gemm_rows(args.tokens, args.grans.split(",")),
+                "mlp": lambda: mlp_rows(args.tokens, [v for v in args.mlp.split(",") if v],
+                                        [int(w) for w in args.widths.split(",") if w]),
+                "profile": lambda: profile_rows(args.tokens)}
+    unknown = [p for p in parts if p not in sections]
+    if unknown:
+        raise SystemExit(f"bench_fp8: --only {','.join(unknown)}: unknown; allowed: {', '.join(sections)}")
+    for part in parts:  # in the order given, so a run cut by its time limit keeps the first ones
+        result[part] = sections[part]()
+        path.write_text(json.dumps(result, indent=1))  # partial results survive a timeout
     print(json.dumps(result, indent=1))
 
 
