@@ -13,6 +13,7 @@ attention time from the GEMMs around it. This package imports nothing from the r
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -120,14 +121,12 @@ def jagged_attention(
             _warned.add("jagged_attention:operand_quant")
             print("gemctl.ops: jagged_attention with quantized operands (MXFP8 attention) runs the PyTorch reference; "
                   "the Triton kernel has no quantized operands", file=sys.stderr)
-        kernel = None
+        fn = functools.partial(jagged_attention_reference, operand_quant=operand_quant)
     else:
-        kernel = _pick("jagged_attention", backend, q.device)
-    fn = kernel or jagged_attention_reference
-    extra = {} if operand_quant is None else {"operand_quant": operand_quant}
+        fn = _pick("jagged_attention", backend, q.device) or jagged_attention_reference
     with torch.profiler.record_function("gemctl.attention.jagged_attention"):
         return fn(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias=bias, causal=causal, scale=scale,
-                  window=None if window is None else int(window), **extra)
+                  window=None if window is None else int(window))
 
 
 def gdpa(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, activation="gelu", scale=None, backend="auto"):

@@ -173,22 +173,27 @@ def _rows(t: torch.Tensor, act=None, chunk: int = 0):
     """(data, scales, column maxima): the row-wise operand and, when ``chunk`` (the token chunk of
     a column cast of ``t`` to come) allows, the column maxima that spare that cast its amax sweep;
     else None."""
-    from gemctl.ops.triton.fp8_gemm import amax_rows_for, fp8_cast_rows
+    from gemctl.ops.triton.fp8_gemm import fp8_cast_rows
 
-    amax_rows = amax_rows_for(chunk, t.shape[0]) if chunk else 0
-    if not amax_rows:
-        return (*fp8_cast_rows(t, act=act), None)
-    return fp8_cast_rows(t, act=act, col_amax=True, amax_rows=amax_rows)
+    col = _column_maxima(t, chunk)
+    return fp8_cast_rows(t, act=act, **col) if col else (*fp8_cast_rows(t, act=act), None)
 
 
 def _norm_rows(t: torch.Tensor, weight: torch.Tensor, eps: float, chunk: int = 0):
     """(data, scales, rstd, column maxima) of RMSNorm(t) as the row-wise operand (see _rows)."""
-    from gemctl.ops.triton.fp8_gemm import amax_rows_for, fp8_rmsnorm_cast_rows
+    from gemctl.ops.triton.fp8_gemm import fp8_rmsnorm_cast_rows
+
+    col = _column_maxima(t, chunk)
+    return fp8_rmsnorm_cast_rows(t, weight, eps, **col) if col else (*fp8_rmsnorm_cast_rows(t, weight, eps), None)
+
+
+def _column_maxima(t: torch.Tensor, chunk: int) -> dict:
+    """The row casts' column-maxima arguments for a column cast of t in chunks of ``chunk`` rows
+    to come ({} when none: no chunk, or amax_rows_for finds no run length)."""
+    from gemctl.ops.triton.fp8_gemm import amax_rows_for
 
     amax_rows = amax_rows_for(chunk, t.shape[0]) if chunk else 0
-    if not amax_rows:
-        return (*fp8_rmsnorm_cast_rows(t, weight, eps), None)
-    return fp8_rmsnorm_cast_rows(t, weight, eps, col_amax=True, amax_rows=amax_rows)
+    return {"col_amax": True, "amax_rows": amax_rows} if amax_rows else {}
 
 
 def _cols(t: torch.Tensor, chunk: int, act=None, part=None, norm=None):
@@ -333,7 +338,7 @@ class _Fp8MLPFunction(torch.autograd.Function):
         pre = fp8_gemm(xr, ur, xs, us)
         # silu(pre) quantized on the fly (never stored in bf16); its column maxima kept for the
         # backward's column cast of silu(pre)
-        hr, hs, hp = _rows(pre, act="silu", chunk=fp8_wgrad and recipe.token_chunk)
+        hr, hs, hp = _rows(pre, act="silu", chunk=chunk)
         y = fp8_gemm(hr, dr, hs, ds, out_dtype=out_dtype)
         ctx.recipe = recipe
         ctx.dtypes = (x2d.dtype, w_up.dtype, w_down.dtype, out_dtype)

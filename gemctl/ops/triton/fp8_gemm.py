@@ -548,6 +548,8 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
     if use_part and tuple(part.shape) != (triton.cdiv(r, amax_rows), c):
         raise ValueError(f"fp8_cast_cols: part {tuple(part.shape)} does not belong to x {tuple(x.shape)} "
                          f"with amax_rows={amax_rows}")
+    # placeholders the kernels do not read without NORM
+    rstd, nw = (norm[0], _norm_weight(norm[1], x)) if norm is not None else (scale, scale)
     if x.numel():
         def run(cfg):
             br, bc, warps = cfg
@@ -561,8 +563,6 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
                 _cast_cols_kernel[grid](xin, data, scale, nw, rstd, r, c, xin.stride(0), data.stride(0), scale.stride(0),
                                         **common)
 
-        # placeholders the kernels do not read without NORM
-        rstd, nw = (norm[0], _norm_weight(norm[1], x)) if norm is not None else (scale, scale)
         key = ("fp8_cast_cols", bucket_len(r), bucket_len(c), x.dtype, act, chunk, use_part, norm is not None)
         run(pick_config(key, _COLS_CANDIDATES, run, _COLS_INTERPRET))
     return data.view(torch.float8_e4m3fn), scale
