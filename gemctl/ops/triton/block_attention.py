@@ -22,9 +22,10 @@ offsets' host copy (gemctl.ops.host: no device sync) and cached per batch layout
 softmax: the forward loads q, k, v once, rotates the q and k tiles in registers (two halves, cos/sin
 rows by position; the rotated copies never reach HBM), and writes o and the per-row log2-sum-exp2
 (fp32, for the backward). The backward is one kernel too, per (block, head): it recomputes
-p = exp2(s - lse), computes delta = rowsum(do * o) in-kernel (no pre-pass), dv = p^T do,
-ds = p * (do v^T - delta), dq~ = ds k~, dk~ = ds^T q~, and applies the inverse rotation
-(by -theta: [d1 c + d2 s, d2 c - d1 s]) to dq~ and dk~ in the epilogue. No atomics, no zero fills
+p = exp2(s - lse), computes delta = rowsum(do * o) in-kernel (no pre-pass), dv = p^T do (stored at
+once), ds = p * (do v^T - delta), dq~ = ds k~, dk~ = ds^T q~, and applies the inverse rotation
+(by -theta: [d1 c + d2 s, d2 c - d1 s]) to dq~ and dk~ in the epilogue, each gradient stored before
+the next is computed. No atomics, no zero fills
 (each row belongs to exactly one block): bitwise reproducible.
 
 Partial last blocks: rows at or beyond L load as 0 and are never stored; keys at or beyond L get a
@@ -38,8 +39,9 @@ plus the rope tables' rows, read through L2 (max_len * D * 4 bytes of unique dat
 Each K/V element serves one block of queries, so the kernels are memory-bound at every block size.
 
 Shared memory per program (sm_90 compile, bf16, D = 128, 4 warps; scripts/check_kernels_build.py):
-forward 32 / 48 KB at block 64 without / with rope, backward 73 / 105 KB; block 128 with rope:
-forward 96 KB, backward 225 KB (one program per SM). Not yet measured on a GPU.
+forward 32 / 48 KB at block 64 without / with rope, backward 65 KB either way; block 128 with rope:
+forward 96 KB, backward 129 KB (one program per SM). Registers, not shared memory, bound the
+programs per SM at D = 128: both kernels sit at the 255-register cap (docs/benchmarks.md).
 Known limits: no TMA, no warp specialization, no persistent grid (Triton 3.x); the tables get no
 gradient.
 """
@@ -168,28 +170,38 @@ def _block_attn_bwd(
     offs_half = tl.arange(0, HALF)
     offs_d = tl.arange(0, HEAD_DIM)
     for h in range(h0, h_end):
-        q1, q2, k1, k2, scores = _scores(Q, K, start, rows, length, stride_qn, h * stride_qh, stride_kn, h * stride_kh,
-                                         c, s, qk_scale, HALF, ROPE)
-        v = load_rows(V, start, rows, length, stride_vn, h * stride_vh, offs_d)
+        # The order keeps the live set small (at D = 128 one fp32 (BS, D) accumulator is 64 registers
+        # per thread of a 4-warp program): o dies with delta, dv is stored before v is loaded and dS
+        # formed, dq before dk is computed, and c, s are re-read (L1/L2) for each gradient's rotation:
+        # reassigning them is deliberate, it ends the setup rows' lifetime at the q/k rotation
+        # (fresh names kept them live across the body and spilled twice as much). Holding dq, dk,
+        # dv together spilled ~1 KB per thread; this order measured 0.33 vs 0.41 ms on self-1000
+        # (H200, docs/benchmarks.md).
         o = load_rows(O, start, rows, length, stride_on, h * stride_oh, offs_d)
         do = load_rows(DO, start, rows, length, stride_don, h * stride_doh, offs_d)
-        lse = tl.load(LSE + (start + rows) * num_heads + h, mask=row_ok, other=float("inf"))  # inf: p = 0
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # (BS,)
+        lse = tl.load(LSE + (start + rows) * num_heads + h, mask=row_ok, other=float("inf"))  # inf: p = 0
+        q1, q2, k1, k2, scores = _scores(Q, K, start, rows, length, stride_qn, h * stride_qh, stride_kn, h * stride_kh,
+                                         c, s, qk_scale, HALF, ROPE)
         p = tl.where(row_ok[None, :], tl.math.exp2(scores - lse[:, None]), 0.0)  # keys beyond L: 0
         dv = tl.dot(tl.trans(p.to(do.dtype)), do)
+        store_rows(DV, dv, start, rows, length, stride_dvn, h * stride_dvh, offs_d)
+        v = load_rows(V, start, rows, length, stride_vn, h * stride_vh, offs_d)
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])  # gradient of the natural-units score
         ds = ds.to(q1.dtype)
         dq1, dq2 = tl.dot(ds, k1) * scale, tl.dot(ds, k2) * scale
-        ds_t = tl.trans(ds)
-        dk1, dk2 = tl.dot(ds_t, q1) * scale, tl.dot(ds_t, q2) * scale
         if ROPE:  # the rotation's backward: rotate the gradients by -theta
+            c, s = _rope_rows(COS, SIN, rows, length, stride_rope, offs_half)
             dq1, dq2 = dq1 * c + dq2 * s, dq2 * c - dq1 * s
-            dk1, dk2 = dk1 * c + dk2 * s, dk2 * c - dk1 * s
         store_rows(DQ, dq1, start, rows, length, stride_dqn, h * stride_dqh, offs_half)
         store_rows(DQ, dq2, start, rows, length, stride_dqn, h * stride_dqh + HALF, offs_half)
+        ds_t = tl.trans(ds)
+        dk1, dk2 = tl.dot(ds_t, q1) * scale, tl.dot(ds_t, q2) * scale
+        if ROPE:
+            c, s = _rope_rows(COS, SIN, rows, length, stride_rope, offs_half)
+            dk1, dk2 = dk1 * c + dk2 * s, dk2 * c - dk1 * s
         store_rows(DK, dk1, start, rows, length, stride_dkn, h * stride_dkh, offs_half)
         store_rows(DK, dk2, start, rows, length, stride_dkn, h * stride_dkh + HALF, offs_half)
-        store_rows(DV, dv, start, rows, length, stride_dvn, h * stride_dvh, offs_d)
 
 
 # ----------------------------------------------------------------------------------------------
