@@ -44,6 +44,60 @@ def test_same_seed_same_run(tmp_path):
     assert a.losses != c.losses
 
 
+@pytest.fixture
+def _restore_determinism():
+    from gemctl.ops.triton import common
+
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    common.set_autotune(None)
+
+
+@pytest.mark.parametrize("setting, device, expect", [
+    (None, "cpu", (True, False)), (None, "cuda", (False, False)), (True, "cuda", (True, True)), (False, "cpu", (False, False)),
+])
+def test_deterministic_setting(_restore_determinism, monkeypatch, setting, device, expect):
+    """train.deterministic: null = CPU only (the default), true = every device (warn-only on CUDA,
+    where some ops have no deterministic kernel), false = off."""
+    from gemctl.train.trainer import seed_everything
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    torch.use_deterministic_algorithms(False)
+    seed_everything(0, setting, torch.device(device))
+    got = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    assert got == expect
+    assert ("CUBLAS_WORKSPACE_CONFIG" in os.environ) == (device == "cuda" and setting is True)
+    from gemctl.ops.triton import common
+
+    monkeypatch.setenv("GEMCTL_AUTOTUNE", "1")
+    assert common.autotune_enabled() == (not (device == "cuda" and setting is True))  # fixed kernel configs
+
+
+@pytest.mark.gpu
+def test_deterministic_gpu_runs_repeat_with_autotune_on(tmp_path, _restore_determinism, monkeypatch):
+    """The CLI autotunes (the test suite does not, conftest): train.deterministic=true must still
+    repeat, so it has to pin the Triton configs itself."""
+    monkeypatch.setenv("GEMCTL_AUTOTUNE", "1")
+    args = ["train.device=cuda", "train.deterministic=true", "train.steps=20", "train.log_every=5",
+            "train.warmup_timing_steps=1", "train.eval_batches=2", "model=small"]
+    a = _run(tmp_path / "a", args)
+    b = _run(tmp_path / "b", args)
+    assert a.losses == b.losses and a.eval == b.eval
+
+
+@pytest.mark.gpu
+def test_deterministic_gpu_runs_repeat(tmp_path, _restore_determinism):
+    """With train.deterministic=true two CUDA runs of one seed give the same losses and NE (the
+    precision ablation relies on it to compare recipes seed by seed)."""
+    args = ["train.device=cuda", "train.deterministic=true", "train.steps=20", "train.log_every=5",
+            "train.warmup_timing_steps=1", "train.eval_batches=2"]
+    a = _run(tmp_path / "a", args)
+    b = _run(tmp_path / "b", args)
+    assert a.losses == b.losses
+    assert a.eval == b.eval
+
+
 def test_run_directory_contents(tmp_path):
     result = _run(tmp_path, ["train.steps=12", "train.log_every=4", "train.warmup_timing_steps=4", "train.eval_batches=1"])
     run = result.run_dir

@@ -232,7 +232,10 @@ class TrainConfig:
     eval_batches: int = 0  # 0: the whole held-out split
     log_every: int = 10
     warmup_timing_steps: int = 5  # steps left out of the throughput averages (compilation, caches)
-    deterministic: bool = True  # deterministic algorithms on CPU
+    # Deterministic algorithms: null = on a CPU only (the default); true = on every device (CUDA:
+    # torch's deterministic kernels and a fixed cuBLAS workspace, slower; for ablations whose
+    # seeds must repeat exactly); false = off.
+    deterministic: Optional[bool] = None
     checkpoint_every: int = 0  # steps between checkpoints (0: none); gemctl/train/checkpoint.py
     keep_last: int = 3  # published checkpoints kept (0: all)
     checkpoint_dir: Optional[str] = None  # null: <run directory>/checkpoints

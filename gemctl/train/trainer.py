@@ -49,11 +49,25 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return torch.device("cuda", local_rank) if name == "cuda" else torch.device(name)
 
 
-def seed_everything(seed: int, deterministic: bool, device: torch.device) -> None:
+def seed_everything(seed: int, deterministic: bool | None, device: torch.device) -> None:
+    """Seed Python and torch; deterministic algorithms on a CPU unless ``deterministic`` is false,
+    on every device if it is true. CUDA: cuBLAS gets a fixed workspace (set here before its first
+    use unless the environment already sets one), ops without a deterministic kernel warn (torch's
+    warn_only) rather than stop the run, and the Triton kernels take their default configs instead
+    of timing candidates (tile shapes sum in different orders)."""
     random.seed(seed)
     torch.manual_seed(seed)
-    if deterministic and device.type == "cpu":
-        torch.use_deterministic_algorithms(True)
+    if deterministic is None:
+        deterministic = device.type == "cpu"
+    if not deterministic:
+        return
+    if device.type == "cuda":
+        from gemctl.ops.triton.common import set_autotune
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+        set_autotune(False)
+    torch.use_deterministic_algorithms(True, warn_only=device.type != "cpu")
 
 
 def autocast_context(device: torch.device, precision_cfg):
@@ -79,6 +93,9 @@ class Trainer:
         self.console = console if self.ctx.is_main else None
         self.device = resolve_device(cfg.train.device, self.ctx.local_rank)
         seed_everything(cfg.train.seed, cfg.train.deterministic, self.device)
+        if cfg.train.deterministic and self.device.type == "cuda" and self.console is not None:
+            self.console.print("train.deterministic: deterministic CUDA kernels, Triton kernels at their default "
+                               "configs (not autotuned): reproducible, not the fastest")
         self.source = source or build_source(cfg.data, cfg.shuffle, self.ctx.world_size, self.ctx.rank)
         self.spec = self.source.spec
         self.local_baseline = None

@@ -4,8 +4,10 @@ Work lists: every valid (sequence, tile) pair, built on the host from the offset
 (gemctl.ops.host, no device sync), sorted most expensive first, cached per batch layout so every
 layer, forward and backward, reuses them. Config selection: the first call for a key times every
 candidate (median of do_bench) and keeps the fastest; keys bucket lengths to powers of two so a new
-batch does not re-tune. Under TRITON_INTERPRET=1 one small config runs; GEMCTL_AUTOTUNE=0 takes
-the first candidate (correctness tests).
+batch does not re-tune. Under TRITON_INTERPRET=1 one small config runs; GEMCTL_AUTOTUNE=0 (or
+set_autotune(False), which train.deterministic=true does on CUDA) takes the first candidate: timing
+picks between tile shapes that sum in different orders, so tuned runs of one seed differ in the
+last bits and, after a few hundred steps, in NE.
 """
 
 from __future__ import annotations
@@ -24,6 +26,18 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _INTERPRET_CONFIG = (16, 16, 1, 1)
 _config_cache: dict = {}
 _forced: list = []  # configs pinned by forced_config(), innermost last
+_autotune: bool | None = None  # set_autotune(); None: GEMCTL_AUTOTUNE decides
+
+
+def set_autotune(enabled: bool | None) -> None:
+    """Time the candidates of each kernel (True), take every kernel's first candidate (False:
+    reproducible numerics, the defaults fit every variant), or let GEMCTL_AUTOTUNE decide (None)."""
+    global _autotune
+    _autotune = enabled
+
+
+def autotune_enabled() -> bool:
+    return _autotune if _autotune is not None else os.environ.get("GEMCTL_AUTOTUNE", "1") != "0"
 
 
 def bucket_len(n: int) -> int:
@@ -182,7 +196,7 @@ def pick_config(key, candidates, run, interpret_config: tuple = _INTERPRET_CONFI
             return tuple(forced[key[0]])
     if INTERPRET:
         return interpret_config
-    if os.environ.get("GEMCTL_AUTOTUNE", "1") == "0":
+    if not autotune_enabled():
         return candidates[0]
     if key not in _config_cache:
         best, best_t = None, float("inf")
