@@ -37,7 +37,8 @@ def kernels():
         for has_bias in (False, True):
             consts = dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, CAUSAL=causal, HAS_BIAS=has_bias)
             yield ja._jagged_attn_fwd, io, dict(consts, WINDOWED=False)
-            yield ja._jagged_attn_bwd_dkdv, io, consts
+            for transposed in (False, True):
+                yield ja._jagged_attn_bwd_dkdv, io, dict(consts, TRANSPOSED=transposed)
             yield ja._jagged_attn_bwd_dq, io, dict(consts, NUM_BUCKETS=32)
     yield ja._jagged_attn_fwd, io, dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, CAUSAL=True, HAS_BIAS=True, WINDOWED=True)
     for act in (0, 1):  # gelu, silu

@@ -14,6 +14,8 @@ from gemctl import ops
 from loops import attention_loop, offsets, rel_err
 
 pytest.importorskip("triton")
+from gemctl.ops.triton import common  # noqa: E402
+from gemctl.ops.triton import jagged_attention as ja_kernels  # noqa: E402
 
 # Interpreter tiles are 16: lengths around 16/32 are the tile edges there; GPU tiles are 32-128.
 SELF_CPU = [[0, 1, 15, 16, 17, 33, 3], [70, 1, 2, 0, 5], [1], [0, 0, 4]]
@@ -95,6 +97,17 @@ def test_self_cpu(lengths, causal, with_bias):
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_cross_cpu(q_lengths, k_lengths, causal, with_bias):
     _check(q_lengths, k_lengths, causal, with_bias, "cpu", torch.float32, tol=2e-5)
+
+
+@pytest.mark.parametrize("tiles", [(16, 16), (16, 32), (32, 16)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_transposed_dkdv_cpu(tiles, causal):
+    """The dK/dV pass's transposed formulation (key x query tiles; an autotune candidate on the
+    GPU) against float64: self and cross lengths, bias, a window, square and unequal tiles."""
+    with common.forced_config({"dkdv": (*tiles, 1, 1, 1)}):
+        _check(SELF_CPU[0], SELF_CPU[0], causal, True, "cpu", torch.float32, tol=2e-5)
+        _check(*CROSS_CPU[0], causal, True, "cpu", torch.float32, tol=2e-5)
+        _check(SELF_CPU[1], SELF_CPU[1], causal, False, "cpu", torch.float32, tol=2e-5, window=20)
 
 
 @pytest.mark.parametrize("window", WINDOW_CPU)
@@ -201,6 +214,18 @@ def test_window_self_gpu(lengths, window, causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_window_cross_gpu(causal):
     _check(*CROSS_GPU[0], causal, True, "cuda", torch.bfloat16, heads=4, dim=64, factor=2.0, window=100)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [c for c in ja_kernels._DKDV_CANDIDATES if c[4]])
+@pytest.mark.parametrize("causal", [False, True])
+def test_transposed_dkdv_gpu(cfg, causal):
+    """Every transposed dK/dV candidate in bf16 (the autotuner may pick any; the tier otherwise
+    runs the first candidate only): one long among short, cross lengths, a window."""
+    with common.forced_config({"dkdv": cfg}):
+        _check(SELF_GPU[1], SELF_GPU[1], causal, True, "cuda", torch.bfloat16, heads=4, dim=128, factor=2.0)
+        _check(*CROSS_GPU[0], causal, True, "cuda", torch.bfloat16, heads=4, dim=64, factor=2.0)
+        _check(SELF_GPU[0], SELF_GPU[0], causal, False, "cuda", torch.bfloat16, heads=4, dim=128, factor=2.0, window=64)
 
 
 @pytest.mark.gpu

@@ -68,7 +68,12 @@ _FWD_CANDIDATES = {
 # tiles amortize the K/V loads), dQ the reverse.
 # The 8-warp 32x64 dK/dV and 64x32 dQ tiles compile without spills at D=128 (202 and 142
 # registers, sm_90 ptxas; docs/benchmarks.md), unlike the 4-warp ones; added, not yet timed.
-_DKDV_CANDIDATES = [(64, 64, 4, 2), (32, 128, 4, 3), (32, 64, 4, 3), (64, 128, 8, 2), (32, 64, 8, 2)]
+# dK/dV configs carry a fifth field: 1 = the transposed formulation (tiles of keys x queries, see
+# _jagged_attn_bwd_dkdv), which at 128 keys x 64 queries on 8 warps spills 0.2 KB per thread
+# instead of 2.7 KB (sm_90 ptxas, causal with bias); added, not yet timed.
+_DKDV_CANDIDATES = [(64, 64, 4, 2, 0), (32, 128, 4, 3, 0), (32, 64, 4, 3, 0), (64, 128, 8, 2, 0), (32, 64, 8, 2, 0),
+                    (64, 128, 8, 2, 1), (32, 64, 4, 3, 1), (32, 64, 8, 2, 1)]
+_DKDV_INTERPRET = (16, 16, 1, 1, 0)
 _DQ_CANDIDATES = [(64, 64, 4, 2), (128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2), (64, 32, 8, 3)]
 
 
@@ -95,7 +100,7 @@ def _fwd_tile(
     if HAS_BIAS:
         s += _bias_tile(BIAS, h, dist, stride_bias_h, bias_max)
     if MASK:
-        s = tl.where(_visible(kmask, dist, window, CAUSAL, WINDOWED), s, float("-inf"))
+        s = tl.where(_visible(kmask[None, :], dist, window, CAUSAL, WINDOWED), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
     p = tl.math.exp2(s - m_safe[:, None])
@@ -107,10 +112,11 @@ def _fwd_tile(
 
 @triton.jit
 def _visible(kmask, dist, window, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr):
-    """(BM, BN) mask of visible (query, key) pairs; kmask: (BN,) keys inside the sequence; dist:
-    aligned distance i + shift - j; window: NO_WINDOW when there is none (WINDOWED False skips
-    the window compares)."""
-    valid = kmask[None, :]
+    """Mask of visible (query, key) pairs, in dist's shape ((BM, BN), or (BN, BM) for the
+    transposed tiles of the dK/dV pass); kmask: keys inside the sequence, shaped to broadcast
+    against dist ((1, BN) or (BN, 1)); dist: aligned distance i + shift - j; window: NO_WINDOW when
+    there is none (WINDOWED False skips the window compares)."""
+    valid = kmask
     if WINDOWED:
         valid = valid & (dist < window)
     if CAUSAL:
@@ -213,10 +219,14 @@ def _jagged_attn_bwd_dkdv(
     stride_don, stride_doh, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
     stride_bias_h, bias_max, num_heads, qk_scale, scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, TRANSPOSED: tl.constexpr,
 ):
     # WORK: int32 [n_work, 2] = (sequence, key tile). Program (pid, h) owns BLOCK_N keys of one
     # sequence and loops over the query tiles that see them: dK, dV written once, no atomics.
+    # TRANSPOSED computes the (BLOCK_N, BLOCK_M) tiles s^T = k q^T, p^T, dS^T directly: they leave
+    # their MMAs in the layout the next MMA (dv += p^T do, dk += dS^T q) takes as its A operand,
+    # so no register tile goes through shared memory to be transposed, and the key tile is the
+    # MMA's M side (128 keys on 8 warps = two warp groups of 64 rows, FlashAttention's dK/dV shape).
     pid = tl.program_id(0)
     h = tl.program_id(1)
     n0, q_start, q_len, k_start, k_len, shift = work_item(WORK, Q_OFFSETS, K_OFFSETS, pid, BLOCK_N)
@@ -265,13 +275,25 @@ def _jagged_attn_bwd_dkdv(
             do = load_rows(DO, q_start, offs_m, q_len, stride_don, h * stride_doh, offs_d)
             lse = tl.load(LSE + (q_start + offs_m) * num_heads + h, mask=row_ok, other=float("inf"))
             delta = tl.load(DELTA + (q_start + offs_m) * num_heads + h, mask=row_ok, other=0.0)
-            dist = offs_m[:, None] + shift - offs_n[None, :]
-            valid = _visible(kmask, dist, window, CAUSAL, True)
-            p = _bwd_scores(q, k, BIAS, h, dist, lse, stride_bias_h, bias_max, qk_scale, valid, HAS_BIAS, phase != 1)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+            if TRANSPOSED:  # q^T and do^T are views of the tiles staged in shared memory
+                dist_t = offs_m[None, :] + shift - offs_n[:, None]
+                s_t = tl.dot(k, tl.trans(q)) * qk_scale
+                if HAS_BIAS:
+                    s_t += _bias_tile(BIAS, h, dist_t, stride_bias_h, bias_max)
+                p_t = tl.math.exp2(s_t - lse[None, :])
+                if phase != 1:
+                    p_t = tl.where(_visible(kmask[:, None], dist_t, window, CAUSAL, True), p_t, 0.0)
+                dv += tl.dot(p_t.to(do.dtype), do)
+                ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
+                dk += tl.dot(ds_t.to(q.dtype), q)
+            else:
+                dist = offs_m[:, None] + shift - offs_n[None, :]
+                valid = _visible(kmask[None, :], dist, window, CAUSAL, True)
+                p = _bwd_scores(q, k, BIAS, h, dist, lse, stride_bias_h, bias_max, qk_scale, valid, HAS_BIAS,
+                                phase != 1)
+                dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+                ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+                dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
     store_rows(DK, dk * scale, k_start, offs_n, k_len, stride_dkn, h * stride_dkh, offs_d)
     store_rows(DV, dv, k_start, offs_n, k_len, stride_dvn, h * stride_dvh, offs_d)
 
@@ -317,7 +339,7 @@ def _jagged_attn_bwd_dq(
             k = load_rows(K, k_start, offs_n, k_len, stride_kn, h * stride_kh, offs_d)
             v = load_rows(V, k_start, offs_n, k_len, stride_vn, h * stride_vh, offs_d)
             dist = offs_m[:, None] + shift - offs_n[None, :]
-            valid = _visible(kmask, dist, window, CAUSAL, True)
+            valid = _visible(kmask[None, :], dist, window, CAUSAL, True)
             p = _bwd_scores(q, k, BIAS, h, dist, lse, stride_bias_h, bias_max, qk_scale, valid, HAS_BIAS, phase != 1)
             dp = tl.dot(do, tl.trans(v))
             ds = p * (dp - delta[:, None])  # gradient of the natural-units score s_ij
@@ -397,7 +419,7 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
     state = {}
 
     def run_dkdv(cfg):
-        bm, bn, warps, stages = cfg
+        bm, bn, warps, stages, transposed = cfg
         kwork = key_work(q_offsets, k_offsets, bn, causal, q.device)
         if kwork.shape[0]:
             _jagged_attn_bwd_dkdv[(kwork.shape[0], heads)](
@@ -405,7 +427,7 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
                 bias_d.stride(0), bias_max, heads, qk_scale, scale, kernel_window,
-                HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=has_bias,
+                HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=has_bias, TRANSPOSED=bool(transposed),
                 num_warps=warps, num_stages=stages,
             )
 
@@ -425,7 +447,7 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
         state["dbias"] = dbias
 
     key = (dim, q.dtype, causal, has_bias, _window_key(window), bucket_len(max_q_len), bucket_len(max_k_len))
-    run_dkdv(pick_config(("dkdv",) + key, _DKDV_CANDIDATES, run_dkdv))
+    run_dkdv(pick_config(("dkdv",) + key, _DKDV_CANDIDATES, run_dkdv, _DKDV_INTERPRET))
     run_dq(pick_config(("dq",) + key, _DQ_CANDIDATES, run_dq))
     dtable = None
     if has_bias:
