@@ -6,7 +6,9 @@ import os
 import subprocess
 import sys
 
-from gemctl.launch.multirun import comparison_rows, expand, markdown_table, recipe_sweep
+import pytest
+
+from gemctl.launch.multirun import comparison_rows, expand, markdown_table, recipe_sweep, summary_markdown, summary_rows
 
 SHORT = ["train.steps=4", "train.warmup_timing_steps=1", "train.log_every=2", "data.synthetic.eval_samples=64",
          "data.eval_batch_size=64", "data.batch_size=16", "run.progress=false"]
@@ -65,6 +67,37 @@ def test_comparison_table_by_hand():
     ]
 
 
+def _job(i, precision, seed, ctr_ne, step_ms=10.0, code=0):
+    job = {"job": i, "overrides": [f"precision={precision}", f"train.seed={seed}"], "exit_code": code}
+    if code == 0:
+        job.update(eval={"ctr": {"ne": ctr_ne, "auc": 0.8}}, perf={"step_time_ms": step_ms, "qps": 1.0, "local_mfu": 0.1})
+    return job
+
+
+def test_settings_compared_over_seeds():
+    """The per-setting table: mean ± std over seeds, the difference from the first setting against
+    max(0.1% of its mean, 2 std of its seeds), paired per-seed differences, speed-up."""
+    keys = ["precision", "train.seed"]
+    results = [_job(0, "bf16", 0, 0.70), _job(1, "bf16", 1, 0.71), _job(2, "bf16", 2, 0.72, step_ms=20.0),
+               _job(3, "fp8", 0, 0.72, 5.0), _job(4, "fp8", 1, 0.73, 5.0), _job(5, "fp8", 2, 0.74, 10.0),
+               _job(6, "mx", 0, 0.705), _job(7, "mx", 1, 0, code=1), _job(8, "mx", 2, 0.725)]
+    groups = summary_rows(keys, comparison_rows(keys, results))
+    assert [g["precision"] for g in groups] == ["bf16", "fp8", "mx"]
+    bf16, fp8, mx = groups
+    assert bf16["ctr.ne_mean"] == pytest.approx(0.71) and bf16["ctr.ne_std"] == pytest.approx(0.01)
+    assert bf16["ctr.ne_bar"] == pytest.approx(0.02)  # 2 std of the baseline seeds > 0.1% of 0.71
+    assert fp8["ctr.ne_diff_rel"] == pytest.approx(0.02 / 0.71) and fp8["ctr.verdict"] == "worse"
+    assert fp8["ctr.paired_mean"] == pytest.approx(0.02) and fp8["ctr.paired_std"] == pytest.approx(0.0)
+    assert fp8["speedup"] == pytest.approx((40 / 3) / (20 / 3))
+    assert mx["n"] == 2 and mx["ctr.verdict"] == "neutral"  # the failed seed is left out
+    assert mx["ctr.paired_mean"] == pytest.approx(0.005)
+    md = summary_markdown(keys, groups).splitlines()
+    assert md[2] == "| precision | runs | ctr NE | ctr NE vs first | ctr paired diff | ctr AUC | step ms | speed-up |"
+    assert md[4] == "| bf16 | 3 | 0.7100 ± 0.0100 | bar 0.0200 | - | 0.8000 | 13.3 | 1.00x |"
+    assert md[5] == "| fp8 | 3 | 0.7300 ± 0.0100 | +2.82% worse | 0.0200 ± 0.0000 | 0.8000 | 6.7 | 2.00x |"
+    assert summary_rows(keys, comparison_rows(keys, results[:3])) == []  # one setting: nothing to compare
+
+
 def test_recipe_declares_its_sweep(tmp_path):
     recipe = tmp_path / "kinds.yaml"
     recipe.write_text("# @package _global_\n# gemctl train --recipe kinds -m\n"
@@ -88,3 +121,5 @@ def test_recipe_declares_its_sweep(tmp_path):
     assert "| job | model.attention | ctr NE | ctr AUC | cvr NE | cvr AUC | step ms | QPS | MFU |" in md
     assert "| 1 | [window:2] |" in md
     assert "ctr NE" in proc.stdout and "step ms" in proc.stdout
+    assert [g["model.attention"] for g in sweep["summary"]] == ["[full]", "[window:2]", "[block:4]"]
+    assert "ctr NE vs first" in md and "ctr NE vs first" in proc.stdout

@@ -3,6 +3,11 @@ syntax: comma lists, range(), choice()), one after another, each in its own run 
 under ``runs/<name>/multirun-<stamp>/<job>/``, and a comparison table at the end: printed, and
 written to the sweep directory as sweep.json (jobs and table rows) and sweep.md (markdown).
 The table has, per job, the swept values, NE and AUC of every task, step time, QPS and MFU.
+When more than one setting is swept over seeds (``train.seed``), a second table compares the
+settings: per setting the mean ± std of each task's NE over its seeds, the difference from the
+first setting (the baseline, e.g. ``precision=bf16,fp8``: bf16) against the neutrality bar
+max(0.1% of the baseline's mean NE, 2 std of the baseline's seeds), the mean ± std of the per-seed
+(paired) differences where both settings ran the same seeds, AUC and step time.
 
 A recipe may declare its sweep the Hydra way, under ``hydra.sweeper.params`` (key: sweep string);
 ``gemctl train --recipe R -m`` then runs it, and a key swept on the command line replaces the
@@ -94,7 +99,11 @@ def run_sweep(overrides: list[str], recipe, console) -> int:
         write_tables(root, keys, results)
     # The markdown table, not a rich one: it never elides a number on a narrow console, and it is
     # the same text as sweep.md.
-    console.print(markdown_table(keys, comparison_rows(keys, results)), markup=False, highlight=False, soft_wrap=True)
+    rows = comparison_rows(keys, results)
+    console.print(markdown_table(keys, rows), markup=False, highlight=False, soft_wrap=True)
+    groups = summary_rows(keys, rows)
+    if groups:
+        console.print(summary_markdown(keys, groups), markup=False, highlight=False, soft_wrap=True)
     console.print(f"comparison: {root / 'sweep.md'}, {root / 'sweep.json'}", markup=False, soft_wrap=True)
     return max(r["exit_code"] for r in results)
 
@@ -176,15 +185,111 @@ def markdown_table(keys: list[str], rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+SEED_KEY = "train.seed"
+NE_BAR_REL = 0.001  # neutrality bar: max(0.1% of the baseline's mean NE, 2 std of its seeds)
+
+
+def _mean_std(values: list[float]) -> tuple[float, float | None]:
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, None
+    return mean, (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+
+
+def summary_rows(keys: list[str], rows: list[dict]) -> list[dict]:
+    """Settings (the swept values other than the seed) compared over their seeds; empty unless
+    at least two settings ran. The first setting is the baseline. Per task: NE mean, std, the
+    relative difference from the baseline, the bar, the verdict (neutral when |difference| < bar,
+    else worse / better: lower NE is better) and, over the seeds both ran, the paired differences'
+    mean and std; AUC mean; step time mean and the baseline's step time over it (speed-up)."""
+    setting_keys = [k for k in keys if k != SEED_KEY]
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if row["exit_code"] == 0:
+            groups.setdefault(tuple(row[k] for k in setting_keys), []).append(row)
+    if len(groups) < 2:
+        return []
+    tasks = [c[:-3] for c in _columns(keys, rows) if c.endswith(".ne")]
+    base_jobs = next(iter(groups.values()))
+    out = []
+    for values, jobs in groups.items():
+        g = {**dict(zip(setting_keys, values)), "n": len(jobs), "seeds": [j.get(SEED_KEY, "") for j in jobs]}
+        for task in tasks:
+            ne = [j[f"{task}.ne"] for j in jobs if j.get(f"{task}.ne") is not None]
+            base = [j[f"{task}.ne"] for j in base_jobs if j.get(f"{task}.ne") is not None]
+            if not ne or not base:
+                continue
+            mean, std = _mean_std(ne)
+            base_mean, base_std = _mean_std(base)
+            bar = max(NE_BAR_REL * base_mean, 2 * base_std if base_std is not None else 0.0)
+            diff = mean - base_mean
+            g[f"{task}.ne_mean"], g[f"{task}.ne_std"] = mean, std
+            g[f"{task}.ne_diff_rel"], g[f"{task}.ne_bar"] = diff / base_mean, bar
+            g[f"{task}.verdict"] = "neutral" if abs(diff) < bar else ("worse" if diff > 0 else "better")
+            by_seed = {j.get(SEED_KEY): j[f"{task}.ne"] for j in base_jobs if j.get(f"{task}.ne") is not None}
+            paired = [j[f"{task}.ne"] - by_seed[j.get(SEED_KEY)] for j in jobs
+                      if j.get(SEED_KEY, "") != "" and j.get(SEED_KEY) in by_seed and j.get(f"{task}.ne") is not None]
+            if paired:
+                g[f"{task}.paired_mean"], g[f"{task}.paired_std"] = _mean_std(paired)
+            auc = [j[f"{task}.auc"] for j in jobs if j.get(f"{task}.auc") is not None]
+            if auc:
+                g[f"{task}.auc_mean"] = _mean_std(auc)[0]
+        steps = [j["step_time_ms"] for j in jobs if j.get("step_time_ms")]
+        base_steps = [j["step_time_ms"] for j in base_jobs if j.get("step_time_ms")]
+        if steps and base_steps:
+            g["step_time_ms"] = _mean_std(steps)[0]
+            g["speedup"] = _mean_std(base_steps)[0] / g["step_time_ms"]
+        out.append(g)
+    return out
+
+
+def _pm(mean: float, std: float | None, digits: int = 4) -> str:
+    return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if std is not None else "")
+
+
+def summary_markdown(keys: list[str], groups: list[dict]) -> str:
+    setting_keys = [k for k in keys if k != SEED_KEY]
+    tasks = [c[:-8] for c in groups[0] if c.endswith(".ne_mean")]
+    header = [*setting_keys, "runs"]
+    for task in tasks:
+        header += [f"{task} NE", f"{task} NE vs first", f"{task} paired diff", f"{task} AUC"]
+    header += ["step ms", "speed-up"]
+    lines = [f"Settings over seeds; first row = baseline; NE neutral when |mean difference| < "
+             f"max({100 * NE_BAR_REL:.1f}% of the baseline mean, 2 std of its seeds).", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for i, g in enumerate(groups):
+        cells = [str(g[k]) for k in setting_keys] + [str(g["n"])]
+        for task in tasks:
+            if f"{task}.ne_mean" not in g:
+                cells += ["-", "-", "-", "-"]
+                continue
+            cells.append(_pm(g[f"{task}.ne_mean"], g[f"{task}.ne_std"]))
+            if i == 0:
+                cells.append(f"bar {g[f'{task}.ne_bar']:.4f}")
+            else:
+                cells.append(f"{100 * g[f'{task}.ne_diff_rel']:+.2f}% {g[f'{task}.verdict']}")
+            cells.append(_pm(g[f"{task}.paired_mean"], g.get(f"{task}.paired_std"))
+                         if i > 0 and f"{task}.paired_mean" in g else "-")
+            cells.append(f"{g[f'{task}.auc_mean']:.4f}" if f"{task}.auc_mean" in g else "-")
+        cells += [f"{g['step_time_ms']:.1f}" if "step_time_ms" in g else "-",
+                  f"{g['speedup']:.2f}x" if "speedup" in g else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def write_tables(root: Path, keys: list[str], results: list[dict]) -> None:
-    """sweep.json (the jobs and the comparison rows) and sweep.md, rewritten after every job so
-    an interrupted sweep keeps what it has."""
+    """sweep.json (the jobs, the comparison rows and the per-setting summary) and sweep.md,
+    rewritten after every job so an interrupted sweep keeps what it has."""
     rows = comparison_rows(keys, results)
+    groups = summary_rows(keys, rows)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    (root / "sweep.json").write_text(json.dumps({"keys": keys, "jobs": results, "table": rows, "updated": stamp},
-                                                indent=1))
-    (root / "sweep.md").write_text(f"# multirun {root.name}\n\nUpdated {stamp}. Step time and QPS: means over the "
-                                   f"timed steps of each job (summary.json).\n\n" + markdown_table(keys, rows))
+    (root / "sweep.json").write_text(json.dumps({"keys": keys, "jobs": results, "table": rows, "summary": groups,
+                                                 "updated": stamp}, indent=1))
+    md = (f"# multirun {root.name}\n\nUpdated {stamp}. Step time and QPS: means over the timed steps of each job "
+          f"(summary.json).\n\n" + markdown_table(keys, rows))
+    if groups:
+        md += "\n" + summary_markdown(keys, groups)
+    (root / "sweep.md").write_text(md)
 
 
 def _run_one(cfg, run_dir: Path, console) -> int:
