@@ -59,15 +59,14 @@ def seed_everything(seed: int, deterministic: bool | None, device: torch.device)
     torch.manual_seed(seed)
     if deterministic is None:
         deterministic = device.type == "cpu"
-    if not deterministic:
-        return
-    if device.type == "cuda":
+    if device.type == "cuda":  # set either way: the jobs of a multirun share this process
         from gemctl.ops.triton.common import set_autotune
 
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.backends.cudnn.benchmark = False
-        set_autotune(False)
-    torch.use_deterministic_algorithms(True, warn_only=device.type != "cpu")
+        set_autotune(False if deterministic else None)
+        if deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(deterministic, warn_only=deterministic and device.type != "cpu")
 
 
 def autocast_context(device: torch.device, precision_cfg):
