@@ -32,7 +32,7 @@ def kernels():
     io = {n: "*bf16" for n in ("Q", "K", "V", "O", "DO", "DK", "DV", "DQ")}
     io.update(LSE="*fp32", DELTA="*fp32", DBIAS="*fp32", BIAS="*fp32", BUCKETS="*i32", Q_OFFSETS="*i64",
               K_OFFSETS="*i64", WORK="*i32", qk_scale="fp32", scale="fp32")
-    io.update(COS="*fp32", SIN="*fp32", OFFSETS="*i64")
+    io.update(COS="*fp32", SIN="*fp32", OFFSETS="*i64", MROW="*fp32")
     for causal in (False, True):
         for has_bias in (False, True):
             consts = dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, CAUSAL=causal, HAS_BIAS=has_bias)
@@ -41,6 +41,10 @@ def kernels():
                 yield ja._jagged_attn_bwd_dkdv, io, dict(consts, TRANSPOSED=transposed)
             yield ja._jagged_attn_bwd_dq, io, dict(consts, NUM_BUCKETS=32)
     yield ja._jagged_attn_fwd, io, dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, CAUSAL=True, HAS_BIAS=True, WINDOWED=True)
+    mx_p = dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, CAUSAL=True, HAS_BIAS=True, MX_P=2)  # MXFP8 probabilities
+    yield ja._jagged_attn_fwd, io, dict(mx_p, WINDOWED=False)
+    for transposed in (False, True):
+        yield ja._jagged_attn_bwd_dkdv, io, dict(mx_p, TRANSPOSED=transposed)
     for act in (0, 1):  # gelu, silu
         for chunk in (0, 4):  # tile loop, resident short side
             consts = dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, ACT=act, CHUNK=chunk)

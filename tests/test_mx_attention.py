@@ -1,5 +1,6 @@
 """MXFP8 attention (precision.mx.attention): the QK^T and PV operands MX-quantized along their
-contraction axes, on the PyTorch reference attention, gradients straight through."""
+contraction axes, gradients straight through; the PyTorch reference and the Triton kernel (the
+probabilities quantized in-kernel; the CPU tier under the interpreter)."""
 
 from __future__ import annotations
 
@@ -36,9 +37,12 @@ def _per_sequence(q, k, v, offsets, causal, quant):
         if causal:
             n = s1 - s0
             s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-        p = torch.softmax(s, -1)
-        if quant:
-            p = mx_qdq(p.float(), 32, axis=-1, scale_rule="rceil").double()
+        if quant:  # before normalization, relative to the row maximum rounded up in log2 units
+            s2 = s * 1.4426950408889634
+            pt = torch.exp2(s2 - torch.ceil(s2.amax(-1, keepdim=True)))
+            p = mx_qdq(pt.float(), 32, axis=-1, scale_rule="rceil").double() / pt.sum(-1, keepdim=True)
+        else:
+            p = torch.softmax(s, -1)
         out[s0:s1] = torch.einsum("hqk,khd->qhd", p, vb.double())
     return out
 
@@ -74,11 +78,65 @@ def test_mx_operands_gradients_pass_straight_through():
         assert torch.isfinite(g_mx).all() and 0 < _rel(g_mx, g_ref.double()) < 0.2
 
 
-def test_mx_operands_refuse_the_triton_backend():
+def _kernel_vs_reference(lengths, causal, window, with_bias, recipe, device="cpu", dtype=torch.float32, forced=None):
+    from gemctl.ops.triton import common
+
+    q, k, v, offsets, max_len = _inputs(lengths, seed=2)
+    table = torch.randn(2, 16, generator=torch.Generator().manual_seed(3)) * 0.5 if with_bias else None
+    quant = mx_attention_quant(recipe)
+    results = {}
+    for backend in ("torch", "triton"):
+        leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+        tb = table.to(device).requires_grad_() if table is not None else None
+        bias = ops.RelativePositionBias(tb, 40) if tb is not None else None
+        with common.forced_config(forced or {}):
+            out = ops.jagged_attention(*leaves, offsets.to(device), offsets.to(device), max_len, max_len, bias=bias,
+                                       causal=causal, window=window, backend=backend, operand_quant=quant)
+            grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(device, dtype)
+            results[backend] = [out, *torch.autograd.grad(out, leaves + ([tb] if tb is not None else []), grad)]
+    return results
+
+
+@pytest.mark.parametrize("causal, window, with_bias, recipe", [
+    (False, None, False, MXRecipe(scale_rule="rceil")),
+    (True, None, True, MXRecipe(scale_rule="floor")),
+    (True, 20, True, MXRecipe(elem=torch.float8_e5m2, scale_rule="rceil")),
+    (False, 7, False, MXRecipe(elem=torch.float8_e5m2, scale_rule="floor")),
+])
+@pytest.mark.parametrize("transposed", [0, 1])
+def test_triton_kernel_matches_the_reference_cpu(causal, window, with_bias, recipe, transposed):
+    """The kernel quantizes P in-kernel relative to an integer running maximum (exact under MX,
+    which commutes with powers of two) and its backward reproduces the reference's straight-through
+    gradients: outputs, dq, dk, dv and the bias gradient agree to float32 rounding."""
+    got = _kernel_vs_reference([0, 1, 33, 70, 31, 64], causal, window, with_bias, recipe,
+                               forced={"dkdv": (16, 32, 1, 1, transposed)})
+    for name, a, b in zip(["out", "dq", "dk", "dv", "dbias"], got["triton"], got["torch"]):
+        assert torch.isfinite(a).all(), name
+        assert _rel(a, b.double()) < 1e-5, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal, window", [(True, None), (False, None), (True, 256)])
+def test_triton_kernel_matches_the_reference_gpu(causal, window):
+    """bf16 on the GPU, against the reference in float32 on the same quantized numerics: within
+    2x the bf16 reference path's own error (plus a floor)."""
+    lengths = [0, 1, 63, 64, 65, 700, 3, 130]
+    recipe = MXRecipe(scale_rule="rceil")
+    got = _kernel_vs_reference(lengths, causal, window, True, recipe, "cuda", torch.bfloat16)
+    want = _kernel_vs_reference(lengths, causal, window, True, recipe, "cuda", torch.float32)["torch"]
+    for name, a, b, w in zip(["out", "dq", "dk", "dv", "dbias"], got["triton"], got["torch"], want):
+        assert torch.isfinite(a).all(), name
+        assert _rel(a, w.double()) <= 2 * _rel(b, w.double()) + 2e-3, name
+
+
+def test_non_mx_quantizers_refuse_the_triton_backend():
     q, k, v, offsets, max_len = _inputs([3])
-    with pytest.raises(ValueError, match="operand_quant"):
+    with pytest.raises(ValueError, match="blocks of 32"):
         ops.jagged_attention(q, k, v, offsets, offsets, max_len, max_len, backend="triton",
-                             operand_quant=mx_attention_quant(MXRecipe()))
+                             operand_quant=lambda t, axis: t)
+    with pytest.raises(ValueError, match="blocks of 32"):
+        ops.jagged_attention(q, k, v, offsets, offsets, max_len, max_len, backend="triton",
+                             operand_quant=mx_attention_quant(MXRecipe(block=16)))
 
 
 @pytest.mark.parametrize("attention", [True, False])

@@ -22,6 +22,7 @@ from gemctl.ops.bias import RelativePositionBias, relative_position_bucket
 from gemctl.ops.reference.attention import check_window, jagged_attention_reference
 from gemctl.ops.reference.block import apply_rope, block_attention_reference
 from gemctl.ops.reference.gdpa import gdpa_reference
+from gemctl.ops.reference.jagged import pad, unpad
 
 __all__ = [
     "RelativePositionBias",
@@ -45,6 +46,9 @@ _TRITON_IMPLS = {
     # needed gemctl.ops.preload(), passed on 01cf4d0.
     "block_attention": ("gemctl.ops.triton.block_attention", "block_attention_triton", True),
 }
+# MXFP8 attention (jagged_attention with operand_quant) in the Triton kernel: CPU-tested under the
+# interpreter; joins "auto" once its GPU tier has passed.
+_MX_ATTENTION_AUTO = False
 triton_kernels: dict[str, object] = {}  # loaded implementations
 _warned: set[str] = set()
 
@@ -109,19 +113,35 @@ def jagged_attention(
     ``operand_quant``: a callable ``(tensor, axis) -> tensor`` applied to the operands of both
     GEMMs along their contraction axes (q and k along D; the probabilities and v along the keys,
     blocks starting at each sequence's first key), e.g. MX quantize-dequantize
-    (gemctl.precision.mx_linear.mx_attention_quant). It runs on the PyTorch reference: the Triton
-    kernel has no quantized operands (said once when that replaces it; backend="triton" refuses).
+    (gemctl.precision.mx_linear.mx_attention_quant). The probabilities are quantized before
+    normalization, relative to each row's maximum score rounded up to an integer in log2 units:
+    ``out = q(exp2(s - M)) v / sum(exp2(s - M))`` (gemctl.ops.reference.attention). The Triton
+    kernel quantizes them in-kernel (MX formats with blocks of 32: ``operand_quant.mx_format``);
+    it runs with backend="triton"; "auto" keeps the reference for quantized operands until that
+    path has passed its GPU tier (said once on CUDA). Other quantizers: the reference only.
     """
     check_window(window)
     if operand_quant is not None:
-        if backend == "triton":
-            raise ValueError("jagged_attention: operand_quant runs on the PyTorch reference only; use backend 'auto' "
-                             "or 'torch'")
-        if backend == "auto" and q.device.type == "cuda" and "jagged_attention:operand_quant" not in _warned:
-            _warned.add("jagged_attention:operand_quant")
-            print("gemctl.ops: jagged_attention with quantized operands (MXFP8 attention) runs the PyTorch reference; "
-                  "the Triton kernel has no quantized operands", file=sys.stderr)
-        fn = functools.partial(jagged_attention_reference, operand_quant=operand_quant)
+        code = 0
+        if backend == "triton" or (backend == "auto" and q.device.type == "cuda" and _MX_ATTENTION_AUTO):
+            from gemctl.ops.triton.jagged_attention import mx_p_code
+
+            fmt = getattr(operand_quant, "mx_format", None)
+            code = mx_p_code(*fmt) if fmt is not None else 0
+            if not code and backend == "triton":
+                raise ValueError("jagged_attention: backend 'triton' quantizes operands in MX formats with blocks of "
+                                 f"32 (E4M3 or E5M2, scale rule floor or rceil); got {fmt}: use backend 'auto' or 'torch'")
+        if code:
+            kernel = _pick("jagged_attention", "triton", q.device)
+            q, k = operand_quant(q, -1), operand_quant(k, -1)  # along D: the jagged rows quantize as they are
+            v = unpad(operand_quant(pad(v, k_offsets, max(int(max_k_len), 1))[0], 1), k_offsets, v.shape[0])
+            fn = functools.partial(kernel, mx_p=code)
+        else:
+            if backend == "auto" and q.device.type == "cuda" and "jagged_attention:operand_quant" not in _warned:
+                _warned.add("jagged_attention:operand_quant")
+                print("gemctl.ops: jagged_attention with quantized operands (MXFP8 attention) runs the PyTorch "
+                      "reference; the Triton path (backend='triton') has not passed its GPU tier yet", file=sys.stderr)
+            fn = functools.partial(jagged_attention_reference, operand_quant=operand_quant)
     else:
         fn = _pick("jagged_attention", backend, q.device) or jagged_attention_reference
     with torch.profiler.record_function("gemctl.attention.jagged_attention"):

@@ -156,6 +156,7 @@ def mx_attention_quant(recipe: MXRecipe):
         flat = t.detach()
         return t + (mx_qdq(flat, recipe.block, recipe.elem, axis=axis, scale_rule=recipe.scale_rule) - flat)
 
+    quant.mx_format = (recipe.elem, recipe.scale_rule, recipe.block)  # the Triton kernel quantizes P in-kernel
     return quant
 
 

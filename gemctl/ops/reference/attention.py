@@ -57,6 +57,9 @@ def _bias_scores(bias: RelativePositionBias, dist: torch.Tensor, dtype) -> torch
     return table[:, bucket].transpose(0, 1)  # (B, H, Lq, Lk)
 
 
+_LOG2E = 1.4426950408889634
+
+
 def jagged_attention_reference(
     q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, bias=None, causal=False, scale=None, window=None,
     operand_quant=None,
@@ -96,7 +99,12 @@ def jagged_attention_reference(
     else:  # the two GEMMs on quantized operands, each along its contraction axis
         qh, kh = operand_quant(qp, -1).transpose(1, 2), operand_quant(kp, -1).transpose(1, 2)  # (B, H, L, D)
         vh = operand_quant(vp, 1).transpose(1, 2)  # keys padded after each sequence: blocks start at its first key
-        p = torch.softmax((qh @ kh.transpose(-1, -2)) * scale + mask, dim=-1)  # (B, H, Lq, Lk)
-        out = (operand_quant(p, -1) @ vh).transpose(1, 2)
+        # The probabilities are quantized before normalization, relative to the row's maximum
+        # rounded up to an integer in log2 units (what a flash kernel can reproduce exactly: its
+        # running maximum then moves by powers of two, under which MX quantization is exact), and
+        # normalized by the unquantized sum: out = q(exp2(s - M)) v / sum(exp2(s - M)).
+        s2 = ((qh @ kh.transpose(-1, -2)) * scale + mask) * _LOG2E  # (B, H, Lq, Lk), log2 units
+        p = torch.exp2(s2 - torch.ceil(s2.amax(-1, keepdim=True)).detach())
+        out = ((operand_quant(p, -1) @ vh) / p.sum(-1, keepdim=True)).transpose(1, 2)
     out = out * has_key[:, :, None, None].to(out.dtype)
     return unpad(out, q_offsets, q.shape[0])

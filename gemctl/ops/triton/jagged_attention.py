@@ -74,6 +74,11 @@ _FWD_CANDIDATES = {
 _DKDV_CANDIDATES = [(64, 64, 4, 2, 0), (32, 128, 4, 3, 0), (32, 64, 4, 3, 0), (64, 128, 8, 2, 0), (32, 64, 8, 2, 0),
                     (64, 128, 8, 2, 1), (32, 64, 4, 3, 1), (32, 64, 8, 2, 1)]
 _DKDV_INTERPRET = (16, 16, 1, 1, 0)
+# With MX probabilities the key tiles hold whole MX blocks (32 keys): every GPU candidate does; the
+# interpreter's 16-key tiles do not.
+_INTERPRET = (16, 16, 1, 1)
+_MX_INTERPRET = (16, 32, 1, 1)
+_DKDV_MX_INTERPRET = (16, 32, 1, 1, 0)
 _DQ_CANDIDATES = [(64, 64, 4, 2), (128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2), (64, 32, 8, 3)]
 
 
@@ -85,11 +90,68 @@ def _bias_tile(BIAS, h, dist, stride_bias_h, bias_max):
     return tl.load(BIAS + h * stride_bias_h + ad)
 
 
+# MXFP8 probabilities (operand_quant of gemctl.ops.jagged_attention, MX recipes): MX_P codes the
+# element format and scale rule of P's quantization (0: none; see mx_p_code).
+def mx_p_code(elem: torch.dtype, scale_rule: str, block: int) -> int:
+    """The kernels' MX_P for an MX format (0 where they cannot: blocks other than 32)."""
+    if block != 32 or elem not in (torch.float8_e4m3fn, torch.float8_e5m2) or scale_rule not in ("floor", "rceil"):
+        return 0
+    return (1 if elem == torch.float8_e4m3fn else 3) + (scale_rule == "rceil")
+
+
+
+@triton.jit
+def _mx_qdq_keys(p, KEY_AXIS: tl.constexpr, MX_P: tl.constexpr):
+    """p (a 2-D fp32 tile, >= 0) MX-quantized and dequantized in blocks of 32 along KEY_AXIS (the
+    tile's keys start at a multiple of 32 from the sequence's first key, so the blocks are those of
+    the reference): shared exponent from each block's maximum (OCP floor, or RCEIL), elements
+    rounded to nearest even and saturated (gemctl.precision.mx). MX_P: 1/2 E4M3 floor/RCEIL,
+    3/4 E5M2 floor/RCEIL."""
+    E5M2: tl.constexpr = MX_P >= 3
+    RCEIL: tl.constexpr = MX_P % 2 == 0
+    if E5M2:
+        EMAX: tl.constexpr = 15
+        ELEM_MAX: tl.constexpr = 57344.0
+        DROP: tl.constexpr = 21
+        MIN_NORMAL: tl.constexpr = 6.103515625e-05
+        SUB_UNITS: tl.constexpr = 65536.0
+    else:
+        EMAX: tl.constexpr = 8
+        ELEM_MAX: tl.constexpr = 448.0
+        DROP: tl.constexpr = 20
+        MIN_NORMAL: tl.constexpr = 0.015625
+        SUB_UNITS: tl.constexpr = 512.0
+    R: tl.constexpr = p.shape[0]
+    C: tl.constexpr = p.shape[1]
+    if KEY_AXIS == 1:
+        x = tl.reshape(p, (R, C // 32, 32))
+        amax_bits = tl.max(x.to(tl.int32, bitcast=True), axis=2)  # p >= 0: the bits order as the values
+    else:
+        x = tl.reshape(p, (R // 32, 32, C))
+        amax_bits = tl.max(x.to(tl.int32, bitcast=True), axis=1)
+    shared = (amax_bits >> 23) - 127 - EMAX
+    if RCEIL:
+        shared += ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    shared = tl.minimum(tl.maximum(shared, -126), 127)  # a block below 2^-118 has no normal fp32 scale: 0
+    inv = ((127 - shared) << 23).to(tl.float32, bitcast=True)  # 2^-shared
+    back = ((shared + 127) << 23).to(tl.float32, bitcast=True)  # 2^shared
+    if KEY_AXIS == 1:
+        inv, back = inv[:, :, None], back[:, :, None]
+    else:
+        inv, back = inv[:, None, :], back[:, None, :]
+    a = tl.minimum(x * inv, ELEM_MAX)
+    bits = a.to(tl.int32, bitcast=True)
+    normal = ((bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)) >> DROP) << DROP  # RNE to the element's mantissa
+    sub = ((tl.minimum(a, MIN_NORMAL) * SUB_UNITS + 8388608.0) - 8388608.0) / SUB_UNITS
+    x = tl.where(a >= MIN_NORMAL, normal.to(tl.float32, bitcast=True), sub) * back
+    return tl.reshape(x, (R, C))
+
+
 @triton.jit
 def _fwd_tile(
     acc, m_i, l_i, q, K, V, BIAS, h, k_start, start_n, k_len, shift,
     offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh, stride_bias_h, bias_max, qk_scale, window,
-    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr, MX_P: tl.constexpr = 0,
 ):
     cols = start_n + offs_n  # key positions of this tile within the sequence
     kmask = cols < k_len
@@ -102,10 +164,14 @@ def _fwd_tile(
     if MASK:
         s = tl.where(_visible(kmask[None, :], dist, window, CAUSAL, WINDOWED), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MX_P:  # an integer running maximum: rescaling by alpha is then a power of two, which MX
+        m_new = tl.math.ceil(m_new)  # quantization commutes with (P relative to the final max)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
     p = tl.math.exp2(s - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    l_i = l_i * alpha + tl.sum(p, 1)  # the unquantized sum: the normalizer
+    if MX_P:
+        p = _mx_qdq_keys(p, 1, MX_P)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
 
@@ -151,12 +217,14 @@ def _row_block_range(m0, q_len, k_len, shift, window, BLOCK_M: tl.constexpr, BLO
 
 @triton.jit
 def _jagged_attn_fwd(
-    Q, K, V, O, LSE, Q_OFFSETS, K_OFFSETS, WORK, BIAS,
+    Q, K, V, O, LSE, MROW, Q_OFFSETS, K_OFFSETS, WORK, BIAS,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
     stride_bias_h, bias_max, num_heads, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, WINDOWED: tl.constexpr = False,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, WINDOWED: tl.constexpr = False, MX_P: tl.constexpr = 0,
 ):
+    # MX_P: the probabilities MX-quantized in blocks of 32 keys before the PV product (_mx_qdq_keys),
+    # relative to an integer running maximum whose final value goes to MROW [Nq, H] fp32.
     # window: the sliding window (NO_WINDOW: none). WINDOWED=False compiles the no-window kernel
     # without the band's leading-edge loop and window compares (it measured ~10% faster).
     # Q/K/V/O: [N, H, D] jagged values; LSE: [Nq, H] fp32 log2-sum-exp2 per row (for backward);
@@ -182,44 +250,47 @@ def _jagged_attn_fwd(
         for start_n in range(lo, full_lo, BLOCK_N):
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, BIAS, h, k_start, start_n, k_len, shift,
                                       offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh,
-                                      stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, True, True)
+                                      stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, True, True, MX_P)
     for start_n in range(full_lo, full_end, BLOCK_N):
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, BIAS, h, k_start, start_n, k_len, shift,
                                   offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh,
-                                  stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, False, WINDOWED)
+                                  stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, False, WINDOWED, MX_P)
     for start_n in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, BIAS, h, k_start, start_n, k_len, shift,
                                   offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh,
-                                  stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, True, WINDOWED)
+                                  stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, True, WINDOWED, MX_P)
     has_key = l_i > 0.0
     l_safe = tl.where(has_key, l_i, 1.0)
     out = acc / l_safe[:, None]  # rows with no visible key: acc = 0 -> zeros
     lse = tl.where(has_key, m_i + tl.math.log2(l_safe), float("inf"))  # +inf: p = 0 in backward
     store_rows(O, out, q_start, offs_m, q_len, stride_on, h * stride_oh, offs_d)
     tl.store(LSE + (q_start + offs_m) * num_heads + h, lse, mask=row_ok)
+    if MX_P:
+        tl.store(MROW + (q_start + offs_m) * num_heads + h, tl.where(has_key, m_i, 0.0), mask=row_ok)
 
 
 @triton.jit
 def _bwd_scores(q, k, BIAS, h, dist, lse, stride_bias_h, bias_max, qk_scale, valid,
                 HAS_BIAS: tl.constexpr, MASK: tl.constexpr):
-    """Recompute p = softmax probabilities of a (BM, BN) tile from q, k and the saved LSE."""
+    """Recompute p = softmax probabilities of a (BM, BN) tile from q, k and the saved LSE; also
+    the scores s (log2 units, bias included)."""
     s = tl.dot(q, tl.trans(k)) * qk_scale
     if HAS_BIAS:
         s += _bias_tile(BIAS, h, dist, stride_bias_h, bias_max)
     p = tl.math.exp2(s - lse[:, None])
     if MASK:
         p = tl.where(valid, p, 0.0)
-    return p
+    return p, s
 
 
 @triton.jit
 def _jagged_attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV, Q_OFFSETS, K_OFFSETS, WORK, BIAS,
+    Q, K, V, DO, LSE, DELTA, DK, DV, MROW, Q_OFFSETS, K_OFFSETS, WORK, BIAS,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_don, stride_doh, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
     stride_bias_h, bias_max, num_heads, qk_scale, scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, TRANSPOSED: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, TRANSPOSED: tl.constexpr, MX_P: tl.constexpr = 0,
 ):
     # WORK: int32 [n_work, 2] = (sequence, key tile). Program (pid, h) owns BLOCK_N keys of one
     # sequence and loops over the query tiles that see them: dK, dV written once, no atomics.
@@ -227,6 +298,8 @@ def _jagged_attn_bwd_dkdv(
     # their MMAs in the layout the next MMA (dv += p^T do, dk += dS^T q) takes as its A operand,
     # so no register tile goes through shared memory to be transposed, and the key tile is the
     # MMA's M side (128 keys on 8 warps = two warp groups of 64 rows, FlashAttention's dK/dV shape).
+    # MX_P: dV takes the forward's quantized probabilities, q(exp2(s - M)) / l with M the row's
+    # integer maximum (MROW) and 1/l = exp2(M - lse); dS takes the unquantized ones (straight through).
     pid = tl.program_id(0)
     h = tl.program_id(1)
     n0, q_start, q_len, k_start, k_len, shift = work_item(WORK, Q_OFFSETS, K_OFFSETS, pid, BLOCK_N)
@@ -275,6 +348,9 @@ def _jagged_attn_bwd_dkdv(
             do = load_rows(DO, q_start, offs_m, q_len, stride_don, h * stride_doh, offs_d)
             lse = tl.load(LSE + (q_start + offs_m) * num_heads + h, mask=row_ok, other=float("inf"))
             delta = tl.load(DELTA + (q_start + offs_m) * num_heads + h, mask=row_ok, other=0.0)
+            if MX_P:
+                m_row = tl.load(MROW + (q_start + offs_m) * num_heads + h, mask=row_ok, other=0.0)
+                inv_l = tl.math.exp2(tl.where(row_ok, m_row - lse, float("-inf")))  # 1 / l; 0 past the rows
             if TRANSPOSED:  # q^T and do^T are views of the tiles staged in shared memory
                 dist_t = offs_m[None, :] + shift - offs_n[:, None]
                 s_t = tl.dot(k, tl.trans(q)) * qk_scale
@@ -283,15 +359,29 @@ def _jagged_attn_bwd_dkdv(
                 p_t = tl.math.exp2(s_t - lse[None, :])
                 if phase != 1:
                     p_t = tl.where(_visible(kmask[:, None], dist_t, window, CAUSAL, True), p_t, 0.0)
-                dv += tl.dot(p_t.to(do.dtype), do)
+                if MX_P:
+                    pq_t = tl.where(row_ok[None, :], tl.math.exp2(s_t - m_row[None, :]), 0.0)
+                    if phase != 1:
+                        pq_t = tl.where(_visible(kmask[:, None], dist_t, window, CAUSAL, True), pq_t, 0.0)
+                    pq_t = _mx_qdq_keys(pq_t, 0, MX_P) * inv_l[None, :]
+                    dv += tl.dot(pq_t.to(do.dtype), do)
+                else:
+                    dv += tl.dot(p_t.to(do.dtype), do)
                 ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
                 dk += tl.dot(ds_t.to(q.dtype), q)
             else:
                 dist = offs_m[:, None] + shift - offs_n[None, :]
                 valid = _visible(kmask[None, :], dist, window, CAUSAL, True)
-                p = _bwd_scores(q, k, BIAS, h, dist, lse, stride_bias_h, bias_max, qk_scale, valid, HAS_BIAS,
-                                phase != 1)
-                dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+                p, s = _bwd_scores(q, k, BIAS, h, dist, lse, stride_bias_h, bias_max, qk_scale, valid, HAS_BIAS,
+                                   phase != 1)
+                if MX_P:
+                    pq = tl.where(row_ok[:, None], tl.math.exp2(s - m_row[:, None]), 0.0)
+                    if phase != 1:
+                        pq = tl.where(valid, pq, 0.0)
+                    pq = _mx_qdq_keys(pq, 1, MX_P) * inv_l[:, None]
+                    dv += tl.dot(tl.trans(pq.to(do.dtype)), do)
+                else:
+                    dv += tl.dot(tl.trans(p.to(do.dtype)), do)
                 ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
                 dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
     store_rows(DK, dk * scale, k_start, offs_n, k_len, stride_dkn, h * stride_dkh, offs_d)
@@ -340,7 +430,7 @@ def _jagged_attn_bwd_dq(
             v = load_rows(V, k_start, offs_n, k_len, stride_vn, h * stride_vh, offs_d)
             dist = offs_m[:, None] + shift - offs_n[None, :]
             valid = _visible(kmask[None, :], dist, window, CAUSAL, True)
-            p = _bwd_scores(q, k, BIAS, h, dist, lse, stride_bias_h, bias_max, qk_scale, valid, HAS_BIAS, phase != 1)
+            p, _ = _bwd_scores(q, k, BIAS, h, dist, lse, stride_bias_h, bias_max, qk_scale, valid, HAS_BIAS, phase != 1)
             dp = tl.dot(do, tl.trans(v))
             ds = p * (dp - delta[:, None])  # gradient of the natural-units score s_ij
             dq += tl.dot(ds.to(k.dtype), k)
@@ -379,10 +469,11 @@ def _bias_tables(bias: RelativePositionBias | None, num_heads: int, device):
     return per_distance, buckets.to(torch.int32).contiguous(), max_d, bias.num_buckets
 
 
-def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale, window):
+def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale, window, mx_p=0):
     n_q, heads, dim = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(n_q, heads, device=q.device, dtype=torch.float32)
+    mrow = torch.empty(n_q if mx_p else 0, heads, device=q.device, dtype=torch.float32)
     bias_d, _, bias_max, _ = _bias_tables(bias, heads, q.device)
     qk_scale = scale * LOG2E
     kernel_window = window if window > 0 else NO_WINDOW
@@ -393,20 +484,22 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, 
         if work.shape[0] == 0:
             return
         _jagged_attn_fwd[(work.shape[0], heads)](
-            q, k, v, out, lse, q_offsets, k_offsets, work, bias_d,
+            q, k, v, out, lse, mrow if mx_p else lse, q_offsets, k_offsets, work, bias_d,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
             bias_d.stride(0), bias_max, heads, qk_scale, kernel_window,
             HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias is not None, WINDOWED=window > 0,
-            num_warps=warps, num_stages=stages,
+            MX_P=mx_p, num_warps=warps, num_stages=stages,
         )
 
     size = "large" if dim >= 128 else "small"
-    key = ("fwd", dim, q.dtype, causal, bias is not None, _window_key(window), bucket_len(max_q_len), bucket_len(max_k_len))
-    run(pick_config(key, _FWD_CANDIDATES[size], run))
-    return out, lse
+    key = ("fwd", dim, q.dtype, causal, bias is not None, _window_key(window), bucket_len(max_q_len), bucket_len(max_k_len),
+           mx_p)
+    run(pick_config(key, _FWD_CANDIDATES[size], run, _MX_INTERPRET if mx_p else _INTERPRET))
+    return out, lse, mrow
 
 
-def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale, window):
+def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale, window,
+              mrow=None, mx_p=0):
     n_q, heads, dim = q.shape
     do = do.contiguous()
     delta = (out.float() * do.float()).sum(-1).contiguous()  # (Nq, H) rowsum(dO * O)
@@ -423,12 +516,12 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
         kwork = key_work(q_offsets, k_offsets, bn, causal, q.device)
         if kwork.shape[0]:
             _jagged_attn_bwd_dkdv[(kwork.shape[0], heads)](
-                q, k, v, do, lse, delta, dk, dv, q_offsets, k_offsets, kwork, bias_d,
+                q, k, v, do, lse, delta, dk, dv, mrow if mx_p else lse, q_offsets, k_offsets, kwork, bias_d,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
                 bias_d.stride(0), bias_max, heads, qk_scale, scale, kernel_window,
                 HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=has_bias, TRANSPOSED=bool(transposed),
-                num_warps=warps, num_stages=stages,
+                MX_P=mx_p, num_warps=warps, num_stages=stages,
             )
 
     def run_dq(cfg):
@@ -447,7 +540,8 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
         state["dbias"] = dbias
 
     key = (dim, q.dtype, causal, has_bias, _window_key(window), bucket_len(max_q_len), bucket_len(max_k_len))
-    run_dkdv(pick_config(("dkdv",) + key, _DKDV_CANDIDATES, run_dkdv, _DKDV_INTERPRET))
+    run_dkdv(pick_config(("dkdv",) + key + (mx_p,), _DKDV_CANDIDATES, run_dkdv,
+                         _DKDV_MX_INTERPRET if mx_p else _DKDV_INTERPRET))
     run_dq(pick_config(("dq",) + key, _DQ_CANDIDATES, run_dq))
     dtable = None
     if has_bias:
@@ -466,55 +560,55 @@ def _window_key(window: int) -> int:
 def _jagged_attention_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor | None,
     q_offsets: torch.Tensor, k_offsets: torch.Tensor, max_q_len: int, max_k_len: int,
-    max_distance: int, causal: bool, scale: float, window: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    max_distance: int, causal: bool, scale: float, window: int, mx_p: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     bias = None if table is None else RelativePositionBias(table, max_distance)
     # Any row/head strides work (the q, k, v views of a fused QKV projection need no copy); the
     # head dimension must be contiguous.
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    return _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale, window)
+    return _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale, window, mx_p)
 
 
 @_jagged_attention_fwd_op.register_fake
-def _(q, k, v, table, q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale, window):
-    return torch.empty_like(q), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
+def _(q, k, v, table, q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale, window, mx_p):
+    rows = q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
+    return torch.empty_like(q), rows, q.new_empty(q.shape[0] if mx_p else 0, q.shape[1], dtype=torch.float32)
 
 
 @torch.library.custom_op("gemctl::jagged_attention_bwd", mutates_args=())
 def _jagged_attention_bwd_op(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, table: torch.Tensor | None, q_offsets: torch.Tensor, k_offsets: torch.Tensor,
-    max_q_len: int, max_k_len: int, max_distance: int, causal: bool, scale: float, window: int,
+    lse: torch.Tensor, mrow: torch.Tensor, table: torch.Tensor | None, q_offsets: torch.Tensor,
+    k_offsets: torch.Tensor, max_q_len: int, max_k_len: int, max_distance: int, causal: bool, scale: float,
+    window: int, mx_p: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     bias = None if table is None else RelativePositionBias(table, max_distance)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     dq, dk, dv, dtable = _backward(
-        do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale, window
+        do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale, window, mrow, mx_p
     )
     return dq, dk, dv, dtable if dtable is not None else q.new_empty(0)
 
 
 @_jagged_attention_bwd_op.register_fake
-def _(do, q, k, v, out, lse, table, q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale, window):
+def _(do, q, k, v, out, lse, mrow, table, q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale,
+      window, mx_p):
     dtable = torch.empty_like(table) if table is not None else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dtable
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, table, q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale, window = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, table, q_offsets, k_offsets)
-    ctx.args = (max_q_len, max_k_len, max_distance, causal, scale, window)
+    q, k, v, table, q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale, window, mx_p = inputs
+    out, lse, mrow = output
+    ctx.save_for_backward(q, k, v, out, lse, mrow, table, q_offsets, k_offsets)
+    ctx.args = (max_q_len, max_k_len, max_distance, causal, scale, window, mx_p)
 
 
-def _backward_rule(ctx, do, _dlse):
-    q, k, v, out, lse, table, q_offsets, k_offsets = ctx.saved_tensors
-    max_q_len, max_k_len, max_distance, causal, scale, window = ctx.args
-    dq, dk, dv, dtable = _jagged_attention_bwd_op(
-        do.contiguous(), q, k, v, out, lse, table, q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal,
-        scale, window,
-    )
-    return dq, dk, dv, (dtable if table is not None else None), None, None, None, None, None, None, None, None
+def _backward_rule(ctx, do, _dlse, _dmrow):
+    q, k, v, out, lse, mrow, table, q_offsets, k_offsets = ctx.saved_tensors
+    dq, dk, dv, dtable = _jagged_attention_bwd_op(do.contiguous(), q, k, v, out, lse, mrow, table, q_offsets, k_offsets,
+                                                  *ctx.args)
+    return dq, dk, dv, (dtable if table is not None else None), None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("gemctl::jagged_attention_fwd", _backward_rule, setup_context=_setup_context)
@@ -525,29 +619,35 @@ class _JaggedAttentionEager(torch.autograd.Function):
     cost (~400 us a call on the H200 machine, torch 2.11; scripts/host_overhead.py)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, table, q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale, window):
+    def forward(ctx, q, k, v, table, q_offsets, k_offsets, max_q_len, max_k_len, max_distance, causal, scale, window,
+                mx_p):
         bias = None if table is None else RelativePositionBias(table, max_distance)
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-        out, lse = _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale, window)
-        ctx.save_for_backward(q, k, v, out, lse, table, q_offsets, k_offsets)
-        ctx.args = (max_q_len, max_k_len, max_distance, causal, scale, window)
+        out, lse, mrow = _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale, window,
+                                  mx_p)
+        ctx.save_for_backward(q, k, v, out, lse, mrow, table, q_offsets, k_offsets)
+        ctx.args = (max_q_len, max_k_len, max_distance, causal, scale, window, mx_p)
         return out
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, out, lse, table, q_offsets, k_offsets = ctx.saved_tensors
-        max_q_len, max_k_len, max_distance, causal, scale, window = ctx.args
+        q, k, v, out, lse, mrow, table, q_offsets, k_offsets = ctx.saved_tensors
+        max_q_len, max_k_len, max_distance, causal, scale, window, mx_p = ctx.args
         bias = None if table is None else RelativePositionBias(table, max_distance)
         dq, dk, dv, dtable = _backward(
-            do.contiguous(), q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale, window
+            do.contiguous(), q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale, window,
+            mrow, mx_p,
         )
-        return dq, dk, dv, dtable, None, None, None, None, None, None, None, None
+        return dq, dk, dv, dtable, None, None, None, None, None, None, None, None, None
 
 
 def jagged_attention_triton(
-    q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, bias=None, causal=False, scale=None, window=None
+    q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, bias=None, causal=False, scale=None, window=None, mx_p=0
 ):
-    """Triton implementation of :func:`gemctl.ops.jagged_attention` (same signature, minus backend)."""
+    """Triton implementation of :func:`gemctl.ops.jagged_attention` (same signature, minus backend).
+    ``mx_p`` (see :func:`mx_p_code`): the probabilities MX-quantized before the PV product, in
+    blocks of 32 keys relative to each row's integer log2 maximum (the reference's numerics); q, k
+    and v arrive already quantized (gemctl.ops does that), 0: none."""
     dim = q.shape[-1]
     if dim not in (16, 32, 64, 128, 256):
         raise ValueError(f"jagged_attention (triton): head_dim must be one of 16, 32, 64, 128, 256; got {dim}")
@@ -558,7 +658,7 @@ def jagged_attention_triton(
         raise ValueError(f"jagged_attention (triton): window must be None or an int >= 1, got {window!r}")
     window = 0 if window is None else int(window)  # 0: no window (the custom ops take a plain int)
     args = (q, k, v, table, q_offsets, k_offsets, int(max_q_len), int(max_k_len), max_distance, bool(causal), scale,
-            window)
+            window, int(mx_p))
     if torch.compiler.is_compiling():  # traced as a custom op: no graph break
         return _jagged_attention_fwd_op(*args)[0]
     return _JaggedAttentionEager.apply(*args)
