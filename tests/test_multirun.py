@@ -96,6 +96,14 @@ def test_settings_compared_over_seeds():
     assert md[4] == "| bf16 | 3 | 0.7100 ± 0.0100 | bar 0.0200 | - | 0.8000 | 13.3 | 1.00x |"
     assert md[5] == "| fp8 | 3 | 0.7300 ± 0.0100 | +2.82% worse | 0.0200 ± 0.0000 | 0.8000 | 6.7 | 2.00x |"
     assert summary_rows(keys, comparison_rows(keys, results[:3])) == []  # one setting: nothing to compare
+    # The first setting is the baseline even when it is not the largest; if all its jobs failed,
+    # there is no comparison rather than a silent new baseline.
+    failed_first = [_job(0, "bf16", 0, 0, code=1), _job(1, "bf16", 1, 0, code=1)] + results[3:]
+    assert summary_rows(keys, comparison_rows(keys, failed_first)) == []
+    # An undefined NE (NaN: one class in the eval labels) gets no verdict instead of "better".
+    nan_ne = results[:6] + [_job(6, "mx", 0, float("nan")), _job(7, "mx", 1, float("nan"))]
+    mx = summary_rows(keys, comparison_rows(keys, nan_ne))[2]
+    assert "ctr.verdict" not in mx and "ctr NE" in summary_markdown(keys, [bf16, fp8, mx])
 
 
 def test_recipe_declares_its_sweep(tmp_path):

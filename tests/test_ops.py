@@ -238,3 +238,28 @@ def test_preload_then_fullgraph_compile_and_a_clear_error_without_it(monkeypatch
     torch._dynamo.reset()
     assert ops.preload()["jagged_attention"]
     assert torch.allclose(torch.compile(f, fullgraph=True, backend="eager")(q), f(q))
+
+
+def test_untuned_config_is_the_first_that_runs(monkeypatch):
+    """Autotune off (train.deterministic=true on CUDA, GEMCTL_AUTOTUNE=0): the first candidate that
+    launches, in list order, found once per key; no candidate at all is an error naming the key."""
+    from gemctl.ops.triton import common
+
+    monkeypatch.setattr(common, "INTERPRET", False)
+    monkeypatch.setattr(common, "_config_cache", {})
+    common.set_autotune(False)
+    try:
+        calls = []
+
+        def run(cfg):
+            calls.append(cfg)
+            if cfg == "too big":
+                raise RuntimeError("out of shared memory")
+
+        assert common.pick_config(("k", 1), ["too big", "fits", "faster"], run) == "fits"
+        assert calls == ["too big", "fits"]
+        assert common.pick_config(("k", 1), ["too big", "fits", "faster"], run) == "fits" and len(calls) == 2
+        with pytest.raises(RuntimeError, match="no Triton kernel config runs for"):
+            common.pick_config(("k", 2), ["too big"], run)
+    finally:
+        common.set_autotune(None)

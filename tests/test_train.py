@@ -49,9 +49,14 @@ def _restore_determinism():
     from gemctl.ops.triton import common
 
     before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     yield
     torch.use_deterministic_algorithms(before[0], warn_only=before[1])
     common.set_autotune(None)
+    if workspace is None:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    else:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace
 
 
 @pytest.mark.parametrize("setting, device, expect", [

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import time
 from pathlib import Path
 
@@ -189,6 +190,10 @@ SEED_KEY = "train.seed"
 NE_BAR_REL = 0.001  # neutrality bar: max(0.1% of the baseline's mean NE, 2 std of its seeds)
 
 
+def _finite(value) -> bool:
+    return value is not None and math.isfinite(value)
+
+
 def _mean_std(values: list[float]) -> tuple[float, float | None]:
     mean = sum(values) / len(values)
     if len(values) < 2:
@@ -207,17 +212,19 @@ def summary_rows(keys: list[str], rows: list[dict]) -> list[dict]:
     for row in rows:
         if row["exit_code"] == 0:
             groups.setdefault(tuple(row[k] for k in setting_keys), []).append(row)
-    if len(groups) < 2:
+    first = tuple(rows[0][k] for k in setting_keys) if rows else None
+    if len(groups) < 2 or first not in groups:  # no baseline (every job of the first setting failed)
         return []
+    groups = {first: groups.pop(first), **groups}
     tasks = [c[:-3] for c in _columns(keys, rows) if c.endswith(".ne")]
     base_jobs = next(iter(groups.values()))
     out = []
     for values, jobs in groups.items():
         g = {**dict(zip(setting_keys, values)), "n": len(jobs), "seeds": [j.get(SEED_KEY, "") for j in jobs]}
         for task in tasks:
-            ne = [j[f"{task}.ne"] for j in jobs if j.get(f"{task}.ne") is not None]
-            base = [j[f"{task}.ne"] for j in base_jobs if j.get(f"{task}.ne") is not None]
-            if not ne or not base:
+            ne = [j[f"{task}.ne"] for j in jobs if _finite(j.get(f"{task}.ne"))]
+            base = [j[f"{task}.ne"] for j in base_jobs if _finite(j.get(f"{task}.ne"))]
+            if not ne or not base:  # NE undefined (e.g. one class in the eval labels): no verdict
                 continue
             mean, std = _mean_std(ne)
             base_mean, base_std = _mean_std(base)
@@ -226,9 +233,9 @@ def summary_rows(keys: list[str], rows: list[dict]) -> list[dict]:
             g[f"{task}.ne_mean"], g[f"{task}.ne_std"] = mean, std
             g[f"{task}.ne_diff_rel"], g[f"{task}.ne_bar"] = diff / base_mean, bar
             g[f"{task}.verdict"] = "neutral" if abs(diff) < bar else ("worse" if diff > 0 else "better")
-            by_seed = {j.get(SEED_KEY): j[f"{task}.ne"] for j in base_jobs if j.get(f"{task}.ne") is not None}
+            by_seed = {j.get(SEED_KEY): j[f"{task}.ne"] for j in base_jobs if _finite(j.get(f"{task}.ne"))}
             paired = [j[f"{task}.ne"] - by_seed[j.get(SEED_KEY)] for j in jobs
-                      if j.get(SEED_KEY, "") != "" and j.get(SEED_KEY) in by_seed and j.get(f"{task}.ne") is not None]
+                      if j.get(SEED_KEY, "") != "" and j.get(SEED_KEY) in by_seed and _finite(j.get(f"{task}.ne"))]
             if paired:
                 g[f"{task}.paired_mean"], g[f"{task}.paired_std"] = _mean_std(paired)
             auc = [j[f"{task}.auc"] for j in jobs if j.get(f"{task}.auc") is not None]

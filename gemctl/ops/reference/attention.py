@@ -103,8 +103,11 @@ def jagged_attention_reference(
         # rounded up to an integer in log2 units (what a flash kernel can reproduce exactly: its
         # running maximum then moves by powers of two, under which MX quantization is exact), and
         # normalized by the unquantized sum: out = q(exp2(s - M)) v / sum(exp2(s - M)).
-        s2 = ((qh @ kh.transpose(-1, -2)) * scale + mask) * _LOG2E  # (B, H, Lq, Lk), log2 units
+        # float32 from the scores on (the softmax kernels do the same internally); the quantized
+        # probabilities are exact in bf16 (FP8 values times powers of two).
+        s2 = ((qh @ kh.transpose(-1, -2)).float() * scale + mask.float()) * _LOG2E  # (B, H, Lq, Lk), log2 units
         p = torch.exp2(s2 - torch.ceil(s2.amax(-1, keepdim=True)).detach())
-        out = ((operand_quant(p, -1) @ vh) / p.sum(-1, keepdim=True)).transpose(1, 2)
+        pv = (operand_quant(p, -1).to(vh.dtype) @ vh).float()
+        out = (pv / p.sum(-1, keepdim=True)).to(q.dtype).transpose(1, 2)
     out = out * has_key[:, :, None, None].to(out.dtype)
     return unpad(out, q_offsets, q.shape[0])

@@ -187,7 +187,8 @@ class forced_config:
 
 def pick_config(key, candidates, run, interpret_config: tuple = _INTERPRET_CONFIG):
     """The fastest candidate for this key, timed once on the first call (not under the interpreter;
-    GEMCTL_AUTOTUNE=0 takes the first candidate, e.g. for correctness tests)."""
+    with autotune off (GEMCTL_AUTOTUNE=0, set_autotune(False)) the first candidate that runs, in
+    list order: no timing, so the choice does not depend on the machine's load)."""
     if _forced:
         forced = _forced[-1]
         if not isinstance(forced, dict):
@@ -197,7 +198,18 @@ def pick_config(key, candidates, run, interpret_config: tuple = _INTERPRET_CONFI
     if INTERPRET:
         return interpret_config
     if not autotune_enabled():
-        return candidates[0]
+        untuned = ("untuned",) + tuple(key)
+        if untuned not in _config_cache:
+            for cfg in candidates:
+                try:
+                    run(cfg)  # a config may not fit this shape's shared memory: the next one then
+                except Exception:
+                    continue
+                _config_cache[untuned] = cfg
+                break
+            else:
+                raise RuntimeError(f"no Triton kernel config runs for {key}")
+        return _config_cache[untuned]
     if key not in _config_cache:
         best, best_t = None, float("inf")
         for cfg in candidates:

@@ -132,7 +132,9 @@ def _mx_qdq_keys(p, KEY_AXIS: tl.constexpr, MX_P: tl.constexpr):
     shared = (amax_bits >> 23) - 127 - EMAX
     if RCEIL:
         shared += ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    shared = tl.minimum(tl.maximum(shared, -126), 127)  # a block below 2^-118 has no normal fp32 scale: 0
+    # -126, not the spec's -127: 2^-127 has no normal fp32 pattern. Only blocks whose maximum is
+    # below 2^-118 (E4M3) / 2^-111 (E5M2) differ from gemctl.precision.mx, by ~1e-41.
+    shared = tl.minimum(tl.maximum(shared, -126), 127)
     inv = ((127 - shared) << 23).to(tl.float32, bitcast=True)  # 2^-shared
     back = ((shared + 127) << 23).to(tl.float32, bitcast=True)  # 2^shared
     if KEY_AXIS == 1:
@@ -142,7 +144,7 @@ def _mx_qdq_keys(p, KEY_AXIS: tl.constexpr, MX_P: tl.constexpr):
     a = tl.minimum(x * inv, ELEM_MAX)
     bits = a.to(tl.int32, bitcast=True)
     normal = ((bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)) >> DROP) << DROP  # RNE to the element's mantissa
-    sub = ((tl.minimum(a, MIN_NORMAL) * SUB_UNITS + 8388608.0) - 8388608.0) / SUB_UNITS
+    sub = ((tl.minimum(a, MIN_NORMAL) * SUB_UNITS + 8388608.0) - 8388608.0) * (1.0 / SUB_UNITS)
     x = tl.where(a >= MIN_NORMAL, normal.to(tl.float32, bitcast=True), sub) * back
     return tl.reshape(x, (R, C))
 
@@ -480,6 +482,8 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, 
 
     def run(cfg):
         bm, bn, warps, stages = cfg
+        if mx_p and bn % 32:
+            raise ValueError(f"jagged_attention: MX probabilities need key tiles of whole 32-key blocks, got BLOCK_N={bn}")
         work = query_work(q_offsets, k_offsets, bm, causal, q.device)
         if work.shape[0] == 0:
             return
@@ -513,6 +517,8 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
 
     def run_dkdv(cfg):
         bm, bn, warps, stages, transposed = cfg
+        if mx_p and bn % 32:
+            raise ValueError(f"jagged_attention: MX probabilities need key tiles of whole 32-key blocks, got BLOCK_N={bn}")
         kwork = key_work(q_offsets, k_offsets, bn, causal, q.device)
         if kwork.shape[0]:
             _jagged_attn_bwd_dkdv[(kwork.shape[0], heads)](
