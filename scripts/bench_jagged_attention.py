@@ -2,11 +2,17 @@
 document mask (compiled) and padded SDPA, on the GEM-like workloads, in one process.
 
     python scripts/bench_jagged_attention.py [--out results.json] [--quick] [--causal] [--window 256 ...]
+    python scripts/bench_jagged_attention.py --sweep-dkdv [--out sweep.json]
 
 Effective TFLOP/s count useful FLOPs only (gemctl.metrics.flops): forward 4*H*D*pairs with pairs
 = sum_i Lq_i*Lk_i (non-causal) or the exact causal pair count; backward 2.5x forward (dQ, dK, dV
 and the recomputed QK^T, as FlashAttention counts it). Timing: triton.testing.do_bench(warmup=25,
 rep=200, median) after a warm-up that includes compilation and config selection.
+
+--sweep-dkdv times the whole backward (dK/dV + dQ launchers, CUDA-graph replay) with each dK/dV
+candidate forced (both formulations), on self-200/500/1000 non-causal and self-1000 causal with
+the relative-position bias, against FA2 varlen's backward in the same run; gradients are
+compared with the first candidate's.
 """
 
 from __future__ import annotations
@@ -148,6 +154,47 @@ def run_padded_sdpa(w, causal):
         return bench(fwd), bench(lambda: out.backward(g, retain_graph=True))
 
 
+def sweep_dkdv() -> list[dict]:
+    import triton
+
+    from gemctl.ops.triton import common
+    from gemctl.ops.triton import jagged_attention as kernels
+    from workloads import self_workload
+
+    rows = []
+    cases = [(self_workload(512, 200), False, False), (self_workload(512, 500), False, False),
+             (self_workload(256, 1000), False, False), (self_workload(256, 1000), True, True)]
+    for w, causal, with_bias in cases:
+        q, k, v, qo, ko, _, _, grad = make_inputs(w)
+        mq = mk = int(w.q_lengths.max())
+        bias = ops.RelativePositionBias(torch.randn(w.heads, 32, device="cuda"), 1024) if with_bias else None
+        scale = w.head_dim**-0.5
+        qd, kd, vd = q.detach(), k.detach(), v.detach()
+        out, lse, _ = kernels._forward(qd, kd, vd, qo, ko, mq, mk, bias, causal, scale, 0)
+        fa2_bwd = float("nan") if with_bias else run_fa2(w, causal)[1]
+
+        def backward():
+            return kernels._backward(grad, qd, kd, vd, out, lse, qo, ko, mq, mk, bias, causal, scale, 0)
+
+        first = None
+        for cfg in kernels._DKDV_CANDIDATES:
+            try:
+                with common.forced_config({"dkdv": cfg}):
+                    grads = backward()
+                    ms = triton.testing.do_bench_cudagraph(backward, rep=100)
+            except Exception as exc:  # a config that does not fit
+                print(f"{w.name:>10} causal={int(causal)} dkdv {cfg}: {type(exc).__name__}", flush=True)
+                continue
+            first = first or grads
+            diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads[:3], first[:3]))
+            rows.append({"workload": w.name, "causal": causal, "bias": with_bias, "dkdv": list(cfg), "bwd_ms": ms,
+                         "fa2_bwd_ms": fa2_bwd, "max_diff_vs_first": diff})
+            print(f"{w.name:>10} causal={int(causal)} bias={int(with_bias)} dkdv {str(cfg):22s} bwd {ms:.3f} ms "
+                  f"(FA2 {fa2_bwd:.3f} ms: {fa2_bwd / ms:.2f}x) diff {diff:.1e}", flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_jagged_attention.json")
@@ -155,6 +202,7 @@ def main() -> None:
     ap.add_argument("--causal", action="store_true", help="also run causal variants")
     ap.add_argument("--window", type=int, action="append", default=[],
                     help="sliding windows to time (ours, causal, self-* workloads), against no window")
+    ap.add_argument("--sweep-dkdv", action="store_true", help="time the backward with each dK/dV candidate forced")
     args = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
     meta = {
@@ -164,6 +212,9 @@ def main() -> None:
         "triton": __import__("triton").__version__,
     }
     print(meta)
+    if args.sweep_dkdv:
+        Path(args.out).write_text(json.dumps({"meta": meta, "sweep_dkdv": sweep_dkdv()}, indent=1))
+        return
     results = []
     workloads = attention_workloads(uniform_variant=not args.quick)
     if args.quick:
