@@ -166,3 +166,24 @@ def test_mx_attention_with_block_layers_is_a_config_error():
     with pytest.raises(ConfigError) as err:
         validate(cfg)
     assert err.value.field == "precision.mx.attention" and "block:16" in str(err.value)
+
+
+def test_triton_kernel_compiles_without_graph_break_cpu():
+    """MXFP8 attention through the kernel under torch.compile(fullgraph): the operand quantizers,
+    the per-sequence padding of v and the custom op (with its mx_p argument and row-maximum output)
+    trace; forward and gradients match eager."""
+    q, k, v, offsets, max_len = _inputs([3, 0, 40], seed=5)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    quant = mx_attention_quant(MXRecipe(scale_rule="rceil"))
+
+    def f(q, k, v):
+        out = ops.jagged_attention(q, k, v, offsets, offsets, max_len, max_len, causal=True, backend="triton",
+                                   operand_quant=quant)
+        return out.square().sum()
+
+    ops.preload()  # as the trainer does on CUDA: the kernel module is imported before tracing
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss, ref = compiled(q, k, v), f(q, k, v)
+    assert torch.allclose(loss, ref)
+    for a, b in zip(torch.autograd.grad(loss, [q, k, v]), torch.autograd.grad(ref, [q, k, v])):
+        assert torch.allclose(a, b)
