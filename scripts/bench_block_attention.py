@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_common import source_commit  # noqa: E402
 from bench_gdpa import ceilings, graph_bench, timings  # noqa: E402
 from bench_jagged_attention import make_inputs  # noqa: E402
 from gemctl import ops  # noqa: E402
@@ -234,11 +234,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench_block_attention.json")
     ap.add_argument("--only", nargs="*", help="workload names to run (default: self-1000 self-4000)")
     args = ap.parse_args()
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parents[1]).stdout.strip() or "unknown"
-    except OSError:
-        commit = "unknown"
+    commit = source_commit()
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "commit": commit, "dtype": "bfloat16", "rope_base": ROPE_BASE}
     meta.update(ceilings())

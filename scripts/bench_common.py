@@ -3,7 +3,10 @@ metadata (GPU, versions, date), so every table states the same things the same w
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 import triton
@@ -22,9 +25,25 @@ def copy_tbps() -> float:
     return 2 * x.numel() * 2 / (bench(lambda: y.copy_(x)) * 1e-3) / 1e12
 
 
+def source_commit() -> str:
+    """The commit the numbers belong to: $GEMCTL_COMMIT when set (a copy of the tree whose git
+    metadata is stale or absent, e.g. on a lent GPU machine), else ``git rev-parse --short HEAD``
+    with "-dirty" when tracked files differ from it, else "unknown"."""
+    if os.environ.get("GEMCTL_COMMIT"):
+        return os.environ["GEMCTL_COMMIT"]
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=root).stdout
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                               cwd=root).stdout
+    except OSError:
+        return "unknown"
+    return (head.strip() + ("-dirty" if dirty.strip() else "")) if head.strip() else "unknown"
+
+
 def run_meta(**extra) -> dict:
-    """Date, GPU, torch and triton versions, the copy ceiling measured now, and ``extra``."""
+    """Date, GPU, torch and triton versions, the commit, the copy ceiling measured now, and ``extra``."""
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, **extra, "copy_tbps": copy_tbps()}
+            "triton": triton.__version__, "commit": source_commit(), **extra, "copy_tbps": copy_tbps()}
     print(meta, flush=True)
     return meta

@@ -30,6 +30,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_common import source_commit  # noqa: E402
 from bench_jagged_attention import bench, make_inputs, tflops  # noqa: E402
 from gemctl import ops  # noqa: E402
 from gemctl.metrics.flops import attention, attention_pairs  # noqa: E402
@@ -139,7 +140,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="workload names to run (default: all)")
     args = ap.parse_args()
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__}
+            "triton": triton.__version__, "commit": source_commit()}
     meta.update(ceilings())
     print(meta, flush=True)
     rows = []

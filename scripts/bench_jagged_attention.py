@@ -29,6 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_common import source_commit  # noqa: E402
 from gemctl import ops  # noqa: E402
 from gemctl.metrics.flops import attention, attention_pairs  # noqa: E402
 from gemctl.ops import host  # noqa: E402
@@ -210,6 +211,7 @@ def main() -> None:
         "gpu": props.name,
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
+        "commit": source_commit(),
     }
     print(meta)
     if args.sweep_dkdv:
