@@ -426,14 +426,11 @@ def use_fp8_mlp(mlp: nn.Module, recipe: Fp8Recipe, norm: nn.Module | None = None
     """Route an MLP (``up`` -> SiLU -> ``down``, no biases) through fp8_mlp. ``norm``: the block's
     pre-norm (an RMSNorm with a weight), fused into the MLP: the MLP then takes the norm's input,
     and ``mlp.norm_fused`` tells the caller (gemctl.model.sequence) to pass it un-normalized."""
-    if norm is not None:
-        def forward(x):
-            return fp8_mlp(x, mlp.up.weight, mlp.down.weight, recipe, norm_weight=norm.weight, eps=norm.eps)
-
-        mlp.norm_fused = True
-    else:
-        def forward(x):
+    def forward(x):
+        if norm is None:
             return fp8_mlp(x, mlp.up.weight, mlp.down.weight, recipe)
+        return fp8_mlp(x, mlp.up.weight, mlp.down.weight, recipe, norm_weight=norm.weight, eps=norm.eps)
 
+    mlp.norm_fused = norm is not None
     mlp.forward = forward
     mlp.fp8_recipe = recipe

@@ -29,7 +29,8 @@ Recipe options (``precision.mx`` in the config):
   the operands of QK^T (q, k along the head dim) and of PV (the softmax probabilities and v along
   the keys) are MX-quantized in the forward (``mx_attention_quant``; gemctl.ops.jagged_attention's
   ``operand_quant``); the backward passes gradients straight through the quantization and runs
-  on those quantized values. Emulated on the PyTorch reference attention (no MX MMA on Hopper).
+  on those quantized values. Emulated (no MX MMA on Hopper): on the PyTorch reference, or in the
+  Triton jagged attention with backend "triton" (the probabilities quantized in-kernel).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gemctl.ops.triton.common import INTERPRET, bucket_len, num_programs, pick_config
-from gemctl.ops.triton.mx_quant import _fp8_bits, _load_f32, _shared_exponent
+from gemctl.ops.triton.mx_quant import _fp8_bits, _shared_exponent
 
 EPILOGUES = {"none": 0, "silu_bwd": 2}
 PROMOTE_EVERY = 4096  # contraction values summed on the tensor cores before a float32 add (long K)
@@ -124,10 +124,7 @@ def _scale_from_amax(amax_bits):
 @triton.jit
 def _load_act(ptrs, mask, ACT: tl.constexpr, IN_BF16: tl.constexpr):
     """float32 values at ptrs (0 where masked), through silu if ACT == 1."""
-    x = _load_f32(ptrs, mask, IN_BF16)
-    if ACT == 1:
-        x = _silu(x)
-    return x
+    return _widen_act(_load_raw(ptrs, mask), ACT, IN_BF16)
 
 
 @triton.jit

@@ -48,6 +48,7 @@ from gemctl.ops.bias import RelativePositionBias, relative_position_bucket
 from gemctl.ops.triton.common import (
     bucket_len, key_work, load_rows, pick_config, query_work, store_rows, work_item,
 )
+from gemctl.ops.triton.mx_quant import _shared_exponent
 
 LOG2E = 1.4426950408889634
 # The kernels' window when there is none: every |distance| (< 2^30: lengths are int32 in-kernel)
@@ -76,7 +77,6 @@ _DKDV_CANDIDATES = [(64, 64, 4, 2, 0), (32, 128, 4, 3, 0), (32, 64, 4, 3, 0), (6
 _DKDV_INTERPRET = (16, 16, 1, 1, 0)
 # With MX probabilities the key tiles hold whole MX blocks (32 keys): every GPU candidate does; the
 # interpreter's 16-key tiles do not.
-_INTERPRET = (16, 16, 1, 1)
 _MX_INTERPRET = (16, 32, 1, 1)
 _DKDV_MX_INTERPRET = (16, 32, 1, 1, 0)
 _DQ_CANDIDATES = [(64, 64, 4, 2), (128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2), (64, 32, 8, 3)]
@@ -129,12 +129,9 @@ def _mx_qdq_keys(p, KEY_AXIS: tl.constexpr, MX_P: tl.constexpr):
     else:
         x = tl.reshape(p, (R // 32, 32, C))
         amax_bits = tl.max(x.to(tl.int32, bitcast=True), axis=1)
-    shared = (amax_bits >> 23) - 127 - EMAX
-    if RCEIL:
-        shared += ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
     # -126, not the spec's -127: 2^-127 has no normal fp32 pattern. Only blocks whose maximum is
     # below 2^-118 (E4M3) / 2^-111 (E5M2) differ from gemctl.precision.mx, by ~1e-41.
-    shared = tl.minimum(tl.maximum(shared, -126), 127)
+    shared = tl.maximum(_shared_exponent(amax_bits, EMAX, RCEIL), -126)
     inv = ((127 - shared) << 23).to(tl.float32, bitcast=True)  # 2^-shared
     back = ((shared + 127) << 23).to(tl.float32, bitcast=True)  # 2^shared
     if KEY_AXIS == 1:
@@ -360,11 +357,12 @@ def _jagged_attn_bwd_dkdv(
                     s_t += _bias_tile(BIAS, h, dist_t, stride_bias_h, bias_max)
                 p_t = tl.math.exp2(s_t - lse[None, :])
                 if phase != 1:
-                    p_t = tl.where(_visible(kmask[:, None], dist_t, window, CAUSAL, True), p_t, 0.0)
+                    valid_t = _visible(kmask[:, None], dist_t, window, CAUSAL, True)
+                    p_t = tl.where(valid_t, p_t, 0.0)
                 if MX_P:
                     pq_t = tl.where(row_ok[None, :], tl.math.exp2(s_t - m_row[None, :]), 0.0)
                     if phase != 1:
-                        pq_t = tl.where(_visible(kmask[:, None], dist_t, window, CAUSAL, True), pq_t, 0.0)
+                        pq_t = tl.where(valid_t, pq_t, 0.0)
                     pq_t = _mx_qdq_keys(pq_t, 0, MX_P) * inv_l[None, :]
                     dv += tl.dot(pq_t.to(do.dtype), do)
                 else:
@@ -471,6 +469,11 @@ def _bias_tables(bias: RelativePositionBias | None, num_heads: int, device):
     return per_distance, buckets.to(torch.int32).contiguous(), max_d, bias.num_buckets
 
 
+def _check_mx_tile(mx_p: int, block_n: int) -> None:
+    if mx_p and block_n % 32:
+        raise ValueError(f"jagged_attention: MX probabilities need key tiles of whole 32-key blocks, got BLOCK_N={block_n}")
+
+
 def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale, window, mx_p=0):
     n_q, heads, dim = q.shape
     out = torch.empty_like(q)
@@ -482,8 +485,7 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, 
 
     def run(cfg):
         bm, bn, warps, stages = cfg
-        if mx_p and bn % 32:
-            raise ValueError(f"jagged_attention: MX probabilities need key tiles of whole 32-key blocks, got BLOCK_N={bn}")
+        _check_mx_tile(mx_p, bn)
         work = query_work(q_offsets, k_offsets, bm, causal, q.device)
         if work.shape[0] == 0:
             return
@@ -498,7 +500,7 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, 
     size = "large" if dim >= 128 else "small"
     key = ("fwd", dim, q.dtype, causal, bias is not None, _window_key(window), bucket_len(max_q_len), bucket_len(max_k_len),
            mx_p)
-    run(pick_config(key, _FWD_CANDIDATES[size], run, _MX_INTERPRET if mx_p else _INTERPRET))
+    run(pick_config(key, _FWD_CANDIDATES[size], run, **({"interpret_config": _MX_INTERPRET} if mx_p else {})))
     return out, lse, mrow
 
 
@@ -517,8 +519,7 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
 
     def run_dkdv(cfg):
         bm, bn, warps, stages, transposed = cfg
-        if mx_p and bn % 32:
-            raise ValueError(f"jagged_attention: MX probabilities need key tiles of whole 32-key blocks, got BLOCK_N={bn}")
+        _check_mx_tile(mx_p, bn)
         kwork = key_work(q_offsets, k_offsets, bn, causal, q.device)
         if kwork.shape[0]:
             _jagged_attn_bwd_dkdv[(kwork.shape[0], heads)](
