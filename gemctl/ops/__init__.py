@@ -46,9 +46,6 @@ _TRITON_IMPLS = {
     # needed gemctl.ops.preload(), passed on 01cf4d0.
     "block_attention": ("gemctl.ops.triton.block_attention", "block_attention_triton", True),
 }
-# MXFP8 attention (jagged_attention with operand_quant) in the Triton kernel: CPU-tested under the
-# interpreter; joins "auto" once its GPU tier has passed.
-_MX_ATTENTION_AUTO = False
 triton_kernels: dict[str, object] = {}  # loaded implementations
 _warned: set[str] = set()
 
@@ -117,30 +114,30 @@ def jagged_attention(
     normalization, relative to each row's maximum score rounded up to an integer in log2 units:
     ``out = q(exp2(s - M)) v / sum(exp2(s - M))`` (gemctl.ops.reference.attention). The Triton
     kernel quantizes them in-kernel (MX formats with blocks of 32: ``operand_quant.mx_format``);
-    it runs with backend="triton"; "auto" keeps the reference for quantized operands until that
-    path has passed its GPU tier (said once on CUDA). Other quantizers: the reference only.
+    "auto" runs it on CUDA (GPU tier passed on the H200, 2026-11-30). Other quantizers: the
+    reference only (said once on CUDA).
     """
     check_window(window)
     if operand_quant is not None:
-        code = 0
-        if backend == "triton" or (backend == "auto" and q.device.type == "cuda" and _MX_ATTENTION_AUTO):
+        fmt = getattr(operand_quant, "mx_format", None)
+        kernel, code = _pick("jagged_attention", backend, q.device), 0
+        if kernel is not None:
             from gemctl.ops.triton.jagged_attention import mx_p_code
 
-            fmt = getattr(operand_quant, "mx_format", None)
             code = mx_p_code(*fmt) if fmt is not None else 0
             if not code and backend == "triton":
                 raise ValueError("jagged_attention: backend 'triton' quantizes operands in MX formats with blocks of "
                                  f"32 (E4M3 or E5M2, scale rule floor or rceil); got {fmt}: use backend 'auto' or 'torch'")
         if code:
-            kernel = _pick("jagged_attention", "triton", q.device)
             q, k = operand_quant(q, -1), operand_quant(k, -1)  # along D: the jagged rows quantize as they are
             v = unpad(operand_quant(pad(v, k_offsets, max(int(max_k_len), 1))[0], 1), k_offsets, v.shape[0])
             fn = functools.partial(kernel, mx_p=code)
         else:
-            if backend == "auto" and q.device.type == "cuda" and "jagged_attention:operand_quant" not in _warned:
-                _warned.add("jagged_attention:operand_quant")
-                print("gemctl.ops: jagged_attention with quantized operands (MXFP8 attention) runs the PyTorch "
-                      "reference; the Triton path (backend='triton') has not passed its GPU tier yet", file=sys.stderr)
+            said = "jagged_attention:operand_quant"
+            if kernel is not None and said not in _warned:  # auto on CUDA, a format the kernel does not have
+                _warned.add(said)
+                print(f"gemctl.ops: jagged_attention with operands quantized as {fmt} runs the PyTorch reference "
+                      "on CUDA: the Triton kernel quantizes MX formats with blocks of 32 only", file=sys.stderr)
             fn = functools.partial(jagged_attention_reference, operand_quant=operand_quant)
     else:
         fn = _pick("jagged_attention", backend, q.device) or jagged_attention_reference
