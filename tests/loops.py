@@ -105,6 +105,12 @@ def rel_err(a, b) -> float:
     return float((a - b).norm() / norm) if norm > 0 else float((a - b).abs().max())
 
 
+def max_abs_err(a, b) -> float:
+    """max |a - b| in float64 (0 for empty tensors): catches a few wrong elements a norm hides."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
 def assert_errors(names, got, ref, baseline=None, *, tol=None, factor=None, floor=1e-3):
     """Each got[i] is finite and within ``tol`` of ref[i] (relative error), or with ``factor``
     within factor * (error of baseline[i], the low-precision PyTorch path) + floor."""
