@@ -2,17 +2,17 @@
 document mask (compiled) and padded SDPA, on the GEM-like workloads, in one process.
 
     python scripts/bench_jagged_attention.py [--out results.json] [--quick] [--causal] [--window 256 ...]
-    python scripts/bench_jagged_attention.py --sweep-dkdv [--out sweep.json]
+    python scripts/bench_jagged_attention.py --sweep fwd --sweep dkdv --sweep dq [--out sweep.json]
 
 Effective TFLOP/s count useful FLOPs only (gemctl.metrics.flops): forward 4*H*D*pairs with pairs
 = sum_i Lq_i*Lk_i (non-causal) or the exact causal pair count; backward 2.5x forward (dQ, dK, dV
 and the recomputed QK^T, as FlashAttention counts it). Timing: triton.testing.do_bench(warmup=25,
 rep=200, median) after a warm-up that includes compilation and config selection.
 
---sweep-dkdv times the whole backward (dK/dV + dQ launchers, CUDA-graph replay) with each dK/dV
-candidate forced (both formulations), on self-200/500/1000 non-causal and self-1000 causal with
-the relative-position bias, against FA2 varlen's backward in the same run; gradients are
-compared with the first candidate's.
+--sweep PASS times every autotune candidate of a pass forced in turn (fwd: the forward; dkdv, dq:
+the whole backward, CUDA-graph replay), on self-200/500/1000 non-causal and self-1000 causal with
+the relative-position bias, against FA2 varlen in the same run; outputs are compared with the
+first candidate's (the untransposed 32x64 dK/dV tiles were caught that way).
 """
 
 from __future__ import annotations
@@ -155,7 +155,11 @@ def run_padded_sdpa(w, causal):
         return bench(fwd), bench(lambda: out.backward(g, retain_graph=True))
 
 
-def sweep_dkdv() -> list[dict]:
+def sweep(passes: list[str]) -> list[dict]:
+    """Each autotune candidate of each pass in ``passes`` (fwd, dkdv, dq) forced in turn: the
+    forward alone, or the whole backward (delta, dK/dV and dQ launchers) for dkdv / dq, timed by
+    CUDA-graph replay against FA2 varlen in the same run; outputs compared with the first
+    candidate's (max |difference|)."""
     import triton
 
     from gemctl.ops.triton import common
@@ -172,26 +176,32 @@ def sweep_dkdv() -> list[dict]:
         scale = w.head_dim**-0.5
         qd, kd, vd = q.detach(), k.detach(), v.detach()
         out, lse, _ = kernels._forward(qd, kd, vd, qo, ko, mq, mk, bias, causal, scale, 0)
-        fa2_bwd = float("nan") if with_bias else run_fa2(w, causal)[1]
-
-        def backward():
-            return kernels._backward(grad, qd, kd, vd, out, lse, qo, ko, mq, mk, bias, causal, scale, 0)
-
-        first = None
-        for cfg in kernels._DKDV_CANDIDATES:
-            try:
-                with common.forced_config({"dkdv": cfg}):
-                    grads = backward()
-                    ms = triton.testing.do_bench_cudagraph(backward, rep=100)
-            except Exception as exc:  # a config that does not fit
-                print(f"{w.name:>10} causal={int(causal)} dkdv {cfg}: {type(exc).__name__}", flush=True)
-                continue
-            first = first or grads
-            diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads[:3], first[:3]))
-            rows.append({"workload": w.name, "causal": causal, "bias": with_bias, "dkdv": list(cfg), "bwd_ms": ms,
-                         "fa2_bwd_ms": fa2_bwd, "max_diff_vs_first": diff})
-            print(f"{w.name:>10} causal={int(causal)} bias={int(with_bias)} dkdv {str(cfg):22s} bwd {ms:.3f} ms "
-                  f"(FA2 {fa2_bwd:.3f} ms: {fa2_bwd / ms:.2f}x) diff {diff:.1e}", flush=True)
+        fa2 = (float("nan"), float("nan")) if with_bias else run_fa2(w, causal)
+        calls = {
+            "fwd": (lambda: kernels._forward(qd, kd, vd, qo, ko, mq, mk, bias, causal, scale, 0)[:1], fa2[0],
+                    kernels._FWD_CANDIDATES["large" if w.head_dim >= 128 else "small"]),
+            "dkdv": (lambda: kernels._backward(grad, qd, kd, vd, out, lse, qo, ko, mq, mk, bias, causal, scale, 0)[:3],
+                     fa2[1], kernels._DKDV_CANDIDATES),
+            "dq": (lambda: kernels._backward(grad, qd, kd, vd, out, lse, qo, ko, mq, mk, bias, causal, scale, 0)[:3],
+                   fa2[1], kernels._DQ_CANDIDATES),
+        }
+        for name in passes:
+            call, fa2_ms, candidates = calls[name]
+            first = None
+            for cfg in candidates:
+                try:
+                    with common.forced_config({name: cfg}):
+                        got = call()
+                        ms = triton.testing.do_bench_cudagraph(call, rep=100)
+                except Exception as exc:  # a config that does not fit
+                    print(f"{w.name:>10} causal={int(causal)} {name} {cfg}: {type(exc).__name__}", flush=True)
+                    continue
+                first = first or got
+                diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, first))
+                rows.append({"workload": w.name, "causal": causal, "bias": with_bias, "pass": name, "config": list(cfg),
+                             "ms": ms, "fa2_ms": fa2_ms, "max_diff_vs_first": diff})
+                print(f"{w.name:>10} causal={int(causal)} bias={int(with_bias)} {name:4s} {str(cfg):22s} {ms:.3f} ms "
+                      f"(FA2 {fa2_ms:.3f} ms: {fa2_ms / ms:.2f}x) diff {diff:.1e}", flush=True)
         torch.cuda.empty_cache()
     return rows
 
@@ -203,7 +213,8 @@ def main() -> None:
     ap.add_argument("--causal", action="store_true", help="also run causal variants")
     ap.add_argument("--window", type=int, action="append", default=[],
                     help="sliding windows to time (ours, causal, self-* workloads), against no window")
-    ap.add_argument("--sweep-dkdv", action="store_true", help="time the backward with each dK/dV candidate forced")
+    ap.add_argument("--sweep", choices=["fwd", "dkdv", "dq"], action="append", default=[],
+                    help="time each autotune candidate of this pass, forced (repeatable)")
     args = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
     meta = {
@@ -214,8 +225,8 @@ def main() -> None:
         "commit": source_commit(),
     }
     print(meta)
-    if args.sweep_dkdv:
-        Path(args.out).write_text(json.dumps({"meta": meta, "sweep_dkdv": sweep_dkdv()}, indent=1))
+    if args.sweep:
+        Path(args.out).write_text(json.dumps({"meta": meta, "sweep": sweep(args.sweep)}, indent=1))
         return
     results = []
     workloads = attention_workloads(uniform_variant=not args.quick)

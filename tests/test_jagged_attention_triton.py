@@ -120,6 +120,30 @@ def test_fp16_elementwise_cpu():
     _check(*CROSS_CPU[0], False, True, "cpu", torch.float16, factor=2.0, elementwise=True)
 
 
+@pytest.mark.parametrize("forced", [{"fwd": (16, 16, 1, 1, 1), "dkdv": (16, 16, 1, 1, 0, 1), "dq": (16, 16, 1, 1, 1)},
+                                    {"fwd": (16, 32, 1, 1, 1), "dkdv": (16, 32, 1, 1, 1, 1), "dq": (32, 16, 1, 1, 1)}],
+                         ids=["square", "unequal-transposed"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tma_tiles_cpu(forced, causal):
+    """The TMA candidates (unmasked tiles through tensor descriptors, masked ones by masked loads)
+    of all three passes against float64: self and cross lengths with partial tiles, bias, a window."""
+    with common.forced_config(forced):
+        _check(SELF_CPU[0], SELF_CPU[0], causal, True, "cpu", torch.float32, tol=2e-5)
+        _check(SELF_CPU[1], SELF_CPU[1], causal, False, "cpu", torch.float32, tol=2e-5, window=20)
+        _check(*CROSS_CPU[0], causal, True, "cpu", torch.float32, tol=2e-5)
+        _check(*CROSS_CPU[1], causal, True, "cpu", torch.float32, tol=2e-5)
+
+
+def test_tma_needs_row_views_cpu():
+    """Descriptors only where a head's rows are one contiguous, 16-byte aligned [N, H * D] view."""
+    x = torch.zeros(40, 2, 16)
+    assert ja_kernels._row_descriptors(16, x, x) is not None
+    assert ja_kernels._row_descriptors(16, x.transpose(1, 2).contiguous().transpose(1, 2)) is None  # heads apart
+    assert ja_kernels._row_descriptors(16, torch.zeros(60, 3, 2, 16)[:, 1]) is not None  # a fused-QKV view
+    assert ja_kernels._row_descriptors(16, torch.zeros(40 * 32 + 1)[1:].view(40, 2, 16)) is None  # base 4 B off
+    assert ja_kernels._row_descriptors(16, x[:8]) is None  # fewer rows than a block
+
+
 @pytest.mark.parametrize("window", WINDOW_CPU)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])

@@ -35,7 +35,10 @@ accumulated per program in registers and summed over programs in a fixed order, 
 bitwise identical for identical inputs.
 
 Measured on one H200 (2026-11-29): see docs/benchmarks.md ("jagged_attention").
-Known limits: no TMA descriptors, warp specialization or persistent scheduling yet (Triton 3.6).
+TMA: autotune candidates load the tiles that need no mask through tensor descriptors (K/V in the
+forward and dQ passes, Q/dO in the dK/dV pass); masked tiles keep masked loads, so no row of
+another sequence is ever read into a tile. Known limits: no warp specialization or persistent
+scheduling yet (Triton 3.6).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gemctl.ops.bias import RelativePositionBias, relative_position_bucket
 from gemctl.ops.triton.common import (
@@ -61,9 +65,14 @@ NO_WINDOW = 1 << 30
 # (head dim, dtype, causal, bias, bucketed max length) times each and keeps the fastest
 # (see pick_config). Under the interpreter one small config runs: speed is meaningless there and
 # every config compiles the same code.
+# A fifth field 1 = the unmasked K/V tiles by TMA (tensor descriptors; the masked ones by masked
+# loads): it frees the address registers (sm_90 ptxas, D=128, no mask: 64x64 on 4 warps 255 -> 181
+# registers, 128x64 on 8 warps 238 -> 204; causal with bias 64x32: 252 -> 178) at the same shared
+# memory; not yet timed on the GPU.
 _FWD_CANDIDATES = {
-    "small": [(64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3)],
-    "large": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3)],
+    "small": [(64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3, 1), (64, 32, 4, 3, 1)],
+    "large": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3),
+              (128, 64, 8, 3, 1), (64, 64, 4, 3, 1), (128, 32, 8, 3, 1), (64, 32, 4, 3, 1)],
 }
 # Backward passes are tuned separately: dK/dV holds a key tile and streams query tiles (wide key
 # tiles amortize the K/V loads), dQ the reverse. dK/dV configs carry a fifth field: 1 = the
@@ -75,14 +84,20 @@ _FWD_CANDIDATES = {
 # dropped: their gradients differed from every other candidate's by up to 1.2 (bf16 values; the
 # others agree bit for bit) although they passed the norm-wise accuracy test, and neither was the
 # fastest anywhere.
+# A sixth field 1 = the inner query tiles' Q and dO by TMA (fewer spills: 64x64 on 4 warps 176 ->
+# 96 B, causal with bias 412 -> 220 B; not yet timed).
 _DKDV_CANDIDATES = [(64, 64, 4, 2, 0), (32, 128, 4, 3, 0), (64, 128, 8, 2, 0),
-                    (64, 128, 8, 2, 1), (32, 64, 4, 3, 1), (32, 64, 8, 2, 1)]
+                    (64, 128, 8, 2, 1), (32, 64, 4, 3, 1), (32, 64, 8, 2, 1),
+                    (64, 64, 4, 2, 0, 1), (32, 64, 4, 3, 1, 1)]
 _DKDV_INTERPRET = (16, 16, 1, 1, 0)
 # With MX probabilities the key tiles hold whole MX blocks (32 keys): every GPU candidate does; the
 # interpreter's 16-key tiles do not.
 _MX_INTERPRET = (16, 32, 1, 1)
 _DKDV_MX_INTERPRET = (16, 32, 1, 1, 0)
-_DQ_CANDIDATES = [(64, 64, 4, 2), (128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2), (64, 32, 8, 3)]
+# A fifth field 1 = the inner K/V tiles by TMA (64x64 on 4 warps: spills 12 -> 0 B, causal with bias
+# 164 -> 72 B; not yet timed).
+_DQ_CANDIDATES = [(64, 64, 4, 2), (128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2), (64, 32, 8, 3),
+                  (64, 64, 4, 2, 1), (128, 64, 8, 2, 1)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -150,16 +165,34 @@ def _mx_qdq_keys(p, KEY_AXIS: tl.constexpr, MX_P: tl.constexpr):
 
 
 @triton.jit
+def _rows(PTR, DESC, start, first, rows, length, stride_n, head_offset, h, offs_d, USE_DESC: tl.constexpr):
+    """A (rows, D) tile of head h of a jagged [N, H, D] tensor, rows ``first + arange`` of the
+    sequence starting at ``start``: by TMA through DESC (the tensor as [N, H * D]) when USE_DESC,
+    which the caller sets only for tiles inside the sequence; else by masked loads (rows past
+    ``length`` read 0)."""
+    if USE_DESC:
+        return DESC.load([start + first, h * offs_d.shape[0]])
+    else:
+        return load_rows(PTR, start, rows, length, stride_n, head_offset, offs_d)
+
+
+@triton.jit
 def _fwd_tile(
-    acc, m_i, l_i, q, K, V, BIAS, h, k_start, start_n, k_len, shift,
+    acc, m_i, l_i, q, K, V, K_DESC, V_DESC, BIAS, h, k_start, start_n, k_len, shift,
     offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh, stride_bias_h, bias_max, qk_scale, window,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr, MX_P: tl.constexpr = 0,
+    TMA: tl.constexpr = False,
 ):
     cols = start_n + offs_n  # key positions of this tile within the sequence
     kmask = cols < k_len
-    k = tl.load(K + (k_start + cols)[None, :] * stride_kn + h * stride_kh + offs_d[:, None], mask=kmask[None, :], other=0.0)  # (D, BN)
-    v = load_rows(V, k_start, cols, k_len, stride_vn, h * stride_vh, offs_d)  # (BN, D)
-    s = tl.dot(q, k) * qk_scale  # (BM, BN), log2 units
+    if TMA and not MASK:  # a tile inside the sequence: K by TMA, no address arithmetic
+        k = _rows(K, K_DESC, k_start, start_n, cols, k_len, stride_kn, h * stride_kh, h, offs_d, True)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # (BM, BN), log2 units
+    else:  # masked loads: rows past the sequence (another sequence's) read 0
+        k = tl.load(K + (k_start + cols)[None, :] * stride_kn + h * stride_kh + offs_d[:, None], mask=kmask[None, :], other=0.0)  # (D, BN)
+        s = tl.dot(q, k) * qk_scale  # (BM, BN), log2 units
+    v = _rows(V, V_DESC, k_start, start_n, cols, k_len, stride_vn, h * stride_vh, h, offs_d,
+              TMA and not MASK)  # (BN, D)
     dist = offs_m[:, None] + shift - cols[None, :]
     if HAS_BIAS:
         s += _bias_tile(BIAS, h, dist, stride_bias_h, bias_max)
@@ -219,12 +252,16 @@ def _row_block_range(m0, q_len, k_len, shift, window, BLOCK_M: tl.constexpr, BLO
 
 @triton.jit
 def _jagged_attn_fwd(
-    Q, K, V, O, LSE, MROW, Q_OFFSETS, K_OFFSETS, WORK, BIAS,
+    Q, K, V, O, LSE, MROW, Q_OFFSETS, K_OFFSETS, WORK, BIAS, K_DESC, V_DESC,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
     stride_bias_h, bias_max, num_heads, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, WINDOWED: tl.constexpr = False, MX_P: tl.constexpr = 0,
+    TMA: tl.constexpr = False,
 ):
+    # TMA: K_DESC / V_DESC are tensor descriptors over K / V viewed as [Nk, H * D] with
+    # (BLOCK_N, D) blocks; the tiles that need no mask (all inside the sequence) come through them,
+    # the masked ones (partial, diagonal, band edge) by masked loads as without TMA.
     # MX_P: the probabilities MX-quantized in blocks of 32 keys before the PV product (_mx_qdq_keys),
     # relative to an integer running maximum whose final value goes to MROW [Nq, H] fp32.
     # window: the sliding window (NO_WINDOW: none). WINDOWED=False compiles the no-window kernel
@@ -250,17 +287,17 @@ def _jagged_attn_fwd(
     # Without a window lo = full_lo = 0: the first loop is not compiled.
     if WINDOWED:
         for start_n in range(lo, full_lo, BLOCK_N):
-            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, BIAS, h, k_start, start_n, k_len, shift,
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, K_DESC, V_DESC, BIAS, h, k_start, start_n, k_len, shift,
                                       offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh,
-                                      stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, True, True, MX_P)
+                                      stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, True, True, MX_P, TMA)
     for start_n in range(full_lo, full_end, BLOCK_N):
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, BIAS, h, k_start, start_n, k_len, shift,
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, K_DESC, V_DESC, BIAS, h, k_start, start_n, k_len, shift,
                                   offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh,
-                                  stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, False, WINDOWED, MX_P)
+                                  stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, False, WINDOWED, MX_P, TMA)
     for start_n in range(full_end, hi, BLOCK_N):
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, BIAS, h, k_start, start_n, k_len, shift,
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, K_DESC, V_DESC, BIAS, h, k_start, start_n, k_len, shift,
                                   offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh,
-                                  stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, True, WINDOWED, MX_P)
+                                  stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, True, WINDOWED, MX_P, TMA)
     has_key = l_i > 0.0
     l_safe = tl.where(has_key, l_i, 1.0)
     out = acc / l_safe[:, None]  # rows with no visible key: acc = 0 -> zeros
@@ -287,12 +324,13 @@ def _bwd_scores(q, k, BIAS, h, dist, lse, stride_bias_h, bias_max, qk_scale, val
 
 @triton.jit
 def _jagged_attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV, MROW, Q_OFFSETS, K_OFFSETS, WORK, BIAS,
+    Q, K, V, DO, LSE, DELTA, DK, DV, MROW, Q_OFFSETS, K_OFFSETS, WORK, BIAS, Q_DESC, DO_DESC,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_don, stride_doh, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
     stride_bias_h, bias_max, num_heads, qk_scale, scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, TRANSPOSED: tl.constexpr, MX_P: tl.constexpr = 0,
+    TMA: tl.constexpr = False,
 ):
     # WORK: int32 [n_work, 2] = (sequence, key tile). Program (pid, h) owns BLOCK_N keys of one
     # sequence and loops over the query tiles that see them: dK, dV written once, no atomics.
@@ -334,6 +372,8 @@ def _jagged_attn_bwd_dkdv(
     if n0 + BLOCK_N > k_len:
         full_start = stop  # every query tile masked
     full_start = tl.maximum(tl.minimum(full_start, stop), lo)
+    if TMA:  # Q and dO of the inner tiles come by TMA (Q_DESC, DO_DESC over [Nq, H * D]): only
+        full_stop = tl.minimum(full_stop, (q_len // BLOCK_M) * BLOCK_M)  # whole query tiles there
     full_stop = tl.maximum(tl.minimum(full_stop, stop), full_start)
 
     for phase in tl.static_range(3):  # leading edge (masked), inner tiles (no mask), trailing edge
@@ -346,8 +386,9 @@ def _jagged_attn_bwd_dkdv(
         for start_m in range(start, end, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             row_ok = offs_m < q_len
-            q = load_rows(Q, q_start, offs_m, q_len, stride_qn, h * stride_qh, offs_d)
-            do = load_rows(DO, q_start, offs_m, q_len, stride_don, h * stride_doh, offs_d)
+            by_tma: tl.constexpr = TMA and phase == 1
+            q = _rows(Q, Q_DESC, q_start, start_m, offs_m, q_len, stride_qn, h * stride_qh, h, offs_d, by_tma)
+            do = _rows(DO, DO_DESC, q_start, start_m, offs_m, q_len, stride_don, h * stride_doh, h, offs_d, by_tma)
             lse = tl.load(LSE + (q_start + offs_m) * num_heads + h, mask=row_ok, other=float("inf"))
             delta = tl.load(DELTA + (q_start + offs_m) * num_heads + h, mask=row_ok, other=0.0)
             if MX_P:
@@ -393,12 +434,12 @@ def _jagged_attn_bwd_dkdv(
 
 @triton.jit
 def _jagged_attn_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, DQ, DBIAS, Q_OFFSETS, K_OFFSETS, WORK, BIAS, BUCKETS,
+    Q, K, V, DO, LSE, DELTA, DQ, DBIAS, Q_OFFSETS, K_OFFSETS, WORK, BIAS, BUCKETS, K_DESC, V_DESC,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_don, stride_doh, stride_dqn, stride_dqh,
     stride_bias_h, bias_max, num_heads, qk_scale, scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_BUCKETS: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_BUCKETS: tl.constexpr, TMA: tl.constexpr = False,
 ):
     # WORK: (sequence, query tile) as in the forward. DBIAS: fp32 [n_work, H, NUM_BUCKETS]
     # partial bias gradients, one row per program (summed on the host side in a fixed order).
@@ -429,8 +470,10 @@ def _jagged_attn_bwd_dq(
         for start_n in range(start, stop, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             kmask = offs_n < k_len
-            k = load_rows(K, k_start, offs_n, k_len, stride_kn, h * stride_kh, offs_d)
-            v = load_rows(V, k_start, offs_n, k_len, stride_vn, h * stride_vh, offs_d)
+            # TMA (K_DESC, V_DESC over [Nk, H * D]) for the unmasked tiles: all inside the sequence
+            by_tma: tl.constexpr = TMA and phase == 1
+            k = _rows(K, K_DESC, k_start, start_n, offs_n, k_len, stride_kn, h * stride_kh, h, offs_d, by_tma)
+            v = _rows(V, V_DESC, k_start, start_n, offs_n, k_len, stride_vn, h * stride_vh, h, offs_d, by_tma)
             dist = offs_m[:, None] + shift - offs_n[None, :]
             valid = _visible(kmask[None, :], dist, window, CAUSAL, True)
             p, _ = _bwd_scores(q, k, BIAS, h, dist, lse, stride_bias_h, bias_max, qk_scale, valid, HAS_BIAS, phase != 1)
@@ -477,6 +520,21 @@ def _check_mx_tile(mx_p: int, block_n: int) -> None:
         raise ValueError(f"jagged_attention: MX probabilities need key tiles of whole 32-key blocks, got BLOCK_N={block_n}")
 
 
+def _row_descriptors(block_rows: int, *tensors):
+    """TMA descriptors over jagged [N, H, D] tensors viewed as [N, H * D] with (block_rows, D)
+    blocks (a head's rows of one tile), or None where that view or TMA's alignment does not hold
+    (heads not adjacent, a row stride or base not 16-byte aligned, fewer rows than a block)."""
+    descs = []
+    for t in tensors:
+        n, heads, dim = t.shape
+        size = t.element_size()
+        if (t.stride(2) != 1 or t.stride(1) != dim or (t.stride(0) * size) % 16 or t.data_ptr() % 16
+                or (dim * size) % 16 or n < block_rows):
+            return None
+        descs.append(TensorDescriptor(t, [n, heads * dim], [t.stride(0), 1], [block_rows, dim]))
+    return descs
+
+
 def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale, window, mx_p=0):
     n_q, heads, dim = q.shape
     out = torch.empty_like(q)
@@ -487,17 +545,19 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, 
     kernel_window = window if window > 0 else NO_WINDOW
 
     def run(cfg):
-        bm, bn, warps, stages = cfg
+        bm, bn, warps, stages, *tma = cfg  # tma: the optional fifth field
         _check_mx_tile(mx_p, bn)
         work = query_work(q_offsets, k_offsets, bm, causal, q.device)
         if work.shape[0] == 0:
             return
+        # Where the descriptors cannot be built the same tiles run by masked loads (same values).
+        descs = _row_descriptors(bn, k, v) if tma and tma[0] else None
         _jagged_attn_fwd[(work.shape[0], heads)](
-            q, k, v, out, lse, mrow if mx_p else lse, q_offsets, k_offsets, work, bias_d,
+            q, k, v, out, lse, mrow if mx_p else lse, q_offsets, k_offsets, work, bias_d, *(descs or (None, None)),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
             bias_d.stride(0), bias_max, heads, qk_scale, kernel_window,
             HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias is not None, WINDOWED=window > 0,
-            MX_P=mx_p, num_warps=warps, num_stages=stages,
+            MX_P=mx_p, TMA=descs is not None, num_warps=warps, num_stages=stages,
         )
 
     size = "large" if dim >= 128 else "small"
@@ -521,31 +581,35 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
     state = {}
 
     def run_dkdv(cfg):
-        bm, bn, warps, stages, transposed = cfg
+        bm, bn, warps, stages, transposed, *tma = cfg  # tma: the optional sixth field
         _check_mx_tile(mx_p, bn)
         kwork = key_work(q_offsets, k_offsets, bn, causal, q.device)
+        descs = _row_descriptors(bm, q, do) if tma and tma[0] else None
         if kwork.shape[0]:
             _jagged_attn_bwd_dkdv[(kwork.shape[0], heads)](
                 q, k, v, do, lse, delta, dk, dv, mrow if mx_p else lse, q_offsets, k_offsets, kwork, bias_d,
+                *(descs or (None, None)),
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
                 bias_d.stride(0), bias_max, heads, qk_scale, scale, kernel_window,
                 HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=has_bias, TRANSPOSED=bool(transposed),
-                MX_P=mx_p, num_warps=warps, num_stages=stages,
+                MX_P=mx_p, TMA=descs is not None, num_warps=warps, num_stages=stages,
             )
 
     def run_dq(cfg):
-        bm, bn, warps, stages = cfg
+        bm, bn, warps, stages, *tma = cfg  # tma: the optional fifth field
         qwork = query_work(q_offsets, k_offsets, bm, causal, q.device)
         dbias = torch.zeros(max(qwork.shape[0], 1), heads, nb_pad, device=q.device, dtype=torch.float32)
+        descs = _row_descriptors(bn, k, v) if tma and tma[0] else None
         if qwork.shape[0]:
             _jagged_attn_bwd_dq[(qwork.shape[0], heads)](
                 q, k, v, do, lse, delta, dq, dbias, q_offsets, k_offsets, qwork, bias_d, buckets,
+                *(descs or (None, None)),
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
                 bias_d.stride(0), bias_max, heads, qk_scale, scale, kernel_window,
                 HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=has_bias, NUM_BUCKETS=nb_pad,
-                num_warps=warps, num_stages=stages,
+                TMA=descs is not None, num_warps=warps, num_stages=stages,
             )
         state["dbias"] = dbias
 
