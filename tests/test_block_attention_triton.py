@@ -14,6 +14,7 @@ from gemctl import ops
 from loops import assert_compiles_same, assert_errors, block_loop, offsets, rel_err
 
 pytest.importorskip("triton")
+from gemctl.ops.triton import block_attention as ba_kernels  # noqa: E402
 from gemctl.ops.triton import common  # noqa: E402
 from gemctl.ops.triton.block_attention import block_attention_triton  # noqa: E402
 
@@ -50,7 +51,8 @@ def _run(backend, q, k, v, off, max_len, block_size, rope, grad):
     return [out] + list(torch.autograd.grad(out, [q, k, v], grad))
 
 
-def _check(lengths, block_size, rope_kind, device, dtype, heads=2, dim=32, seed=0, tol=None, factor=None):
+def _check(lengths, block_size, rope_kind, device, dtype, heads=2, dim=32, seed=0, tol=None, factor=None,
+           elementwise=False):
     """rope_kind: None, "tables" (fp32 tables given) or "base" (a float base frequency)."""
     off, q, k, v, grad = _inputs(lengths, heads, dim, device, dtype, seed)
     max_len = max(lengths)
@@ -66,7 +68,7 @@ def _check(lengths, block_size, rope_kind, device, dtype, heads=2, dim=32, seed=
     ref_out = block_loop(*ref_in, off.cpu(), block_size, rope=ref_rope)
     ref = [ref_out] + list(torch.autograd.grad(ref_out, ref_in, grad.double().cpu()))
     base = _run("torch", q, k, v, off, max_len, block_size, None if rope is None else tables, grad) if factor else None
-    assert_errors(["out", "dq", "dk", "dv"], got, ref, base, tol=tol, factor=factor)
+    assert_errors(["out", "dq", "dk", "dv"], got, ref, base, tol=tol, factor=factor, elementwise=elementwise)
 
 
 @pytest.mark.parametrize("lengths", LENGTHS_CPU)
@@ -176,6 +178,20 @@ def test_torch_compile_no_graph_break_cpu(rope_kind):
 @pytest.mark.parametrize("rope_kind", [None, "tables"])
 def test_block_attention_gpu(lengths, block_size, dim, rope_kind):
     _check(lengths, block_size, rope_kind, "cuda", torch.bfloat16, heads=4, dim=dim, factor=2.0)
+
+
+_EVERY_CONFIG = ([("block_attention_fwd", c) for c in ba_kernels._FWD_CANDIDATES]
+                 + [("block_attention_bwd", c) for c in ba_kernels._BWD_CANDIDATES])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which,cfg", _EVERY_CONFIG, ids=[f"{w[16:]}-{'_'.join(map(str, c))}" for w, c in _EVERY_CONFIG])
+def test_every_candidate_config_gpu(which, cfg):
+    """Every autotune candidate pinned in turn (the rest of the tier runs the first only), bf16,
+    norm-wise and element-wise against the bf16 PyTorch path's error: fused RoPE, partial blocks."""
+    with common.forced_config({which: cfg}):
+        _check(LENGTHS_GPU[1], 64, "tables", "cuda", torch.bfloat16, heads=4, dim=128, factor=2.0, elementwise=True)
+        _check(LENGTHS_GPU[0], 32, None, "cuda", torch.bfloat16, heads=4, dim=64, factor=2.0, elementwise=True)
 
 
 @pytest.mark.gpu

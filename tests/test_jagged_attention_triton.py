@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gemctl import ops
-from loops import attention_loop, max_abs_err, offsets, rel_err
+from loops import assert_errors, attention_loop, offsets, rel_err
 
 pytest.importorskip("triton")
 from gemctl.ops.triton import common  # noqa: E402
@@ -68,25 +68,12 @@ def _check(q_lengths, k_lengths, causal, with_bias, device, dtype, heads=2, dim=
     if factor is not None:  # bound by the low-precision PyTorch path's own error
         base = _run("torch", q, k, v, table, qo, ko, mq, mk, causal, window)
         base_grads = _grads(base, [q, k, v, table], grad_out)
-    names = ["out", "dq", "dk", "dv", "dbias"]
-    pairs = [(out, ref, base if factor else None)] + [
-        (g, r, bg if factor else None) for g, r, bg in zip(grads, ref_grads, base_grads if factor else [None] * 4)
-    ]
-    for name, (got, want, baseline) in zip(names, pairs):
-        if want is None:
-            continue
-        got = torch.zeros_like(want) if got is None else got
-        assert torch.isfinite(got).all(), name
-        err = rel_err(got, want)
-        if factor is None:
-            assert err < tol, f"{name}: rel err {err:.2e}"
-        else:
-            bound = factor * rel_err(baseline, want) + 1e-3
-            assert err <= bound, f"{name}: rel err {err:.2e} > {bound:.2e} (torch {dtype} path {rel_err(baseline, want):.2e})"
-            if elementwise and want.numel():  # a few wrong elements hide in a norm
-                worst, base_worst = max_abs_err(got, want), max_abs_err(baseline, want)
-                bound = factor * base_worst + 1e-3 * float(want.detach().abs().max())
-                assert worst <= bound, f"{name}: max abs err {worst:.2e} > {bound:.2e} (torch {dtype} path {base_worst:.2e})"
+    baselines = [base, *base_grads] if factor is not None else [None] * 5
+    kept = [(name, torch.zeros_like(r) if g is None else g, r, b)
+            for name, g, r, b in zip(["out", "dq", "dk", "dv", "dbias"], [out, *grads], [ref, *ref_grads], baselines)
+            if r is not None]  # no bias: no dbias
+    names, got, want, bases = zip(*kept)
+    assert_errors(names, got, want, bases, tol=tol, factor=factor, elementwise=elementwise)
 
 
 @pytest.mark.parametrize("lengths", SELF_CPU)
