@@ -248,14 +248,13 @@ _EVERY_CONFIG = ([("fwd", c) for c in dict.fromkeys(sum(ja_kernels._FWD_CANDIDAT
 @pytest.mark.parametrize("which,cfg", _EVERY_CONFIG, ids=[f"{w}-{'_'.join(map(str, c))}" for w, c in _EVERY_CONFIG])
 def test_every_candidate_config_gpu(which, cfg):
     """bf16, both head dims: uniform lengths without causality or bias (the benchmark's self-200),
-    one long among short with causality and bias, cross lengths, a window; element-wise too (the
+    one long among short with causality and bias, cross lengths with a window; element-wise too (the
     benchmark saw dropped candidates differ by 1.2 in a few elements while the norm-wise error passed)."""
     strict = {"factor": 2.0, "elementwise": True}
     with common.forced_config({which: cfg}):
         _check(SELF_GPU[2], SELF_GPU[2], False, False, "cuda", torch.bfloat16, heads=4, dim=128, **strict)
         _check(SELF_GPU[1], SELF_GPU[1], True, True, "cuda", torch.bfloat16, heads=4, dim=64, **strict)
-        _check(*CROSS_GPU[0], True, True, "cuda", torch.bfloat16, heads=4, dim=128, **strict)
-        _check(SELF_GPU[0], SELF_GPU[0], False, True, "cuda", torch.bfloat16, heads=4, dim=128, window=64, **strict)
+        _check(*CROSS_GPU[0], True, True, "cuda", torch.bfloat16, heads=4, dim=128, window=100, **strict)
 
 
 @pytest.mark.gpu
