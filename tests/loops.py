@@ -116,6 +116,7 @@ def assert_errors(names, got, ref, baseline=None, *, tol=None, factor=None, floo
     within factor * (error of baseline[i], the low-precision PyTorch path) + floor. With
     ``elementwise`` (and ``factor``) the largest element error is bounded the same way against
     the baseline's largest, plus floor * max |ref|: a few wrong elements hide in a norm."""
+    assert factor is not None or not elementwise, "elementwise bounds need a baseline factor"
     baseline = baseline if baseline is not None else [None] * len(got)
     for name, g, r, b in zip(names, got, ref, baseline):
         assert torch.isfinite(g).all(), name

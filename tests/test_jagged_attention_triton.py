@@ -121,6 +121,18 @@ def test_tma_tiles_cpu(forced, causal):
         _check(*CROSS_CPU[1], causal, True, "cpu", torch.float32, tol=2e-5)
 
 
+def test_tma_candidates_join_autotuning_only_when_enabled_cpu(monkeypatch):
+    """TMA configs are pinned by tests and benchmarks but not timed by the autotuner until their GPU
+    tier has passed (_TMA_AUTOTUNE)."""
+    fwd, dkdv = ja_kernels._FWD_CANDIDATES["large"], ja_kernels._DKDV_CANDIDATES
+    assert any(len(c) > 4 and c[4] for c in fwd) and any(len(c) > 5 and c[5] for c in dkdv)
+    monkeypatch.setattr(ja_kernels, "_TMA_AUTOTUNE", False)
+    assert ja_kernels._tuned(fwd, 4) == [c for c in fwd if len(c) == 4 or not c[4]]
+    assert ja_kernels._tuned(dkdv, 5) == [c for c in dkdv if len(c) == 5]  # the transposed field stays
+    monkeypatch.setattr(ja_kernels, "_TMA_AUTOTUNE", True)
+    assert ja_kernels._tuned(fwd, 4) == fwd and ja_kernels._tuned(dkdv, 5) == dkdv
+
+
 def test_tma_needs_row_views_cpu():
     """Descriptors only where a head's rows are one contiguous, 16-byte aligned [N, H * D] view."""
     x = torch.zeros(40, 2, 16)
@@ -129,6 +141,7 @@ def test_tma_needs_row_views_cpu():
     assert ja_kernels._row_descriptors(16, torch.zeros(60, 3, 2, 16)[:, 1]) is not None  # a fused-QKV view
     assert ja_kernels._row_descriptors(16, torch.zeros(40 * 32 + 1)[1:].view(40, 2, 16)) is None  # base 4 B off
     assert ja_kernels._row_descriptors(16, x[:8]) is None  # fewer rows than a block
+    assert ja_kernels._row_descriptors(16, torch.zeros(1, 2, 16).expand(40, 2, 16)) is None  # rows overlap
 
 
 @pytest.mark.parametrize("window", WINDOW_CPU)
@@ -255,6 +268,31 @@ def test_every_candidate_config_gpu(which, cfg):
         _check(SELF_GPU[2], SELF_GPU[2], False, False, "cuda", torch.bfloat16, heads=4, dim=128, **strict)
         _check(SELF_GPU[1], SELF_GPU[1], True, True, "cuda", torch.bfloat16, heads=4, dim=64, **strict)
         _check(*CROSS_GPU[0], True, True, "cuda", torch.bfloat16, heads=4, dim=128, window=100, **strict)
+        _check(SELF_GPU[0], SELF_GPU[0], False, True, "cuda", torch.bfloat16, heads=4, dim=128, window=64, **strict)
+
+
+_TMA_CONFIGS = [(w, c) for w, c in _EVERY_CONFIG if len(c) > (5 if w == "dkdv" else 4) and c[-1]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which,cfg", _TMA_CONFIGS, ids=[f"{w}-{'_'.join(map(str, c))}" for w, c in _TMA_CONFIGS])
+def test_tma_on_fused_qkv_views_gpu(which, cfg):
+    """The model's layout: q, k, v as views of one [N, 3, H, D] projection (row stride 3*H*D)
+    through the TMA tiles give exactly what contiguous copies give, gradients included."""
+    lengths = [1000] + [3, 17, 0, 64, 200] * 6
+    off = offsets(lengths, "cuda")
+    gen = torch.Generator().manual_seed(4)
+    qkv = torch.randn(int(off[-1]), 3, 4, 128, generator=gen).to("cuda", torch.bfloat16).requires_grad_(True)
+    grad = torch.randn(int(off[-1]), 4, 128, generator=gen).to("cuda", torch.bfloat16)
+    table = torch.randn(4, 16, device="cuda", requires_grad=True)
+    copies = [t.detach().contiguous().requires_grad_(True) for t in qkv.unbind(1)]
+    with common.forced_config({which: cfg}):
+        runs = []
+        for q, k, v in (qkv.unbind(1), copies):
+            out = _run("triton", q, k, v, table, off, off, 1000, 1000, True)
+            runs.append([out, *torch.autograd.grad(out, [q, k, v, table], grad)])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

@@ -35,9 +35,9 @@ accumulated per program in registers and summed over programs in a fixed order, 
 bitwise identical for identical inputs.
 
 Measured on one H200 (2026-11-29): see docs/benchmarks.md ("jagged_attention").
-TMA: autotune candidates load the tiles that need no mask through tensor descriptors (K/V in the
-forward and dQ passes, Q/dO in the dK/dV pass); masked tiles keep masked loads, so no row of
-another sequence is ever read into a tile. Known limits: no warp specialization or persistent
+TMA: configs that load the tiles needing no mask through tensor descriptors (K/V in the forward
+and dQ passes, Q/dO in the dK/dV pass); masked tiles keep masked loads, so no row of another
+sequence is ever read into a tile. They join autotuning once their GPU tier passes (_TMA_AUTOTUNE). Known limits: no warp specialization or persistent
 scheduling yet (Triton 3.6).
 """
 
@@ -68,8 +68,9 @@ NO_WINDOW = 1 << 30
 # A fifth field 1 = the unmasked K/V tiles by TMA (tensor descriptors; the masked ones by masked
 # loads): it frees the address registers (sm_90 ptxas, D=128, no mask: 64x64 on 4 warps 255 -> 181
 # registers, 128x64 on 8 warps 238 -> 204; causal with bias 64x32: 252 -> 178) at the same shared
-# memory; 128x128 on 8 warps (FlashAttention 3's forward tile) fits without a mask only (165 KB
-# shared; 230 KB with the bias: the autotuner skips it). Not yet timed on the GPU.
+# memory; 128x128 on 8 warps (FlashAttention 3's forward tile): 165 KB shared, 229 KB with the bias
+# (sm_90 ptxas; the limit per block is 227 KB). Not yet run on the GPU: the TMA candidates join
+# autotuning once the GPU tier's every-candidate test has passed them (_TMA_AUTOTUNE).
 _FWD_CANDIDATES = {
     "small": [(64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3, 1), (64, 32, 4, 3, 1)],
     "large": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3),
@@ -86,17 +87,24 @@ _FWD_CANDIDATES = {
 # others agree bit for bit) although they passed the norm-wise accuracy test, and neither was the
 # fastest anywhere.
 # A sixth field 1 = the inner query tiles' Q and dO by TMA (fewer spills: 64x64 on 4 warps 176 ->
-# 96 B, causal with bias 412 -> 220 B; not yet timed).
+# 96 B, causal with bias 412 -> 220 B; not yet run on the GPU).
 _DKDV_CANDIDATES = [(64, 64, 4, 2, 0), (32, 128, 4, 3, 0), (64, 128, 8, 2, 0),
                     (64, 128, 8, 2, 1), (32, 64, 4, 3, 1), (32, 64, 8, 2, 1),
                     (64, 64, 4, 2, 0, 1), (32, 64, 4, 3, 1, 1)]
 _DKDV_INTERPRET = (16, 16, 1, 1, 0)
+_TMA_AUTOTUNE = False
+
+
+def _tuned(candidates: list, tma_field: int) -> list:
+    """The candidates autotuning times: the TMA ones (field tma_field set) only with _TMA_AUTOTUNE.
+    Tests and benchmarks pin every candidate of the full lists."""
+    return [c for c in candidates if _TMA_AUTOTUNE or len(c) <= tma_field or not c[tma_field]]
 # With MX probabilities the key tiles hold whole MX blocks (32 keys): every GPU candidate does; the
 # interpreter's 16-key tiles do not.
 _MX_INTERPRET = (16, 32, 1, 1)
 _DKDV_MX_INTERPRET = (16, 32, 1, 1, 0)
 # A fifth field 1 = the inner K/V tiles by TMA (64x64 on 4 warps: spills 12 -> 0 B, causal with bias
-# 164 -> 72 B; not yet timed).
+# 164 -> 72 B; not yet run on the GPU).
 _DQ_CANDIDATES = [(64, 64, 4, 2), (128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2), (64, 32, 8, 3),
                   (64, 64, 4, 2, 1), (128, 64, 8, 2, 1)]
 
@@ -524,13 +532,14 @@ def _check_mx_tile(mx_p: int, block_n: int) -> None:
 def _row_descriptors(block_rows: int, *tensors):
     """TMA descriptors over jagged [N, H, D] tensors viewed as [N, H * D] with (block_rows, D)
     blocks (a head's rows of one tile), or None where that view or TMA's alignment does not hold
-    (heads not adjacent, a row stride or base not 16-byte aligned, fewer rows than a block)."""
+    (heads not adjacent, rows overlapping, a row stride or base not 16-byte aligned, fewer rows
+    than a block)."""
     descs = []
     for t in tensors:
         n, heads, dim = t.shape
         size = t.element_size()
-        if (t.stride(2) != 1 or t.stride(1) != dim or (t.stride(0) * size) % 16 or t.data_ptr() % 16
-                or (dim * size) % 16 or n < block_rows):
+        if (t.stride(2) != 1 or t.stride(1) != dim or t.stride(0) < heads * dim or (t.stride(0) * size) % 16
+                or t.data_ptr() % 16 or (dim * size) % 16 or n < block_rows):
             return None
         descs.append(TensorDescriptor(t, [n, heads * dim], [t.stride(0), 1], [block_rows, dim]))
     return descs
@@ -564,7 +573,8 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, 
     size = "large" if dim >= 128 else "small"
     key = ("fwd", dim, q.dtype, causal, bias is not None, _window_key(window), bucket_len(max_q_len), bucket_len(max_k_len),
            mx_p)
-    run(pick_config(key, _FWD_CANDIDATES[size], run, **({"interpret_config": _MX_INTERPRET} if mx_p else {})))
+    run(pick_config(key, _tuned(_FWD_CANDIDATES[size], 4), run,
+                    **({"interpret_config": _MX_INTERPRET} if mx_p else {})))
     return out, lse, mrow
 
 
@@ -615,9 +625,9 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
         state["dbias"] = dbias
 
     key = (dim, q.dtype, causal, has_bias, _window_key(window), bucket_len(max_q_len), bucket_len(max_k_len))
-    run_dkdv(pick_config(("dkdv",) + key + (mx_p,), _DKDV_CANDIDATES, run_dkdv,
+    run_dkdv(pick_config(("dkdv",) + key + (mx_p,), _tuned(_DKDV_CANDIDATES, 5), run_dkdv,
                          _DKDV_MX_INTERPRET if mx_p else _DKDV_INTERPRET))
-    run_dq(pick_config(("dq",) + key, _DQ_CANDIDATES, run_dq))
+    run_dq(pick_config(("dq",) + key, _tuned(_DQ_CANDIDATES, 4), run_dq))
     dtable = None
     if has_bias:
         dtable = state["dbias"].sum(0)[:, :n_buckets].to(bias.table.dtype)  # fixed-order reduction
