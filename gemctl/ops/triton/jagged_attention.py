@@ -68,8 +68,8 @@ NO_WINDOW = 1 << 30
 # A fifth field 1 = the unmasked K/V tiles by TMA (tensor descriptors; the masked ones by masked
 # loads): it frees the address registers (sm_90 ptxas, D=128, no mask: 64x64 on 4 warps 255 -> 181
 # registers, 128x64 on 8 warps 238 -> 204; causal with bias 64x32: 252 -> 178) at the same shared
-# memory; 128x128 on 8 warps (FlashAttention 3's forward tile): 165 KB shared, 229 KB with the bias
-# (sm_90 ptxas; the limit per block is 227 KB). Not yet run on the GPU: the TMA candidates join
+# memory; 128x128 on 8 warps (FlashAttention 3's forward tile): 161 KiB shared, 225 KiB with the
+# bias (sm_90; the limit per block is 227 KiB). Not yet run on the GPU: the TMA candidates join
 # autotuning once the GPU tier's every-candidate test has passed them (_TMA_AUTOTUNE).
 _FWD_CANDIDATES = {
     "small": [(64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3, 1), (64, 32, 4, 3, 1)],
