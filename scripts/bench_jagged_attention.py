@@ -3,6 +3,7 @@ document mask (compiled) and padded SDPA, on the GEM-like workloads, in one proc
 
     python scripts/bench_jagged_attention.py [--out results.json] [--quick] [--causal] [--window 256 ...]
     python scripts/bench_jagged_attention.py --sweep fwd --sweep dkdv --sweep dq [--out sweep.json]
+    ncu ... python scripts/bench_jagged_attention.py --profile-step
 
 Effective TFLOP/s count useful FLOPs only (gemctl.metrics.flops): forward 4*H*D*pairs with pairs
 = sum_i Lq_i*Lk_i (non-causal) or the exact causal pair count; backward 2.5x forward (dQ, dK, dV
@@ -218,6 +219,8 @@ def main() -> None:
                     help="sliding windows to time (ours, causal, self-* workloads), against no window")
     ap.add_argument("--sweep", choices=["fwd", "dkdv", "dq"], action="append", default=[],
                     help="time each autotune candidate of this pass, forced (repeatable)")
+    ap.add_argument("--profile-step", action="store_true",
+                    help="self-1000 (non-causal) forward+backward, the last of 4 between profiler start and stop (ncu)")
     args = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
     meta = {
@@ -228,6 +231,20 @@ def main() -> None:
         "commit": source_commit(),
     }
     print(meta)
+    if args.profile_step:  # for ncu --profile-from-start off: warm-up (compilation, autotuning), then
+        from workloads import self_workload  # one forward+backward between profiler start and stop
+
+        w = self_workload(256, 1000)
+        q, k, v, qo, ko, _, _, grad = make_inputs(w)
+        m = int(w.q_lengths.max())
+        for step in range(4):
+            if step == 3:
+                torch.cuda.synchronize()
+                torch.cuda.profiler.start()
+            ops.jagged_attention(q, k, v, qo, ko, m, m, backend="triton").backward(grad)
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        return
     if args.sweep:
         Path(args.out).write_text(json.dumps({"meta": meta, "sweep": sweep(args.sweep)}, indent=1))
         return

@@ -11,6 +11,12 @@
 #             full jagged attention, separate rotary kernels; self-1000 and self-4000)
 #   profile   gemctl profile --recipe small_h200 (profile.json and plots copied out)
 #   ab-gdpa   small_h200 with model.kernels.gdpa=torch, then =triton (whole-model before/after)
+#   every     every autotune candidate of the jagged, block and GDPA kernels pinned in turn against
+#             float64 (element-wise bounds too): three pytest processes at once (compile-bound)
+#   sweep     scripts/bench_jagged_attention.py --sweep fwd/dkdv/dq: every candidate of each pass timed
+#   ncu       Nsight Compute counters of the jagged attention kernels at self-1000 (fwd, dK/dV, dQ)
+#   precision-speed  small_h200 once per precision recipe (bf16, fp8_mlp, fp8_tower, fp8), autotuned,
+#             30 steps and smaller item/user tables (the step compares recipes, not the baseline)
 #
 # Packages the GPU image lacks travel as wheels in .whl/ (shared/gpu-wheels/README.md).
 set -o pipefail
@@ -37,10 +43,28 @@ for stage in "$@"; do
         python3 -m gemctl train --recipe small_h200 run.progress=false model.kernels.gdpa=$impl run.name=small_h200-gdpa-$impl 2>&1 | quiet | tee "$OUT/small_h200_gdpa_$impl.log"
         cp "$(ls -d runs/small_h200-gdpa-$impl/* | tail -1)/summary.json" "$OUT/small_h200_gdpa_${impl}_summary.json"
       done ;;
+    every)
+      for f in jagged_attention block_attention gdpa; do
+        python3 -m pytest -q -m gpu "tests/test_${f}_triton.py" -k "every or tma" -p no:cacheprovider -rf 2>&1 \
+          | grep -v '^ *$' | tail -30 > "$OUT/every_$f.log" &
+      done; wait; tail -n 6 "$OUT"/every_*.log ;;
+    sweep) python3 scripts/bench_jagged_attention.py --sweep fwd --sweep dkdv --sweep dq --out "$OUT/sweep_jagged.json" 2>&1 | quiet | tee "$OUT/sweep_jagged.log" ;;
+    ncu)
+      ncu --clock-control none --profile-from-start off --kernel-name regex:_jagged_attn \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+        python3 scripts/bench_jagged_attention.py --profile-step > "$OUT/ncu_jagged.txt" 2>&1
+      grep -E '^  _jagged|Duration|Throughput|Registers Per|Occupancy|Issue Slots|Executed Ipc' "$OUT/ncu_jagged.txt" | head -60 ;;
+    precision-speed)
+      # 30 steps (10 untimed) and 100K-row item/user tables: the four jobs fit one 10-minute call
+      python3 -m gemctl train --recipe small_h200 -m precision=bf16,fp8_mlp,fp8_tower,fp8 run.progress=false \
+        train.steps=30 data.synthetic.num_items=100000 data.synthetic.num_users=100000 \
+        run.output_dir=runs/precision-speed 2>&1 | quiet | tail -12 | tee "$OUT/precision_speed.log"
+      cp "$(ls -d runs/precision-speed/small_h200/multirun-* | tail -1)/sweep.json" "$OUT/precision_speed_sweep.json" ;;
     profile)
       python3 -m gemctl profile --recipe small_h200 2>&1 | quiet | tee "$OUT/profile.log"
       d=$(ls -d runs/small_h200-profile/* | tail -1)
       cp "$d/profile.json" "$d/breakdown.png" "$d/waterfall.png" "$OUT/" ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, profile)" >&2; exit 2 ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, ncu, precision-speed, profile)" >&2; exit 2 ;;
   esac
 done
