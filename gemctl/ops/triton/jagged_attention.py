@@ -37,8 +37,8 @@ bitwise identical for identical inputs.
 Measured on one H200 (2026-11-29): see docs/benchmarks.md ("jagged_attention").
 TMA: configs that load the tiles needing no mask through tensor descriptors (K/V in the forward
 and dQ passes, Q/dO in the dK/dV pass); masked tiles keep masked loads, so no row of another
-sequence is ever read into a tile. They join autotuning once their GPU tier passes (_TMA_AUTOTUNE). Known limits: no warp specialization or persistent
-scheduling yet (Triton 3.6).
+sequence is ever read into a tile. They join autotuning once their GPU tier passes
+(_TMA_AUTOTUNE). Known limits: no warp specialization or persistent scheduling yet (Triton 3.6).
 """
 
 from __future__ import annotations
@@ -190,16 +190,21 @@ def _fwd_tile(
     acc, m_i, l_i, q, K, V, K_DESC, V_DESC, BIAS, h, k_start, start_n, k_len, shift,
     offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh, stride_bias_h, bias_max, qk_scale, window,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr, MX_P: tl.constexpr = 0,
-    TMA: tl.constexpr = False,
+    TMA: tl.constexpr = False, FOLD_SCALE: tl.constexpr = False,
 ):
+    # FOLD_SCALE (no bias, qk_scale > 0): s stays in raw q.k units, the row maximum is scaled once
+    # (max(s) * c = max(s * c) for c > 0, bit for bit) and exp2(s * c - m) is one FMA per score,
+    # instead of a multiply per score feeding both the maximum and the exponent.
     cols = start_n + offs_n  # key positions of this tile within the sequence
     kmask = cols < k_len
     if TMA and not MASK:  # a tile inside the sequence: K by TMA, no address arithmetic
         k = _rows(K, K_DESC, k_start, start_n, cols, k_len, stride_kn, h * stride_kh, h, offs_d, True)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # (BM, BN), log2 units
+        s = tl.dot(q, tl.trans(k))  # (BM, BN)
     else:  # masked loads: rows past the sequence (another sequence's) read 0
         k = tl.load(K + (k_start + cols)[None, :] * stride_kn + h * stride_kh + offs_d[:, None], mask=kmask[None, :], other=0.0)  # (D, BN)
-        s = tl.dot(q, k) * qk_scale  # (BM, BN), log2 units
+        s = tl.dot(q, k)  # (BM, BN)
+    if not FOLD_SCALE:
+        s = s * qk_scale  # log2 units
     v = _rows(V, V_DESC, k_start, start_n, cols, k_len, stride_vn, h * stride_vh, h, offs_d,
               TMA and not MASK)  # (BN, D)
     dist = offs_m[:, None] + shift - cols[None, :]
@@ -207,11 +212,17 @@ def _fwd_tile(
         s += _bias_tile(BIAS, h, dist, stride_bias_h, bias_max)
     if MASK:
         s = tl.where(_visible(kmask[None, :], dist, window, CAUSAL, WINDOWED), s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if FOLD_SCALE:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
     if MX_P:  # an integer running maximum: rescaling by alpha is then a power of two, which MX
         m_new = tl.math.ceil(m_new)  # quantization commutes with (P relative to the final max)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-    p = tl.math.exp2(s - m_safe[:, None])
+    if FOLD_SCALE:
+        p = tl.math.exp2(s * qk_scale - m_safe[:, None])
+    else:
+        p = tl.math.exp2(s - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)  # the unquantized sum: the normalizer
     if MX_P:
@@ -266,8 +277,9 @@ def _jagged_attn_fwd(
     stride_bias_h, bias_max, num_heads, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, WINDOWED: tl.constexpr = False, MX_P: tl.constexpr = 0,
-    TMA: tl.constexpr = False,
+    TMA: tl.constexpr = False, FOLD_SCALE: tl.constexpr = False,
 ):
+    # FOLD_SCALE: see _fwd_tile (set by the host without a bias when qk_scale > 0).
     # TMA: K_DESC / V_DESC are tensor descriptors over K / V viewed as [Nk, H * D] with
     # (BLOCK_N, D) blocks; the tiles that need no mask (all inside the sequence) come through them,
     # the masked ones (partial, diagonal, band edge) by masked loads as without TMA.
@@ -298,15 +310,18 @@ def _jagged_attn_fwd(
         for start_n in range(lo, full_lo, BLOCK_N):
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, K_DESC, V_DESC, BIAS, h, k_start, start_n, k_len, shift,
                                       offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh,
-                                      stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, True, True, MX_P, TMA)
+                                      stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, True, True, MX_P,
+                                      TMA, FOLD_SCALE)
     for start_n in range(full_lo, full_end, BLOCK_N):
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, K_DESC, V_DESC, BIAS, h, k_start, start_n, k_len, shift,
                                   offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh,
-                                  stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, False, WINDOWED, MX_P, TMA)
+                                  stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, False, WINDOWED, MX_P,
+                                  TMA, FOLD_SCALE)
     for start_n in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, K_DESC, V_DESC, BIAS, h, k_start, start_n, k_len, shift,
                                   offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh,
-                                  stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, True, WINDOWED, MX_P, TMA)
+                                  stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, True, WINDOWED, MX_P,
+                                  TMA, FOLD_SCALE)
     has_key = l_i > 0.0
     l_safe = tl.where(has_key, l_i, 1.0)
     out = acc / l_safe[:, None]  # rows with no visible key: acc = 0 -> zeros
@@ -567,7 +582,8 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, 
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
             bias_d.stride(0), bias_max, heads, qk_scale, kernel_window,
             HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias is not None, WINDOWED=window > 0,
-            MX_P=mx_p, TMA=descs is not None, num_warps=warps, num_stages=stages,
+            MX_P=mx_p, TMA=descs is not None, FOLD_SCALE=bias is None and qk_scale > 0, num_warps=warps,
+            num_stages=stages,
         )
 
     size = "large" if dim >= 128 else "small"
