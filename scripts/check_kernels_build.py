@@ -44,7 +44,7 @@ def kernels():
     tiles = {name: "tensordesc<bf16[64, 128]>" for name in ("K_DESC", "V_DESC", "Q_DESC", "DO_DESC")}
     for causal in (False, True):  # the unmasked tiles by TMA
         consts = dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, CAUSAL=causal, HAS_BIAS=causal, TMA=True)
-        yield ja._jagged_attn_fwd, dict(io, **tiles), dict(consts, WINDOWED=False)
+        yield ja._jagged_attn_fwd, dict(io, **tiles), dict(consts, WINDOWED=False, LAZY=not causal)  # + lazy rescaling
         yield ja._jagged_attn_bwd_dkdv, dict(io, **tiles), dict(consts, TRANSPOSED=causal)
         if causal:
             yield ja._jagged_attn_bwd_dq, dict(io, **tiles), dict(consts, NUM_BUCKETS=32)
@@ -109,7 +109,7 @@ def main() -> int:
         consts.update({n: None for n in fn.arg_names if n.endswith("_DESC") and n not in types and n not in consts})
         src = ASTSource(fn=fn, signature=_signature(fn, types, consts), constexprs=consts)
         compiled = triton.compile(src, target=target, options={"num_warps": 4, "num_stages": 3})
-        flags = ",".join(f"{k}={int(v)}" for k, v in consts.items() if k in ("CAUSAL", "HAS_BIAS", "ACT", "ROPE", "E5M2", "RCEIL", "BIT_CAST", "WRITE_Y", "WINDOWED", "GROUP_K", "EPI", "CHUNK_K", "ONE_SWEEP", "COL_AMAX", "NORM", "TRANSPOSED", "MX_P", "TMA"))
+        flags = ",".join(f"{k}={int(v)}" for k, v in consts.items() if k in ("CAUSAL", "HAS_BIAS", "ACT", "ROPE", "E5M2", "RCEIL", "BIT_CAST", "WRITE_Y", "WINDOWED", "GROUP_K", "EPI", "CHUNK_K", "ONE_SWEEP", "COL_AMAX", "NORM", "TRANSPOSED", "MX_P", "TMA", "LAZY"))
         if "BLOCK" in consts:
             flags = f"BLOCK={consts['BLOCK']},{flags}"
         print(f"{fn.__name__:<24} {flags:<30} sm_{args.arch}: ok ({time.time() - t0:.1f} s, {compiled.metadata.shared} B shared)")

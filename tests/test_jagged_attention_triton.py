@@ -121,15 +121,38 @@ def test_tma_tiles_cpu(forced, causal):
         _check(*CROSS_CPU[1], causal, True, "cpu", torch.float32, tol=2e-5)
 
 
-def test_tma_candidates_join_autotuning_only_when_enabled_cpu(monkeypatch):
-    """TMA configs are pinned by tests and benchmarks but not timed by the autotuner until their GPU
-    tier has passed (_TMA_AUTOTUNE)."""
+@pytest.mark.parametrize("causal", [False, True])
+def test_lazy_rescaling_cpu(causal):
+    """The forward with lazy rescaling (a sixth config field) against float64; scores spread by a
+    bias so that running maxima grow by more and by less than 2^8 within a row."""
+    with common.forced_config({"fwd": (16, 16, 1, 1, 0, 1)}):
+        _check(SELF_CPU[0], SELF_CPU[0], causal, False, "cpu", torch.float32, tol=2e-5)
+        _check(SELF_CPU[1], SELF_CPU[1], causal, True, "cpu", torch.float32, tol=2e-5, window=20)
+        _check(*CROSS_CPU[0], causal, True, "cpu", torch.float32, tol=2e-5)
+    with common.forced_config({"fwd": (16, 16, 1, 1, 1, 1)}):  # with TMA tiles
+        _check(SELF_CPU[1], SELF_CPU[1], causal, False, "cpu", torch.float32, tol=2e-5)
+    # Scores spread over ~+-60 (log2 units): running maxima jump by more than 2^8 in later tiles.
+    lengths = [70, 33, 1, 0, 17]
+    off = offsets(lengths)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(121, 2, 32, generator=gen, dtype=torch.float64) for _ in range(3))
+    k = k * torch.linspace(0.2, 8.0, 121, dtype=torch.float64)[:, None, None]  # later keys score higher
+    ref = attention_loop(q, k, v, off, off, causal=causal)
+    with common.forced_config({"fwd": (16, 16, 1, 1, 0, 1)}):
+        out = ops.jagged_attention(q.float(), k.float(), v.float(), off, off, 70, 70, causal=causal, backend="triton")
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_pending_candidates_join_autotuning_only_when_enabled_cpu(monkeypatch):
+    """TMA and lazy-rescaling configs are pinned by tests and benchmarks but not timed by the
+    autotuner until their GPU tier has passed (_PENDING_AUTOTUNE)."""
     fwd, dkdv = ja_kernels._FWD_CANDIDATES["large"], ja_kernels._DKDV_CANDIDATES
-    assert any(len(c) > 4 and c[4] for c in fwd) and any(len(c) > 5 and c[5] for c in dkdv)
-    monkeypatch.setattr(ja_kernels, "_TMA_AUTOTUNE", False)
-    assert ja_kernels._tuned(fwd, 4) == [c for c in fwd if len(c) == 4 or not c[4]]
+    assert any(len(c) > 4 and c[4] for c in fwd) and any(len(c) > 5 and c[5] for c in fwd)
+    assert any(len(c) > 5 and c[5] for c in dkdv)
+    monkeypatch.setattr(ja_kernels, "_PENDING_AUTOTUNE", False)
+    assert ja_kernels._tuned(fwd, 4) == [c for c in fwd if len(c) == 4]
     assert ja_kernels._tuned(dkdv, 5) == [c for c in dkdv if len(c) == 5]  # the transposed field stays
-    monkeypatch.setattr(ja_kernels, "_TMA_AUTOTUNE", True)
+    monkeypatch.setattr(ja_kernels, "_PENDING_AUTOTUNE", True)
     assert ja_kernels._tuned(fwd, 4) == fwd and ja_kernels._tuned(dkdv, 5) == dkdv
 
 
@@ -271,7 +294,7 @@ def test_every_candidate_config_gpu(which, cfg):
         _check(SELF_GPU[0], SELF_GPU[0], False, True, "cuda", torch.bfloat16, heads=4, dim=128, window=64, **strict)
 
 
-_TMA_CONFIGS = [(w, c) for w, c in _EVERY_CONFIG if len(c) > (5 if w == "dkdv" else 4) and c[-1]]
+_TMA_CONFIGS = [(w, c) for w, c in _EVERY_CONFIG if len(c) > (5 if w == "dkdv" else 4) and c[5 if w == "dkdv" else 4]]
 
 
 @pytest.mark.gpu

@@ -20,7 +20,7 @@ def test_kernels_compile_for_sm90():
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ": ok" in ln]
     # jagged attention (16: dK/dV in both formulations; + the windowed forward, + 5 with the unmasked
-    # tiles by TMA, + 3 with MXFP8 probabilities) + gdpa (12) + block attention (8) + MX quantize (5)
+    # tiles by TMA (one with lazy rescaling), + 3 with MXFP8 probabilities) + gdpa (12) + block attention (8) + MX quantize (5)
     # and RMSNorm->MX (2) + FP8 GEMMs (6: row-wise, silu' epilogue, promoted, token chunks, 128, 32)
     # and the FP8 casts (7: rows one sweep, with column maxima, two sweeps, RMSNorm fused; columns,
     # from column maxima, RMSNorm recomputed)

@@ -38,7 +38,7 @@ Measured on one H200 (2026-11-29): see docs/benchmarks.md ("jagged_attention").
 TMA: configs that load the tiles needing no mask through tensor descriptors (K/V in the forward
 and dQ passes, Q/dO in the dK/dV pass); masked tiles keep masked loads, so no row of another
 sequence is ever read into a tile. They join autotuning once their GPU tier passes
-(_TMA_AUTOTUNE). Known limits: no warp specialization or persistent scheduling yet (Triton 3.6).
+(_PENDING_AUTOTUNE). Known limits: no warp specialization or persistent scheduling yet (Triton 3.6).
 """
 
 from __future__ import annotations
@@ -70,11 +70,14 @@ NO_WINDOW = 1 << 30
 # registers, 128x64 on 8 warps 238 -> 204; causal with bias 64x32: 252 -> 178) at the same shared
 # memory; 128x128 on 8 warps (FlashAttention 3's forward tile): 161 KiB shared, 225 KiB with the
 # bias (sm_90; the limit per block is 227 KiB). Not yet run on the GPU: the TMA candidates join
-# autotuning once the GPU tier's every-candidate test has passed them (_TMA_AUTOTUNE).
+# autotuning once the GPU tier's every-candidate test has passed them (_PENDING_AUTOTUNE).
+# A sixth field 1 = lazy rescaling (see _fwd_tile; 128x64 and 64x64 with TMA).
 _FWD_CANDIDATES = {
-    "small": [(64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3, 1), (64, 32, 4, 3, 1)],
+    "small": [(64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3, 1), (64, 32, 4, 3, 1),
+              (64, 64, 4, 3, 1, 1)],
     "large": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3),
-              (128, 64, 8, 3, 1), (64, 64, 4, 3, 1), (128, 32, 8, 3, 1), (64, 32, 4, 3, 1), (128, 128, 8, 2, 1)],
+              (128, 64, 8, 3, 1), (64, 64, 4, 3, 1), (128, 32, 8, 3, 1), (64, 32, 4, 3, 1), (128, 128, 8, 2, 1),
+              (128, 64, 8, 3, 1, 1), (64, 64, 4, 3, 1, 1)],
 }
 # Backward passes are tuned separately: dK/dV holds a key tile and streams query tiles (wide key
 # tiles amortize the K/V loads), dQ the reverse. dK/dV configs carry a fifth field: 1 = the
@@ -92,13 +95,15 @@ _DKDV_CANDIDATES = [(64, 64, 4, 2, 0), (32, 128, 4, 3, 0), (64, 128, 8, 2, 0),
                     (64, 128, 8, 2, 1), (32, 64, 4, 3, 1), (32, 64, 8, 2, 1),
                     (64, 64, 4, 2, 0, 1), (32, 64, 4, 3, 1, 1)]
 _DKDV_INTERPRET = (16, 16, 1, 1, 0)
-_TMA_AUTOTUNE = False
+# Configs whose optional fields (TMA, lazy rescaling) are set have not run on a GPU yet: tests and
+# benchmarks pin them, autotuning times them only once this is True (after the GPU tier passed).
+_PENDING_AUTOTUNE = False
 
 
-def _tuned(candidates: list, tma_field: int) -> list:
-    """The candidates autotuning times: the TMA ones (field tma_field set) only with _TMA_AUTOTUNE.
-    Tests and benchmarks pin every candidate of the full lists."""
-    return [c for c in candidates if _TMA_AUTOTUNE or len(c) <= tma_field or not c[tma_field]]
+def _tuned(candidates: list, first_optional: int) -> list:
+    """The candidates autotuning times: those with an optional field (index >= first_optional) set
+    only with _PENDING_AUTOTUNE."""
+    return [c for c in candidates if _PENDING_AUTOTUNE or not any(c[first_optional:])]
 # With MX probabilities the key tiles hold whole MX blocks (32 keys): every GPU candidate does; the
 # interpreter's 16-key tiles do not.
 _MX_INTERPRET = (16, 32, 1, 1)
@@ -190,8 +195,11 @@ def _fwd_tile(
     acc, m_i, l_i, q, K, V, K_DESC, V_DESC, BIAS, h, k_start, start_n, k_len, shift,
     offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh, stride_bias_h, bias_max, qk_scale, window,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr, MX_P: tl.constexpr = 0,
-    TMA: tl.constexpr = False, FOLD_SCALE: tl.constexpr = False,
+    TMA: tl.constexpr = False, FOLD_SCALE: tl.constexpr = False, LAZY: tl.constexpr = False,
 ):
+    # LAZY: FlashAttention 4's lazy rescaling: the accumulator is rescaled only in tiles where some
+    # row's running maximum grows by more than 2^8 (log2 units); otherwise the stale maximum stays,
+    # exactly (out = acc / l and lse = m + log2(l) use the same m), with p up to 256 meanwhile.
     # FOLD_SCALE (no bias, qk_scale > 0): s stays in raw q.k units, the row maximum is scaled once
     # (max(s) * c = max(s * c) for c > 0, bit for bit) and exp2(s * c - m) is one FMA per score,
     # instead of a multiply per score feeding both the maximum and the exponent.
@@ -218,6 +226,9 @@ def _fwd_tile(
         m_new = tl.maximum(m_i, tl.max(s, 1))
     if MX_P:  # an integer running maximum: rescaling by alpha is then a power of two, which MX
         m_new = tl.math.ceil(m_new)  # quantization commutes with (P relative to the final max)
+    if LAZY:  # keep a row's maximum until it grows by more than 2^8 (p <= 256 meanwhile)
+        grown = m_new > m_i + 8.0  # (any finite maximum against -inf)
+        m_new = tl.where(grown, m_new, m_i)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
     if FOLD_SCALE:
         p = tl.math.exp2(s * qk_scale - m_safe[:, None])
@@ -227,7 +238,12 @@ def _fwd_tile(
     l_i = l_i * alpha + tl.sum(p, 1)  # the unquantized sum: the normalizer
     if MX_P:
         p = _mx_qdq_keys(p, 1, MX_P)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    if LAZY:
+        if tl.max(grown.to(tl.int32), 0) > 0:  # some row of the tile moved its maximum
+            acc = acc * alpha[:, None]
+        acc += tl.dot(p.to(v.dtype), v)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
 
 
@@ -277,9 +293,9 @@ def _jagged_attn_fwd(
     stride_bias_h, bias_max, num_heads, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, WINDOWED: tl.constexpr = False, MX_P: tl.constexpr = 0,
-    TMA: tl.constexpr = False, FOLD_SCALE: tl.constexpr = False,
+    TMA: tl.constexpr = False, FOLD_SCALE: tl.constexpr = False, LAZY: tl.constexpr = False,
 ):
-    # FOLD_SCALE: see _fwd_tile (set by the host without a bias when qk_scale > 0).
+    # FOLD_SCALE, LAZY: see _fwd_tile (set by the host without a bias when qk_scale > 0).
     # TMA: K_DESC / V_DESC are tensor descriptors over K / V viewed as [Nk, H * D] with
     # (BLOCK_N, D) blocks; the tiles that need no mask (all inside the sequence) come through them,
     # the masked ones (partial, diagonal, band edge) by masked loads as without TMA.
@@ -311,17 +327,17 @@ def _jagged_attn_fwd(
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, K_DESC, V_DESC, BIAS, h, k_start, start_n, k_len, shift,
                                       offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh,
                                       stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, True, True, MX_P,
-                                      TMA, FOLD_SCALE)
+                                      TMA, FOLD_SCALE, LAZY)
     for start_n in range(full_lo, full_end, BLOCK_N):
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, K_DESC, V_DESC, BIAS, h, k_start, start_n, k_len, shift,
                                   offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh,
                                   stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, False, WINDOWED, MX_P,
-                                  TMA, FOLD_SCALE)
+                                  TMA, FOLD_SCALE, LAZY)
     for start_n in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, K_DESC, V_DESC, BIAS, h, k_start, start_n, k_len, shift,
                                   offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh,
                                   stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, True, WINDOWED, MX_P,
-                                  TMA, FOLD_SCALE)
+                                  TMA, FOLD_SCALE, LAZY)
     has_key = l_i > 0.0
     l_safe = tl.where(has_key, l_i, 1.0)
     out = acc / l_safe[:, None]  # rows with no visible key: acc = 0 -> zeros
@@ -570,20 +586,21 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, 
     kernel_window = window if window > 0 else NO_WINDOW
 
     def run(cfg):
-        bm, bn, warps, stages, *tma = cfg  # tma: the optional fifth field
+        bm, bn, warps, stages, *extra = cfg  # optional: TMA (fifth field), lazy rescaling (sixth)
+        tma, lazy = (list(extra) + [0, 0])[:2]
         _check_mx_tile(mx_p, bn)
         work = query_work(q_offsets, k_offsets, bm, causal, q.device)
         if work.shape[0] == 0:
             return
         # Where the descriptors cannot be built the same tiles run by masked loads (same values).
-        descs = _row_descriptors(bn, k, v) if tma and tma[0] else None
+        descs = _row_descriptors(bn, k, v) if tma else None
         _jagged_attn_fwd[(work.shape[0], heads)](
             q, k, v, out, lse, mrow if mx_p else lse, q_offsets, k_offsets, work, bias_d, *(descs or (None, None)),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
             bias_d.stride(0), bias_max, heads, qk_scale, kernel_window,
             HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias is not None, WINDOWED=window > 0,
-            MX_P=mx_p, TMA=descs is not None, FOLD_SCALE=bias is None and qk_scale > 0, num_warps=warps,
-            num_stages=stages,
+            MX_P=mx_p, TMA=descs is not None, FOLD_SCALE=bias is None and qk_scale > 0, LAZY=bool(lazy),
+            num_warps=warps, num_stages=stages,
         )
 
     size = "large" if dim >= 128 else "small"
