@@ -95,6 +95,15 @@ _DKDV_CANDIDATES = [(64, 64, 4, 2, 0), (32, 128, 4, 3, 0), (64, 128, 8, 2, 0),
                     (64, 128, 8, 2, 1), (32, 64, 4, 3, 1), (32, 64, 8, 2, 1),
                     (64, 64, 4, 2, 0, 1), (32, 64, 4, 3, 1, 1)]
 _DKDV_INTERPRET = (16, 16, 1, 1, 0)
+# With MX probabilities the key tiles hold whole MX blocks (32 keys): every GPU candidate does; the
+# interpreter's 16-key tiles do not.
+_MX_INTERPRET = (16, 32, 1, 1)
+_DKDV_MX_INTERPRET = (16, 32, 1, 1, 0)
+# A fifth field 1 = the inner K/V tiles by TMA (64x64 on 4 warps: spills 12 -> 0 B, causal with bias
+# 164 -> 72 B; not yet run on the GPU).
+_DQ_CANDIDATES = [(64, 64, 4, 2), (128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2), (64, 32, 8, 3),
+                  (64, 64, 4, 2, 1), (128, 64, 8, 2, 1)]
+
 # Configs whose optional fields (TMA, lazy rescaling) are set have not run on a GPU yet: tests and
 # benchmarks pin them, autotuning times them only once this is True (after the GPU tier passed).
 _PENDING_AUTOTUNE = False
@@ -104,14 +113,11 @@ def _tuned(candidates: list, first_optional: int) -> list:
     """The candidates autotuning times: those with an optional field (index >= first_optional) set
     only with _PENDING_AUTOTUNE."""
     return [c for c in candidates if _PENDING_AUTOTUNE or not any(c[first_optional:])]
-# With MX probabilities the key tiles hold whole MX blocks (32 keys): every GPU candidate does; the
-# interpreter's 16-key tiles do not.
-_MX_INTERPRET = (16, 32, 1, 1)
-_DKDV_MX_INTERPRET = (16, 32, 1, 1, 0)
-# A fifth field 1 = the inner K/V tiles by TMA (64x64 on 4 warps: spills 12 -> 0 B, causal with bias
-# 164 -> 72 B; not yet run on the GPU).
-_DQ_CANDIDATES = [(64, 64, 4, 2), (128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2), (64, 32, 8, 3),
-                  (64, 64, 4, 2, 1), (128, 64, 8, 2, 1)]
+
+
+def _field(cfg: tuple, i: int) -> int:
+    """Optional config field i (TMA, lazy rescaling), 0 where the config is shorter."""
+    return cfg[i] if len(cfg) > i else 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,7 +135,6 @@ def mx_p_code(elem: torch.dtype, scale_rule: str, block: int) -> int:
     if block != 32 or elem not in (torch.float8_e4m3fn, torch.float8_e5m2) or scale_rule not in ("floor", "rceil"):
         return 0
     return (1 if elem == torch.float8_e4m3fn else 3) + (scale_rule == "rceil")
-
 
 
 @triton.jit
@@ -586,20 +591,19 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, 
     kernel_window = window if window > 0 else NO_WINDOW
 
     def run(cfg):
-        bm, bn, warps, stages, *extra = cfg  # optional: TMA (fifth field), lazy rescaling (sixth)
-        tma, lazy = (list(extra) + [0, 0])[:2]
+        bm, bn, warps, stages = cfg[:4]
         _check_mx_tile(mx_p, bn)
         work = query_work(q_offsets, k_offsets, bm, causal, q.device)
         if work.shape[0] == 0:
             return
         # Where the descriptors cannot be built the same tiles run by masked loads (same values).
-        descs = _row_descriptors(bn, k, v) if tma else None
+        descs = _row_descriptors(bn, k, v) if _field(cfg, 4) else None
         _jagged_attn_fwd[(work.shape[0], heads)](
             q, k, v, out, lse, mrow if mx_p else lse, q_offsets, k_offsets, work, bias_d, *(descs or (None, None)),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
             bias_d.stride(0), bias_max, heads, qk_scale, kernel_window,
             HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias is not None, WINDOWED=window > 0,
-            MX_P=mx_p, TMA=descs is not None, FOLD_SCALE=bias is None and qk_scale > 0, LAZY=bool(lazy),
+            MX_P=mx_p, TMA=descs is not None, FOLD_SCALE=bias is None and qk_scale > 0, LAZY=bool(_field(cfg, 5)),
             num_warps=warps, num_stages=stages,
         )
 
@@ -625,10 +629,10 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
     state = {}
 
     def run_dkdv(cfg):
-        bm, bn, warps, stages, transposed, *tma = cfg  # tma: the optional sixth field
+        bm, bn, warps, stages, transposed = cfg[:5]
         _check_mx_tile(mx_p, bn)
         kwork = key_work(q_offsets, k_offsets, bn, causal, q.device)
-        descs = _row_descriptors(bm, q, do) if tma and tma[0] else None
+        descs = _row_descriptors(bm, q, do) if _field(cfg, 5) else None
         if kwork.shape[0]:
             _jagged_attn_bwd_dkdv[(kwork.shape[0], heads)](
                 q, k, v, do, lse, delta, dk, dv, mrow if mx_p else lse, q_offsets, k_offsets, kwork, bias_d,
@@ -641,10 +645,10 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
             )
 
     def run_dq(cfg):
-        bm, bn, warps, stages, *tma = cfg  # tma: the optional fifth field
+        bm, bn, warps, stages = cfg[:4]
         qwork = query_work(q_offsets, k_offsets, bm, causal, q.device)
         dbias = torch.zeros(max(qwork.shape[0], 1), heads, nb_pad, device=q.device, dtype=torch.float32)
-        descs = _row_descriptors(bn, k, v) if tma and tma[0] else None
+        descs = _row_descriptors(bn, k, v) if _field(cfg, 4) else None
         if qwork.shape[0]:
             _jagged_attn_bwd_dq[(qwork.shape[0], heads)](
                 q, k, v, do, lse, delta, dq, dbias, q_offsets, k_offsets, qwork, bias_d, buckets,
