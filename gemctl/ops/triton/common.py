@@ -30,8 +30,8 @@ _autotune: bool | None = None  # set_autotune(); None: GEMCTL_AUTOTUNE decides
 
 
 def set_autotune(enabled: bool | None) -> None:
-    """Time the candidates of each kernel (True), take every kernel's first candidate (False:
-    reproducible numerics, the defaults fit every variant), or let GEMCTL_AUTOTUNE decide (None)."""
+    """Time the candidates of each kernel (True), take every kernel's first candidate that runs
+    (False: reproducible numerics), or let GEMCTL_AUTOTUNE decide (None)."""
     global _autotune
     _autotune = enabled
 
@@ -197,29 +197,24 @@ def pick_config(key, candidates, run, interpret_config: tuple = _INTERPRET_CONFI
             return tuple(forced[key[0]])
     if INTERPRET:
         return interpret_config
-    if not autotune_enabled():
-        untuned = ("untuned",) + tuple(key)
-        if untuned not in _config_cache:
-            for cfg in candidates:
-                try:
-                    run(cfg)  # a config may not fit this shape's shared memory: the next one then
-                except Exception:
-                    continue
-                _config_cache[untuned] = cfg
-                break
-            else:
-                raise RuntimeError(f"no Triton kernel config runs for {key}")
-        return _config_cache[untuned]
-    if key not in _config_cache:
+    tuned = autotune_enabled()
+    cache_key = key if tuned else ("untuned",) + tuple(key)
+    if cache_key not in _config_cache:
         best, best_t = None, float("inf")
         for cfg in candidates:
-            try:
-                t = _time(lambda: run(cfg))
-            except Exception:  # a config may not fit this head dim's shared memory
+            try:  # a config may not fit this shape's shared memory: the next one then
+                if tuned:
+                    t = _time(lambda: run(cfg))
+                else:
+                    run(cfg)
+                    t = 0.0
+            except Exception:
                 continue
             if t < best_t:
                 best, best_t = cfg, t
+            if not tuned:
+                break  # untuned: the first candidate that runs
         if best is None:
             raise RuntimeError(f"no Triton kernel config runs for {key}")
-        _config_cache[key] = best
-    return _config_cache[key]
+        _config_cache[cache_key] = best
+    return _config_cache[cache_key]
