@@ -215,25 +215,30 @@ def summary_rows(keys: list[str], rows: list[dict]) -> list[dict]:
     first = tuple(rows[0][k] for k in setting_keys) if rows else None
     if len(groups) < 2 or first not in groups:  # no baseline (every job of the first setting failed)
         return []
-    groups = {first: groups.pop(first), **groups}
-    tasks = [c[:-3] for c in _columns(keys, rows) if c.endswith(".ne")]
-    base_jobs = next(iter(groups.values()))
+    groups = {first: groups.pop(first), **groups}  # the baseline's row first
+    base_jobs = groups[first]
+    baselines = {}  # task -> (mean, bar, NE by seed) of the baseline setting
+    for task in (c[:-3] for c in _columns(keys, rows) if c.endswith(".ne")):
+        base = [j[f"{task}.ne"] for j in base_jobs if _finite(j.get(f"{task}.ne"))]
+        if base:  # NE undefined (e.g. one class in the eval labels): no verdict
+            base_mean, base_std = _mean_std(base)
+            bar = max(NE_BAR_REL * base_mean, 2 * base_std if base_std is not None else 0.0)
+            by_seed = {j.get(SEED_KEY): j[f"{task}.ne"] for j in base_jobs if _finite(j.get(f"{task}.ne"))}
+            baselines[task] = base_mean, bar, by_seed
+    base_steps = [j["step_time_ms"] for j in base_jobs if j.get("step_time_ms")]
+    base_step = _mean_std(base_steps)[0] if base_steps else None
     out = []
     for values, jobs in groups.items():
         g = {**dict(zip(setting_keys, values)), "n": len(jobs), "seeds": [j.get(SEED_KEY, "") for j in jobs]}
-        for task in tasks:
+        for task, (base_mean, bar, by_seed) in baselines.items():
             ne = [j[f"{task}.ne"] for j in jobs if _finite(j.get(f"{task}.ne"))]
-            base = [j[f"{task}.ne"] for j in base_jobs if _finite(j.get(f"{task}.ne"))]
-            if not ne or not base:  # NE undefined (e.g. one class in the eval labels): no verdict
+            if not ne:
                 continue
             mean, std = _mean_std(ne)
-            base_mean, base_std = _mean_std(base)
-            bar = max(NE_BAR_REL * base_mean, 2 * base_std if base_std is not None else 0.0)
             diff = mean - base_mean
             g[f"{task}.ne_mean"], g[f"{task}.ne_std"] = mean, std
             g[f"{task}.ne_diff_rel"], g[f"{task}.ne_bar"] = diff / base_mean, bar
             g[f"{task}.verdict"] = "neutral" if abs(diff) < bar else ("worse" if diff > 0 else "better")
-            by_seed = {j.get(SEED_KEY): j[f"{task}.ne"] for j in base_jobs if _finite(j.get(f"{task}.ne"))}
             paired = [j[f"{task}.ne"] - by_seed[j.get(SEED_KEY)] for j in jobs
                       if j.get(SEED_KEY, "") != "" and j.get(SEED_KEY) in by_seed and _finite(j.get(f"{task}.ne"))]
             if paired:
@@ -242,10 +247,9 @@ def summary_rows(keys: list[str], rows: list[dict]) -> list[dict]:
             if auc:
                 g[f"{task}.auc_mean"] = _mean_std(auc)[0]
         steps = [j["step_time_ms"] for j in jobs if j.get("step_time_ms")]
-        base_steps = [j["step_time_ms"] for j in base_jobs if j.get("step_time_ms")]
-        if steps and base_steps:
+        if steps and base_step:
             g["step_time_ms"] = _mean_std(steps)[0]
-            g["speedup"] = _mean_std(base_steps)[0] / g["step_time_ms"]
+            g["speedup"] = base_step / g["step_time_ms"]
         out.append(g)
     return out
 
