@@ -32,16 +32,14 @@ import argparse
 import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import source_commit  # noqa: E402
+from bench_common import base_meta  # noqa: E402
 from bench_gdpa import ceilings, graph_bench, timings  # noqa: E402
 from bench_jagged_attention import make_inputs  # noqa: E402
 from gemctl import ops  # noqa: E402
@@ -234,10 +232,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench_block_attention.json")
     ap.add_argument("--only", nargs="*", help="workload names to run (default: self-1000 self-4000)")
     args = ap.parse_args()
-    commit = source_commit()
-    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "commit": commit, "dtype": "bfloat16", "rope_base": ROPE_BASE}
-    meta.update(ceilings())
+    meta = {**base_meta(dtype="bfloat16", rope_base=ROPE_BASE), **ceilings()}
     print(meta, flush=True)
     if args.sweep:
         fwd = _configs(args.fwd_configs) or block_kernels._FWD_CANDIDATES

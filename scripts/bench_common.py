@@ -41,9 +41,14 @@ def source_commit() -> str:
     return (head.strip() + ("-dirty" if dirty.strip() else "")) if head.strip() else "unknown"
 
 
+def base_meta(**extra) -> dict:
+    """Date, GPU, torch and triton versions, the commit, and ``extra``: what every result file records."""
+    return {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "commit": source_commit(), **extra}
+
+
 def run_meta(**extra) -> dict:
-    """Date, GPU, torch and triton versions, the commit, the copy ceiling measured now, and ``extra``."""
-    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "commit": source_commit(), **extra, "copy_tbps": copy_tbps()}
+    """base_meta, and the copy ceiling measured now."""
+    meta = {**base_meta(**extra), "copy_tbps": copy_tbps()}
     print(meta, flush=True)
     return meta

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,7 +29,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import source_commit  # noqa: E402
+from bench_common import base_meta  # noqa: E402
 from bench_jagged_attention import bench, make_inputs, tflops  # noqa: E402
 from gemctl import ops  # noqa: E402
 from gemctl.metrics.flops import attention, attention_pairs  # noqa: E402
@@ -139,9 +138,7 @@ def main() -> None:
     ap.add_argument("--grids", action="store_true", help="also time the forward under every candidate config")
     ap.add_argument("--only", nargs="*", help="workload names to run (default: all)")
     args = ap.parse_args()
-    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "commit": source_commit()}
-    meta.update(ceilings())
+    meta = {**base_meta(), **ceilings()}
     print(meta, flush=True)
     rows = []
     workloads = [pma_workload(256, 32), cross_workload(256, 32), cross_workload(256, 128), self_workload(256, 1000)]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import source_commit  # noqa: E402
+from bench_common import base_meta  # noqa: E402
 from gemctl import ops  # noqa: E402
 from gemctl.metrics.flops import attention, attention_pairs  # noqa: E402
 from gemctl.ops import host  # noqa: E402
@@ -222,14 +221,7 @@ def main() -> None:
     ap.add_argument("--profile-step", action="store_true",
                     help="self-1000 (non-causal) forward+backward, the last of 4 between profiler start and stop (ncu)")
     args = ap.parse_args()
-    props = torch.cuda.get_device_properties(0)
-    meta = {
-        "date": time.strftime("%Y-%m-%d"),
-        "gpu": props.name,
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
-        "commit": source_commit(),
-    }
+    meta = base_meta()
     print(meta)
     if args.profile_step:  # for ncu --profile-from-start off: warm-up (compilation, autotuning), then
         from workloads import self_workload  # one forward+backward between profiler start and stop
