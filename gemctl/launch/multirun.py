@@ -97,12 +97,10 @@ def run_sweep(overrides: list[str], recipe, console) -> int:
             data = json.loads(summary.read_text())
             row.update(eval=data["eval"], perf={k: data["perf"].get(k) for k in PERF_KEYS})
         results.append(row)
-        write_tables(root, keys, results)
-    # The markdown table, not a rich one: it never elides a number on a narrow console, and it is
-    # the same text as sweep.md.
-    rows = comparison_rows(keys, results)
+        rows, groups = write_tables(root, keys, results)
+    # The markdown tables, not rich ones: they never elide a number on a narrow console, and they
+    # are the same text as sweep.md.
     console.print(markdown_table(keys, rows), markup=False, highlight=False, soft_wrap=True)
-    groups = summary_rows(keys, rows)
     if groups:
         console.print(summary_markdown(keys, groups), markup=False, highlight=False, soft_wrap=True)
     console.print(f"comparison: {root / 'sweep.md'}, {root / 'sweep.json'}", markup=False, soft_wrap=True)
@@ -288,9 +286,10 @@ def summary_markdown(keys: list[str], groups: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_tables(root: Path, keys: list[str], results: list[dict]) -> None:
+def write_tables(root: Path, keys: list[str], results: list[dict]) -> tuple[list[dict], list[dict]]:
     """sweep.json (the jobs, the comparison rows and the per-setting summary) and sweep.md,
-    rewritten after every job so an interrupted sweep keeps what it has."""
+    rewritten after every job so an interrupted sweep keeps what it has; returns the rows and the
+    summary."""
     rows = comparison_rows(keys, results)
     groups = summary_rows(keys, rows)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -301,6 +300,7 @@ def write_tables(root: Path, keys: list[str], results: list[dict]) -> None:
     if groups:
         md += "\n" + summary_markdown(keys, groups)
     (root / "sweep.md").write_text(md)
+    return rows, groups
 
 
 def _run_one(cfg, run_dir: Path, console) -> int:
