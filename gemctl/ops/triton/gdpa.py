@@ -38,6 +38,8 @@ ACTIVATIONS = {"gelu": 0, "silu": 1}
 # (cross-attention), all queries in the dK/dV pass (PMA) - is loaded once into one tile and the
 # loop runs over up to `chunk` tiles of the long side, so the pipeliner prefetches the long side's
 # tiles. Valid only where the short side fits its tile; the host offers it only then.
+# Dropped after the H200's every-candidate run (2026-11-30): dK/dV (32, 128, 8, 3, 0, 4) and dQ
+# (128, 32, 8, 3, 0, 4) need 240 KiB of shared memory at D=128 (the limit is 227 KiB).
 _FWD_CANDIDATES = [
     (64, 32, 4, 3, 0, 0), (64, 64, 4, 3, 0, 0), (128, 32, 4, 3, 0, 0), (32, 64, 4, 3, 0, 0),
     (64, 32, 4, 4, 0, 0), (64, 32, 8, 3, 0, 0), (64, 64, 4, 3, 2, 0), (32, 64, 4, 3, 4, 0),
@@ -49,13 +51,13 @@ _FWD_CANDIDATES = [
 _DKDV_CANDIDATES = [
     (64, 64, 4, 2, 0, 0), (32, 64, 4, 3, 0, 0), (64, 32, 4, 3, 0, 0), (32, 128, 4, 3, 0, 0),
     (64, 64, 4, 2, 2, 0), (32, 64, 4, 3, 4, 0),
-    (32, 64, 4, 3, 0, 4), (32, 64, 4, 3, 0, 8), (32, 128, 8, 3, 0, 4), (64, 64, 4, 3, 0, 4),
+    (32, 64, 4, 3, 0, 4), (32, 64, 4, 3, 0, 8), (64, 64, 4, 3, 0, 4),
     (128, 64, 8, 2, 0, 2), (32, 64, 4, 3, 2, 4),
 ]
 _DQ_CANDIDATES = [
     (64, 64, 4, 2, 0, 0), (128, 32, 4, 3, 0, 0), (64, 32, 4, 3, 0, 0), (32, 64, 4, 3, 0, 0),
     (64, 64, 4, 2, 2, 0), (32, 64, 4, 3, 4, 0),
-    (64, 32, 4, 3, 0, 4), (64, 32, 4, 3, 0, 8), (128, 32, 8, 3, 0, 4), (64, 64, 4, 3, 0, 4),
+    (64, 32, 4, 3, 0, 4), (64, 32, 4, 3, 0, 8), (64, 64, 4, 3, 0, 4),
     (64, 128, 4, 3, 0, 4), (64, 256, 8, 2, 0, 2), (64, 32, 4, 3, 2, 4),
 ]
 _INTERPRET_CONFIG = (16, 16, 1, 1, 1, 0)  # persistent, so the CPU tier exercises the dealing
