@@ -8,7 +8,10 @@ document mask (compiled) and padded SDPA, on the GEM-like workloads, in one proc
 Effective TFLOP/s count useful FLOPs only (gemctl.metrics.flops): forward 4*H*D*pairs with pairs
 = sum_i Lq_i*Lk_i (non-causal) or the exact causal pair count; backward 2.5x forward (dQ, dK, dV
 and the recomputed QK^T, as FlashAttention counts it). Timing: triton.testing.do_bench(warmup=25,
-rep=200, median) after a warm-up that includes compilation and config selection.
+rep=200, median) after a warm-up that includes compilation and config selection: a call as eager
+code pays it, host launch cost included (it bounds the short self-200 kernels). For ours and FA2
+the kernels alone are also timed by CUDA-graph replay (triton.testing.do_bench_cudagraph): the
+*_gpu_* fields, "graph" in the printed table.
 
 --sweep PASS times every autotune candidate of a pass forced in turn (fwd: the forward; dkdv, dq:
 the whole backward, CUDA-graph replay), on self-200/500/1000 non-causal and self-1000 causal with
@@ -40,6 +43,17 @@ def bench(fn) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def graph_bench(fn) -> float:
+    """GPU time of ``fn`` by CUDA-graph replay (no host launch cost); NaN where it cannot be captured."""
+    import triton.testing
+
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=100)
+    except Exception as exc:  # noqa: BLE001 - reported, the eager timing stands
+        print(f"  (CUDA graph capture failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]})", flush=True)
+        return float("nan")
 
 
 def tflops(flops: float, ms: float) -> float:
@@ -77,7 +91,17 @@ def run_ours(w, causal, with_bias, window=None):
     out.backward(grad, retain_graph=True)
     ms_f = bench(fwd)
     ms_b = bench(lambda: out.backward(grad, retain_graph=True))
-    return ms_f, ms_b
+    if window is not None:
+        return ms_f, ms_b
+    # The kernels alone (CUDA-graph replay, same autotuned configs): what the GPU spends, without
+    # the Python launch cost that bounds a call on short workloads.
+    from gemctl.ops.triton import jagged_attention as kernels
+
+    qd, kd, vd, scale = q.detach(), k.detach(), v.detach(), w.head_dim**-0.5
+    o, lse, _ = kernels._forward(qd, kd, vd, qo, ko, mq, mk, bias, causal, scale, 0)
+    gpu_f = graph_bench(lambda: kernels._forward(qd, kd, vd, qo, ko, mq, mk, bias, causal, scale, 0))
+    gpu_b = graph_bench(lambda: kernels._backward(grad, qd, kd, vd, o, lse, qo, ko, mq, mk, bias, causal, scale, 0))
+    return ms_f, ms_b, gpu_f, gpu_b
 
 
 def run_fa2(w, causal):
@@ -97,7 +121,7 @@ def run_fa2(w, causal):
         return torch.ops.aten._flash_attention_backward(grad, qd, kd, vd, out, lse, cq, ck, mq, mk, 0.0, causal, rng, unused, scale=scale)
 
     bwd()
-    return bench(fwd), bench(bwd)
+    return bench(fwd), bench(bwd), graph_bench(fwd), graph_bench(bwd)
 
 
 def run_flex(w, causal):
@@ -176,7 +200,7 @@ def sweep(passes: list[str]) -> list[dict]:
         scale = w.head_dim**-0.5
         qd, kd, vd = q.detach(), k.detach(), v.detach()
         out, lse, _ = kernels._forward(qd, kd, vd, qo, ko, mq, mk, bias, causal, scale, 0)
-        fa2 = (float("nan"), float("nan")) if with_bias else run_fa2(w, causal)
+        fa2 = (float("nan"), float("nan")) if with_bias else run_fa2(w, causal)[2:]  # CUDA-graph replay too
 
         def backward():  # dq, dk, dv and, with the bias, its table's gradient (the dQ pass makes it)
             grads = kernels._backward(grad, qd, kd, vd, out, lse, qo, ko, mq, mk, bias, causal, scale, 0)
@@ -259,13 +283,16 @@ def main() -> None:
                 impls["flex_docmask"] = lambda: run_flex(w, causal)  # compiled per shape: slow to set up
             for name, fn in impls.items():
                 try:
-                    ms_f, ms_b = fn()
+                    ms_f, ms_b, *gpu = fn()
                     if name == "flex_docmask":  # measured fwd and fwd+bwd
                         row[name] = {"fwd_ms": ms_f, "fwd_tflops": tflops(f_flops, ms_f),
                                      "fwdbwd_ms": ms_b, "fwdbwd_tflops": tflops(3.5 * f_flops, ms_b)}
                     else:
                         row[name] = {"fwd_ms": ms_f, "fwd_tflops": tflops(f_flops, ms_f),
                                      "bwd_ms": ms_b, "bwd_tflops": tflops(2.5 * f_flops, ms_b)}
+                    if gpu:  # kernels alone, CUDA-graph replay
+                        row[name].update({"fwd_gpu_ms": gpu[0], "fwd_gpu_tflops": tflops(f_flops, gpu[0]),
+                                          "bwd_gpu_ms": gpu[1], "bwd_gpu_tflops": tflops(2.5 * f_flops, gpu[1])})
                 except Exception as exc:  # report, keep going
                     row[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
                 torch.cuda.empty_cache()
@@ -276,13 +303,14 @@ def main() -> None:
                 if "error" in r:
                     cells.append(f"{name}: {r['error'][:60]}")
                 elif "bwd_tflops" in r:
-                    cells.append(f"{name} {r['fwd_tflops']:.0f}/{r['bwd_tflops']:.0f}")
+                    gpu = f" (graph {r['fwd_gpu_tflops']:.0f}/{r['bwd_gpu_tflops']:.0f})" if "fwd_gpu_tflops" in r else ""
+                    cells.append(f"{name} {r['fwd_tflops']:.0f}/{r['bwd_tflops']:.0f}{gpu}")
                 else:
                     cells.append(f"{name} {r['fwd_tflops']:.0f}/{r['fwdbwd_tflops']:.0f}(f+b)")
             print(f"{w.name:>18} causal={int(causal)} | " + " | ".join(cells), flush=True)
     windows = []
     for w in [w for w in workloads if w.name.startswith("self")] if args.window else []:
-        full_f, full_b = run_ours(w, True, False)
+        full_f, full_b, *_ = run_ours(w, True, False)
         for win in args.window:
             ms_f, ms_b = run_ours(w, True, False, window=win)
             windows.append({"workload": w.name, "window": win, "fwd_ms": ms_f, "bwd_ms": ms_b,

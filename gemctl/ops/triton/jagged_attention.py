@@ -38,7 +38,7 @@ Measured on one H200 (2026-11-29): see docs/benchmarks.md ("jagged_attention").
 TMA: configs that load the tiles needing no mask through tensor descriptors (K/V in the forward
 and dQ passes, Q/dO in the dK/dV pass); masked tiles keep masked loads, so no row of another
 sequence is ever read into a tile. They join autotuning once their GPU tier passes
-(_PENDING_AUTOTUNE). Known limits: no warp specialization or persistent scheduling yet (Triton 3.6).
+(_GPU_CHECKED). Known limits: no warp specialization or persistent scheduling yet (Triton 3.6).
 """
 
 from __future__ import annotations
@@ -104,15 +104,19 @@ _DKDV_MX_INTERPRET = (16, 32, 1, 1, 0)
 _DQ_CANDIDATES = [(64, 64, 4, 2), (128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2), (64, 32, 8, 3),
                   (64, 64, 4, 2, 1), (128, 64, 8, 2, 1)]
 
-# Configs whose optional fields (TMA, lazy rescaling) are set have not run on a GPU yet: tests and
-# benchmarks pin them, autotuning times them only once this is True (after the GPU tier passed).
-_PENDING_AUTOTUNE = False
+# Configs with an optional field (TMA, lazy rescaling) set join autotuning once the GPU tier's
+# every-candidate and fused-view tests have passed them. H200, 2026-11-30: the forward's 64x32 TMA
+# tile (the fastest forward candidate at self-200/500/1000 in the sweep: 1.36x / 1.19x / 1.17x FA2
+# varlen, docs/benchmarks.md) and the dK/dV TMA tiles (1-3% faster than without). The others stay
+# pinned-only: lazy rescaling and 128x128 were slower than their plain twins everywhere in the sweep.
+_GPU_CHECKED = {(64, 32, 4, 3, 1), (64, 64, 4, 2, 0, 1), (32, 64, 4, 3, 1, 1)}
+_PENDING_AUTOTUNE = False  # True: autotuning times every candidate (benchmarks of unchecked ones)
 
 
 def _tuned(candidates: list, first_optional: int) -> list:
     """The candidates autotuning times: those with an optional field (index >= first_optional) set
-    only with _PENDING_AUTOTUNE."""
-    return [c for c in candidates if _PENDING_AUTOTUNE or not any(c[first_optional:])]
+    only where the GPU tier has checked them, or all with _PENDING_AUTOTUNE."""
+    return [c for c in candidates if _PENDING_AUTOTUNE or c in _GPU_CHECKED or not any(c[first_optional:])]
 
 
 def _field(cfg: tuple, i: int) -> int:
@@ -548,11 +552,16 @@ def _jagged_attn_bwd_dq(
 # Host side: work lists, configs, launchers.
 
 
+_NO_BIAS: dict = {}  # device -> the no-bias placeholders (two fills a call were ~10% of self-200's host time)
+
+
 def _bias_tables(bias: RelativePositionBias | None, num_heads: int, device):
     """Per-|distance| bias in log2 units [H, max_distance + 1] and the bucket of each |distance|."""
-    if bias is None:
-        dummy = torch.zeros(1, 1, device=device, dtype=torch.float32)
-        return dummy, torch.zeros(1, device=device, dtype=torch.int32), 0, 1
+    if bias is None:  # placeholders the kernels never read: made once per device, not per call
+        if device not in _NO_BIAS:
+            _NO_BIAS[device] = (torch.zeros(1, 1, device=device, dtype=torch.float32),
+                                torch.zeros(1, device=device, dtype=torch.int32))
+        return *_NO_BIAS[device], 0, 1
     max_d = int(bias.max_distance)
     dist = torch.arange(max_d + 1, device=device)
     buckets = relative_position_bucket(dist, bias.num_buckets, max_d)
