@@ -112,6 +112,47 @@ def test_zero_length_sequences_cpu():
     _check([0, 5, 0], 64, "base", "cpu", torch.float32, tol=2e-5)
 
 
+@pytest.mark.parametrize("rope_kind", [None, "tables"])
+@pytest.mark.parametrize("per_program", [0, 1])
+def test_tma_whole_blocks_cpu(rope_kind, per_program):
+    """TMA configs (fourth field 1): whole blocks through descriptors (q, k as halves), partial ones
+    by masked loads; against float64, and bit for bit the values of the masked-load path, also with
+    q, k, v as views of one fused [N, 3, H, D] projection."""
+    cfg = (1, 1, per_program, 1)
+    with common.forced_config({"block_attention_fwd": cfg, "block_attention_bwd": cfg}):
+        _check(LENGTHS_CPU[0], 32, rope_kind, "cpu", torch.float32, tol=2e-5)
+    lengths = [70, 0, 32, 5]
+    off = offsets(lengths, "cpu")
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(int(off[-1]), 3, 2, 32, generator=gen).requires_grad_(True)
+    grad = torch.randn(int(off[-1]), 2, 32, generator=gen)
+    rope = None if rope_kind is None else BASE
+    runs = []
+    for cfg in [(1, 1, per_program, 1), (1, 1, per_program)]:
+        with common.forced_config({"block_attention_fwd": cfg, "block_attention_bwd": cfg}):
+            q, k, v = qkv.unbind(1)
+            runs.append(_run("triton", q, k, v, off, 70, 32, rope, grad))
+    assert common.row_descriptors(32, *qkv.unbind(1)) is not None  # the descriptors did run
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_tma_candidates_wait_for_the_gpu_tier_cpu(monkeypatch):
+    """TMA candidates are pinned by tests and benchmarks but timed by the autotuner only once their
+    GPU tier has passed them (_GPU_CHECKED)."""
+    for cands in (ba_kernels._FWD_CANDIDATES, ba_kernels._BWD_CANDIDATES):
+        assert any(len(c) > 3 and c[3] for c in cands)
+        monkeypatch.setattr(ba_kernels, "_GPU_CHECKED", set())
+        assert ba_kernels._tuned(cands) == [c for c in cands if len(c) == 3]
+        monkeypatch.setattr(ba_kernels, "_GPU_CHECKED", {cands[-1]})
+        assert ba_kernels._tuned(cands)[-1] == cands[-1]
+    halves = common.row_descriptors(32, torch.zeros(40, 2, 32), cols=16)
+    assert halves is not None and halves[0].block_shape == [32, 16]
+    whole, partial = common.whole_tile_work(offsets([70, 0, 32, 5], "cpu"), 32, "cpu")
+    assert sorted(map(tuple, whole.tolist())) == [(0, 0), (0, 1), (2, 0)]
+    assert partial.tolist() == [[0, 2], [3, 0]]
+
+
 def test_backward_is_deterministic_cpu():
     off, q, k, v, grad = _inputs([65, 0, 130, 7], 2, 32, "cpu", torch.float32, 4)
     a = _run("triton", q, k, v, off, 130, 64, BASE, grad)

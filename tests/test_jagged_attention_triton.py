@@ -162,12 +162,12 @@ def test_pending_candidates_join_autotuning_only_when_enabled_cpu(monkeypatch):
 def test_tma_needs_row_views_cpu():
     """Descriptors only where a head's rows are one contiguous, 16-byte aligned [N, H * D] view."""
     x = torch.zeros(40, 2, 16)
-    assert ja_kernels._row_descriptors(16, x, x) is not None
-    assert ja_kernels._row_descriptors(16, x.transpose(1, 2).contiguous().transpose(1, 2)) is None  # heads apart
-    assert ja_kernels._row_descriptors(16, torch.zeros(60, 3, 2, 16)[:, 1]) is not None  # a fused-QKV view
-    assert ja_kernels._row_descriptors(16, torch.zeros(40 * 32 + 1)[1:].view(40, 2, 16)) is None  # base 4 B off
-    assert ja_kernels._row_descriptors(16, x[:8]) is None  # fewer rows than a block
-    assert ja_kernels._row_descriptors(16, torch.zeros(1, 2, 16).expand(40, 2, 16)) is None  # rows overlap
+    assert common.row_descriptors(16, x, x) is not None
+    assert common.row_descriptors(16, x.transpose(1, 2).contiguous().transpose(1, 2)) is None  # heads apart
+    assert common.row_descriptors(16, torch.zeros(60, 3, 2, 16)[:, 1]) is not None  # a fused-QKV view
+    assert common.row_descriptors(16, torch.zeros(40 * 32 + 1)[1:].view(40, 2, 16)) is None  # base 4 B off
+    assert common.row_descriptors(16, x[:8]) is None  # fewer rows than a block
+    assert common.row_descriptors(16, torch.zeros(1, 2, 16).expand(40, 2, 16)) is None  # rows overlap
 
 
 @pytest.mark.parametrize("window", WINDOW_CPU)

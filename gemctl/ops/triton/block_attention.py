@@ -42,8 +42,8 @@ Shared memory per program (sm_90 compile, bf16, D = 128, 4 warps; scripts/check_
 forward 32 / 48 KB at block 64 without / with rope, backward 65 KB either way; block 128 with rope:
 forward 96 KB, backward 129 KB (one program per SM). Registers, not shared memory, bound the
 programs per SM at D = 128: both kernels sit at the 255-register cap (docs/benchmarks.md).
-Known limits: no TMA, no warp specialization, no persistent grid (Triton 3.x); the tables get no
-gradient.
+TMA: configs with a fourth field 1 load whole blocks through tensor descriptors (see the configs).
+Known limits: no warp specialization, no persistent grid (Triton 3.x); the tables get no gradient.
 """
 
 from __future__ import annotations
@@ -54,17 +54,34 @@ import torch
 import triton
 import triton.language as tl
 
-from gemctl.ops.triton.common import bucket_len, load_rows, pick_config, query_work, store_rows, work_item
+from gemctl.ops.triton.common import (
+    bucket_len, gpu_checked, load_rows, pick_config, query_work, row_descriptors, store_rows, whole_tile_work,
+    work_item,
+)
 
 LOG2E = 1.4426950408889634
 
-# Configs: (num_warps, num_stages, heads per program; 0 = all heads of the block in one program).
-# One tile per block, so the stage count matters only when a program loops over heads (the
-# pipeliner can then prefetch the next head's tiles while this one computes).
-_FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2, 2), (2, 1, 1)]
-_BWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (8, 1, 2), (4, 2, 2)]
+# Configs: (num_warps, num_stages, heads per program; 0 = all heads of the block in one program
+# [, TMA]). One tile per block, so the stage count matters only when a program loops over heads
+# (the pipeliner can then prefetch the next head's tiles while this one computes).
+# TMA = 1: the tiles of whole blocks come through tensor descriptors over [N, H * D] (q and k as
+# two (BS, D/2) halves, v, o and do as (BS, D)) in one launch; the partial last blocks get a
+# second launch with masked loads, so no row of another sequence is ever read. The descriptors' loads land in shared memory
+# asynchronously and need no address registers, which is what a memory-bound kernel at the
+# register cap lacks (docs/benchmarks.md). They join autotuning once the GPU tier's
+# every-candidate test has passed them (_GPU_CHECKED).
+_FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2, 2), (2, 1, 1),
+                   (4, 1, 1, 1), (4, 2, 0, 1), (4, 3, 0, 1), (8, 2, 0, 1)]
+_BWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (8, 1, 2), (4, 2, 2),
+                   (4, 1, 1, 1), (4, 2, 0, 1), (8, 1, 1, 1)]
+_GPU_CHECKED: set = set()
+_PENDING_AUTOTUNE = False  # True: autotuning times every candidate (benchmarks of unchecked ones)
 _INTERPRET_CONFIG = (1, 1, 0)  # all heads in one program: the CPU tier exercises the head loop
 SUPPORTED_DIMS = (32, 64, 128)
+
+
+def _tuned(candidates: list) -> list:
+    return gpu_checked(candidates, 3, _GPU_CHECKED, _PENDING_AUTOTUNE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -86,11 +103,24 @@ def _rotate(x1, x2, c, s):
 
 
 @triton.jit
-def _load_halves(PTR, start, rows, length, stride_n, head_offset, offs_half, c, s, HALF: tl.constexpr, ROPE: tl.constexpr):
-    """The two halves (BS, D/2) of a q or k tile, rotated by position when ROPE, in PTR's dtype
-    (the dot operands)."""
-    x1 = load_rows(PTR, start, rows, length, stride_n, head_offset, offs_half)
-    x2 = load_rows(PTR, start, rows, length, stride_n, head_offset + HALF, offs_half)
+def _tile(PTR, DESC, start, first, rows, length, stride_n, col, offs, BY_DESC: tl.constexpr):
+    """Columns [col, col + len(offs)) of the block's rows of a jagged [N, H, D] tensor (col counts
+    from the row's start, i.e. h * D + offset within the head): through DESC (the tensor as
+    [N, H * D]) when BY_DESC, which the caller sets only for whole blocks; else masked loads (rows
+    past ``length`` read 0). Needs stride(1) == D, which the host checks for descriptors."""
+    if BY_DESC:
+        return DESC.load([start + first, col])
+    else:
+        return load_rows(PTR, start, rows, length, stride_n, col, offs)
+
+
+@triton.jit
+def _load_halves(PTR, DESC, start, first, rows, length, stride_n, stride_h, h, offs_half, c, s,
+                 HALF: tl.constexpr, ROPE: tl.constexpr, BY_DESC: tl.constexpr):
+    """The two halves (BS, D/2) of head h of a q or k tile, rotated by position when ROPE, in PTR's
+    dtype (the dot operands)."""
+    x1 = _tile(PTR, DESC, start, first, rows, length, stride_n, h * stride_h, offs_half, BY_DESC)
+    x2 = _tile(PTR, DESC, start, first, rows, length, stride_n, h * stride_h + HALF, offs_half, BY_DESC)
     if ROPE:
         r1, r2 = _rotate(x1, x2, c, s)
         x1, x2 = r1.to(x1.dtype), r2.to(x2.dtype)
@@ -100,9 +130,10 @@ def _load_halves(PTR, start, rows, length, stride_n, head_offset, offs_half, c, 
 @triton.jit
 def _block_setup(WORK, OFFSETS, COS, SIN, stride_rope, heads_per_program, num_heads,
                  BLOCK: tl.constexpr, HALF: tl.constexpr, ROPE: tl.constexpr):
-    """Program -> its block: (sequence start, length, the block's positions in the sequence, heads
-    [h0, h_end)) and, when ROPE, the block's cos/sin rows (loaded once for all its heads).
-    Program pid takes block pid // n_groups, head group pid % n_groups (n_groups = cdiv(H, hpp))."""
+    """Program -> its block: (sequence start, length, the block's first position and positions in
+    the sequence, heads [h0, h_end)) and, when ROPE, the block's cos/sin rows (loaded once for all
+    its heads). Program pid takes block pid // n_groups, head group pid % n_groups (n_groups =
+    cdiv(H, hpp))."""
     pid = tl.program_id(0)
     n_groups = tl.cdiv(num_heads, heads_per_program)
     first, start, length, _, _, _ = work_item(WORK, OFFSETS, OFFSETS, pid // n_groups, BLOCK)
@@ -111,97 +142,148 @@ def _block_setup(WORK, OFFSETS, COS, SIN, stride_rope, heads_per_program, num_he
     c, s = 0.0, 0.0
     if ROPE:
         c, s = _rope_rows(COS, SIN, rows, length, stride_rope, tl.arange(0, HALF))
-    return start, length, rows, h0, tl.minimum(h0 + heads_per_program, num_heads), c, s
+    return start, length, first, rows, h0, tl.minimum(h0 + heads_per_program, num_heads), c, s
 
 
 @triton.jit
-def _scores(Q, K, start, rows, length, stride_qn, q_head, stride_kn, k_head, c, s, qk_scale,
-            HALF: tl.constexpr, ROPE: tl.constexpr):
+def _scores(Q, K, Q_DESC, K_DESC, start, first, rows, length, stride_qn, stride_qh, stride_kn, stride_kh, h, c, s,
+            qk_scale, HALF: tl.constexpr, ROPE: tl.constexpr, BY_DESC: tl.constexpr):
     """Rotated q and k halves of one head's block and its scores (BS, BS) in log2 units
     (two dots of depth D/2, one per half)."""
     offs_half = tl.arange(0, HALF)
-    q1, q2 = _load_halves(Q, start, rows, length, stride_qn, q_head, offs_half, c, s, HALF, ROPE)
-    k1, k2 = _load_halves(K, start, rows, length, stride_kn, k_head, offs_half, c, s, HALF, ROPE)
+    q1, q2 = _load_halves(Q, Q_DESC, start, first, rows, length, stride_qn, stride_qh, h, offs_half, c, s, HALF, ROPE,
+                          BY_DESC)
+    k1, k2 = _load_halves(K, K_DESC, start, first, rows, length, stride_kn, stride_kh, h, offs_half, c, s, HALF, ROPE,
+                          BY_DESC)
     scores = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * qk_scale
     return q1, q2, k1, k2, scores
 
 
 @triton.jit
+def _fwd_head(Q, K, V, O, LSE, Q_DESC, K_DESC, V_DESC, h, start, first, rows, length, c, s, num_heads,
+              stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, qk_scale,
+              HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, BY_DESC: tl.constexpr):
+    """One head of one block: o and the rows' log2-sum-exp2. BY_DESC: a whole block (no key mask)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    _, _, _, _, scores = _scores(Q, K, Q_DESC, K_DESC, start, first, rows, length, stride_qn, stride_qh, stride_kn,
+                                 stride_kh, h, c, s, qk_scale, HEAD_DIM // 2, ROPE, BY_DESC)
+    v = _tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh, offs_d, BY_DESC)  # (BS, D)
+    if not BY_DESC:
+        scores = tl.where((rows < length)[None, :], scores, float("-inf"))
+    m = tl.max(scores, 1)  # finite: key row `first` is always valid
+    p = tl.math.exp2(scores - m[:, None])
+    l = tl.sum(p, 1)
+    out = tl.dot(p.to(v.dtype), v) / l[:, None]
+    store_rows(O, out, start, rows, length, stride_on, h * stride_oh, offs_d)
+    tl.store(LSE + (start + rows) * num_heads + h, m + tl.math.log2(l), mask=rows < length)
+
+
+@triton.jit
 def _block_attn_fwd(
-    Q, K, V, O, LSE, COS, SIN, OFFSETS, WORK, num_heads, heads_per_program,
+    Q, K, V, O, LSE, COS, SIN, Q_DESC, K_DESC, V_DESC, OFFSETS, WORK, num_heads, heads_per_program,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_rope, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr, TMA: tl.constexpr = False,
 ):
     # Q/K/V/O: [N, H, D] jagged values; LSE: fp32 [N, H] log2-sum-exp2 per row (for the backward);
-    # COS/SIN: [>= max_len, D/2] rotation tables (unused unless ROPE); OFFSETS: int64 [B+1];
-    # WORK: int32 [n_work, 2] = (sequence, block); one program per block and group of
-    # heads_per_program heads (see _block_setup).
+    # COS/SIN: [>= max_len, D/2] rotation tables (unused unless ROPE); Q_DESC/K_DESC ((BS, D/2)
+    # blocks) and V_DESC ((BS, D)) over [N, H * D] when TMA; OFFSETS: int64 [B+1]; WORK: int32
+    # [n_work, 2] = (sequence, block); one program per block and group of heads_per_program heads
+    # (see _block_setup).
     HALF: tl.constexpr = HEAD_DIM // 2
-    start, length, rows, h0, h_end, c, s = _block_setup(WORK, OFFSETS, COS, SIN, stride_rope, heads_per_program,
-                                                        num_heads, BLOCK, HALF, ROPE)
+    start, length, first, rows, h0, h_end, c, s = _block_setup(WORK, OFFSETS, COS, SIN, stride_rope,
+                                                               heads_per_program, num_heads, BLOCK, HALF, ROPE)
+    # TMA: this launch gets whole blocks only (the partial last blocks go to a launch without TMA):
+    # one kernel holding both loops would take the masked loop's registers (255 at 4 warps with
+    # rope, vs 223 by TMA alone).
+    if TMA:
+        for h in range(h0, h_end):
+            _fwd_head(Q, K, V, O, LSE, Q_DESC, K_DESC, V_DESC, h, start, first, rows, length, c, s, num_heads,
+                      stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, qk_scale,
+                      HEAD_DIM, ROPE, True)
+    else:
+        for h in range(h0, h_end):
+            _fwd_head(Q, K, V, O, LSE, Q_DESC, K_DESC, V_DESC, h, start, first, rows, length, c, s, num_heads,
+                      stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, qk_scale,
+                      HEAD_DIM, ROPE, False)
+
+
+@triton.jit
+def _bwd_head(Q, K, V, O, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, O_DESC, DO_DESC,
+              h, start, first, rows, length, c, s, num_heads,
+              stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
+              stride_don, stride_doh, stride_dqn, stride_dqh, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
+              stride_rope, qk_scale, scale, HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, BY_DESC: tl.constexpr):
+    # The order keeps the live set small (at D = 128 one fp32 (BS, D) accumulator is 64 registers
+    # per thread of a 4-warp program): o dies with delta, dv is stored before v is loaded and dS
+    # formed, dq before dk is computed, and c, s are re-read (L1/L2) for each gradient's rotation
+    # and returned for the caller's head loop to carry: that ends the setup rows' lifetime at the
+    # q/k rotation (keeping them live across the body spilled twice as much: 1,016 vs 592 B per
+    # thread at 4 warps, sm_90 ptxas). Holding dq, dk,
+    # dv together spilled ~1 KB per thread; this order measured 0.33 vs 0.41 ms on self-1000
+    # (H200, docs/benchmarks.md).
+    HALF: tl.constexpr = HEAD_DIM // 2
+    row_ok = rows < length
+    offs_half = tl.arange(0, HALF)
     offs_d = tl.arange(0, HEAD_DIM)
-    for h in range(h0, h_end):
-        _, _, _, _, scores = _scores(Q, K, start, rows, length, stride_qn, h * stride_qh, stride_kn, h * stride_kh,
-                                     c, s, qk_scale, HALF, ROPE)
-        v = load_rows(V, start, rows, length, stride_vn, h * stride_vh, offs_d)  # (BS, D)
-        scores = tl.where((rows < length)[None, :], scores, float("-inf"))
-        m = tl.max(scores, 1)  # finite: key row `first` is always valid
-        p = tl.math.exp2(scores - m[:, None])
-        l = tl.sum(p, 1)
-        out = tl.dot(p.to(v.dtype), v) / l[:, None]
-        store_rows(O, out, start, rows, length, stride_on, h * stride_oh, offs_d)
-        tl.store(LSE + (start + rows) * num_heads + h, m + tl.math.log2(l), mask=rows < length)
+    o = _tile(O, O_DESC, start, first, rows, length, stride_on, h * stride_oh, offs_d, BY_DESC)
+    do = _tile(DO, DO_DESC, start, first, rows, length, stride_don, h * stride_doh, offs_d, BY_DESC)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # (BS,)
+    lse = tl.load(LSE + (start + rows) * num_heads + h, mask=row_ok, other=float("inf"))  # inf: p = 0
+    q1, q2, k1, k2, scores = _scores(Q, K, Q_DESC, K_DESC, start, first, rows, length, stride_qn, stride_qh, stride_kn,
+                                     stride_kh, h, c, s, qk_scale, HALF, ROPE, BY_DESC)
+    p = tl.math.exp2(scores - lse[:, None])
+    if not BY_DESC:
+        p = tl.where(row_ok[None, :], p, 0.0)  # keys beyond L: 0
+    dv = tl.dot(tl.trans(p.to(do.dtype)), do)
+    store_rows(DV, dv, start, rows, length, stride_dvn, h * stride_dvh, offs_d)
+    v = _tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh, offs_d, BY_DESC)
+    ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])  # gradient of the natural-units score
+    ds = ds.to(q1.dtype)
+    dq1, dq2 = tl.dot(ds, k1) * scale, tl.dot(ds, k2) * scale
+    if ROPE:  # the rotation's backward: rotate the gradients by -theta
+        c, s = _rope_rows(COS, SIN, rows, length, stride_rope, offs_half)
+        dq1, dq2 = dq1 * c + dq2 * s, dq2 * c - dq1 * s
+    store_rows(DQ, dq1, start, rows, length, stride_dqn, h * stride_dqh, offs_half)
+    store_rows(DQ, dq2, start, rows, length, stride_dqn, h * stride_dqh + HALF, offs_half)
+    ds_t = tl.trans(ds)
+    dk1, dk2 = tl.dot(ds_t, q1) * scale, tl.dot(ds_t, q2) * scale
+    if ROPE:
+        c, s = _rope_rows(COS, SIN, rows, length, stride_rope, offs_half)
+        dk1, dk2 = dk1 * c + dk2 * s, dk2 * c - dk1 * s
+    store_rows(DK, dk1, start, rows, length, stride_dkn, h * stride_dkh, offs_half)
+    store_rows(DK, dk2, start, rows, length, stride_dkn, h * stride_dkh + HALF, offs_half)
+    return c, s  # the re-read rows: the caller's loop carries these, not the setup's
 
 
 @triton.jit
 def _block_attn_bwd(
-    Q, K, V, O, DO, LSE, DQ, DK, DV, COS, SIN, OFFSETS, WORK, num_heads, heads_per_program,
+    Q, K, V, O, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, O_DESC, DO_DESC, OFFSETS, WORK, num_heads,
+    heads_per_program,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
     stride_don, stride_doh, stride_dqn, stride_dqh, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
     stride_rope, qk_scale, scale,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr, TMA: tl.constexpr = False,
 ):
     # Same work items as the forward. Each program reads q, k, v, o, do and lse of its block once
     # and writes dq, dk, dv once: delta = rowsum(do * o) is computed here, not in a pre-pass.
+    # TMA: whole blocks' q, k (halves), v, o, do through the descriptors, as in the forward.
     HALF: tl.constexpr = HEAD_DIM // 2
-    start, length, rows, h0, h_end, c, s = _block_setup(WORK, OFFSETS, COS, SIN, stride_rope, heads_per_program,
-                                                        num_heads, BLOCK, HALF, ROPE)
-    row_ok = rows < length
-    offs_half = tl.arange(0, HALF)
-    offs_d = tl.arange(0, HEAD_DIM)
-    for h in range(h0, h_end):
-        # The order keeps the live set small (at D = 128 one fp32 (BS, D) accumulator is 64 registers
-        # per thread of a 4-warp program): o dies with delta, dv is stored before v is loaded and dS
-        # formed, dq before dk is computed, and c, s are re-read (L1/L2) for each gradient's rotation:
-        # reassigning them is deliberate, it ends the setup rows' lifetime at the q/k rotation
-        # (fresh names kept them live across the body and spilled twice as much). Holding dq, dk,
-        # dv together spilled ~1 KB per thread; this order measured 0.33 vs 0.41 ms on self-1000
-        # (H200, docs/benchmarks.md).
-        o = load_rows(O, start, rows, length, stride_on, h * stride_oh, offs_d)
-        do = load_rows(DO, start, rows, length, stride_don, h * stride_doh, offs_d)
-        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # (BS,)
-        lse = tl.load(LSE + (start + rows) * num_heads + h, mask=row_ok, other=float("inf"))  # inf: p = 0
-        q1, q2, k1, k2, scores = _scores(Q, K, start, rows, length, stride_qn, h * stride_qh, stride_kn, h * stride_kh,
-                                         c, s, qk_scale, HALF, ROPE)
-        p = tl.where(row_ok[None, :], tl.math.exp2(scores - lse[:, None]), 0.0)  # keys beyond L: 0
-        dv = tl.dot(tl.trans(p.to(do.dtype)), do)
-        store_rows(DV, dv, start, rows, length, stride_dvn, h * stride_dvh, offs_d)
-        v = load_rows(V, start, rows, length, stride_vn, h * stride_vh, offs_d)
-        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])  # gradient of the natural-units score
-        ds = ds.to(q1.dtype)
-        dq1, dq2 = tl.dot(ds, k1) * scale, tl.dot(ds, k2) * scale
-        if ROPE:  # the rotation's backward: rotate the gradients by -theta
-            c, s = _rope_rows(COS, SIN, rows, length, stride_rope, offs_half)
-            dq1, dq2 = dq1 * c + dq2 * s, dq2 * c - dq1 * s
-        store_rows(DQ, dq1, start, rows, length, stride_dqn, h * stride_dqh, offs_half)
-        store_rows(DQ, dq2, start, rows, length, stride_dqn, h * stride_dqh + HALF, offs_half)
-        ds_t = tl.trans(ds)
-        dk1, dk2 = tl.dot(ds_t, q1) * scale, tl.dot(ds_t, q2) * scale
-        if ROPE:
-            c, s = _rope_rows(COS, SIN, rows, length, stride_rope, offs_half)
-            dk1, dk2 = dk1 * c + dk2 * s, dk2 * c - dk1 * s
-        store_rows(DK, dk1, start, rows, length, stride_dkn, h * stride_dkh, offs_half)
-        store_rows(DK, dk2, start, rows, length, stride_dkn, h * stride_dkh + HALF, offs_half)
+    start, length, first, rows, h0, h_end, c, s = _block_setup(WORK, OFFSETS, COS, SIN, stride_rope,
+                                                               heads_per_program, num_heads, BLOCK, HALF, ROPE)
+    if TMA:  # whole blocks only, as in the forward
+        for h in range(h0, h_end):
+            c, s = _bwd_head(Q, K, V, O, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, O_DESC, DO_DESC,
+                      h, start, first, rows, length, c, s, num_heads,
+                      stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
+                      stride_don, stride_doh, stride_dqn, stride_dqh, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
+                      stride_rope, qk_scale, scale, HEAD_DIM, ROPE, True)
+    else:
+        for h in range(h0, h_end):
+            c, s = _bwd_head(Q, K, V, O, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, O_DESC, DO_DESC,
+                      h, start, first, rows, length, c, s, num_heads,
+                      stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
+                      stride_don, stride_doh, stride_dqn, stride_dqh, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
+                      stride_rope, qk_scale, scale, HEAD_DIM, ROPE, False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,14 +317,33 @@ def _rope_args(cos, sin, rope_base, max_len, q):
     return cos, sin, True
 
 
-def _launch(kernel, offsets, heads, block_size, cfg, args, dim, rope, device):
-    warps, stages, per_program = cfg
+def _descriptors(cfg, block_size, halves, wholes):
+    """The TMA descriptors of a config with the TMA field set: (BS, D/2) blocks over ``halves`` (q,
+    k), (BS, D) over ``wholes``; None (masked loads, same values) without it or where a tensor's
+    layout does not allow them."""
+    if len(cfg) < 4 or not cfg[3]:
+        return None
+    half = halves[0].shape[-1] // 2
+    a, b = row_descriptors(block_size, *halves, cols=half), row_descriptors(block_size, *wholes)
+    return None if a is None or b is None else a + b
+
+
+def _launch(kernel, offsets, heads, block_size, cfg, args, descs, dim, rope, device):
+    """One launch over every block, or with descriptors two: whole blocks by TMA, then the partial
+    last blocks by masked loads (same values either way; the rows are disjoint)."""
+    warps, stages, per_program = cfg[:3]
     per_program = heads if per_program <= 0 else min(per_program, heads)
-    work = query_work(offsets, offsets, block_size, False, device)
-    n_programs = work.shape[0] * triton.cdiv(heads, per_program)
-    if n_programs:
-        kernel[(n_programs,)](*args[:-1], offsets, work, heads, per_program, *args[-1],
-                              HEAD_DIM=dim, BLOCK=block_size, ROPE=rope, num_warps=warps, num_stages=stages)
+    if descs[0] is None:
+        launches = [(query_work(offsets, offsets, block_size, False, device), descs)]
+    else:
+        whole, partial = whole_tile_work(offsets, block_size, device)
+        launches = [(whole, descs), (partial, (None,) * len(descs))]
+    for work, tiles in launches:
+        n_programs = work.shape[0] * triton.cdiv(heads, per_program)
+        if n_programs:
+            kernel[(n_programs,)](*args[:-1], *tiles, offsets, work, heads, per_program, *args[-1],
+                                  HEAD_DIM=dim, BLOCK=block_size, ROPE=rope, TMA=tiles[0] is not None,
+                                  num_warps=warps, num_stages=stages)
 
 
 def _forward(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
@@ -254,10 +355,12 @@ def _forward(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
                cos.stride(0), scale * LOG2E)
 
     def run(cfg):
-        _launch(_block_attn_fwd, offsets, heads, block_size, cfg, (q, k, v, out, lse, cos, sin, strides), dim, rope, q.device)
+        descs = _descriptors(cfg, block_size, (q, k), (v,)) or (None,) * 3
+        _launch(_block_attn_fwd, offsets, heads, block_size, cfg, (q, k, v, out, lse, cos, sin, strides), descs, dim,
+                rope, q.device)
 
     key = ("block_attention_fwd", dim, q.dtype, block_size, rope, heads, bucket_len(n))
-    run(pick_config(key, _FWD_CANDIDATES, run, _INTERPRET_CONFIG))
+    run(pick_config(key, _tuned(_FWD_CANDIDATES), run, _INTERPRET_CONFIG))
     return out, lse
 
 
@@ -272,10 +375,11 @@ def _backward(do, q, k, v, out, lse, cos, sin, offsets, max_len, block_size, rop
 
     def run(cfg):
         args = (q, k, v, out, do, lse, dq, dk, dv, cos, sin, strides)
-        _launch(_block_attn_bwd, offsets, heads, block_size, cfg, args, dim, rope, q.device)
+        descs = _descriptors(cfg, block_size, (q, k), (v, out, do)) or (None,) * 5
+        _launch(_block_attn_bwd, offsets, heads, block_size, cfg, args, descs, dim, rope, q.device)
 
     key = ("block_attention_bwd", dim, q.dtype, block_size, rope, heads, bucket_len(n))
-    run(pick_config(key, _BWD_CANDIDATES, run, _INTERPRET_CONFIG))
+    run(pick_config(key, _tuned(_BWD_CANDIDATES), run, _INTERPRET_CONFIG))
     return dq, dk, dv
 
 

@@ -40,6 +40,31 @@ def autotune_enabled() -> bool:
     return _autotune if _autotune is not None else os.environ.get("GEMCTL_AUTOTUNE", "1") != "0"
 
 
+def row_descriptors(block_rows: int, *tensors, cols: int | None = None):
+    """TMA descriptors over jagged [N, H, D] tensors viewed as [N, H * D] with (block_rows, cols)
+    blocks (cols = D: a head's rows of one tile; D / 2: half of them), or None where that view or
+    TMA's alignment does not hold (heads not adjacent, rows overlapping, a row stride or base not
+    16-byte aligned, fewer rows than a block)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    descs = []
+    for t in tensors:
+        n, heads, dim = t.shape
+        size, width = t.element_size(), cols or dim
+        if (t.stride(2) != 1 or t.stride(1) != dim or t.stride(0) < heads * dim or (t.stride(0) * size) % 16
+                or t.data_ptr() % 16 or (width * size) % 16 or n < block_rows):
+            return None
+        descs.append(TensorDescriptor(t, [n, heads * dim], [t.stride(0), 1], [block_rows, width]))
+    return descs
+
+
+def gpu_checked(candidates: list, first_optional: int, checked: set, everything: bool = False) -> list:
+    """The candidates autotuning times: those whose optional fields (index >= first_optional: TMA,
+    lazy rescaling, ...) are all 0, and those the GPU tier's every-candidate test has passed
+    (``checked``); all of them with ``everything`` (benchmarks of unchecked configs)."""
+    return [c for c in candidates if everything or c in checked or not any(c[first_optional:])]
+
+
 def bucket_len(n: int) -> int:
     """Autotune key of a length: the next power of two (no re-tune for every new batch)."""
     return 1 << max(0, int(n - 1).bit_length())
@@ -138,6 +163,21 @@ def query_work(q_offsets, k_offsets, block_m: int, causal: bool, device) -> torc
         return _to_device(tile_work(lq, cost, block_m), device)
 
     return host.cached_plan(q_offsets, ("q", _identity(k_offsets), block_m, causal), build)
+
+
+def whole_tile_work(offsets, block: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two int32 [n, 2] (sequence, tile) lists: every sequence's whole tiles (longest sequences
+    first), and the partial last tiles (one per sequence whose length is not a multiple of
+    ``block``), for kernels that load whole tiles without masks (TMA) and partial ones with."""
+
+    def build():
+        lengths = _lengths(offsets)
+        whole = tile_work(lengths // block * block, lambda seq, tile: lengths[seq], block)
+        seq = np.flatnonzero(lengths % block)
+        partial = np.stack([seq, lengths[seq] // block], 1).astype(np.int32)
+        return _to_device(whole, device), _to_device(partial, device)
+
+    return host.cached_plan(offsets, ("whole/partial", block), build)
 
 
 def key_work(q_offsets, k_offsets, block_n: int, causal: bool, device, include_empty: bool = False) -> torch.Tensor:

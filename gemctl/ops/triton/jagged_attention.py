@@ -46,11 +46,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gemctl.ops.bias import RelativePositionBias, relative_position_bucket
 from gemctl.ops.triton.common import (
-    bucket_len, key_work, load_rows, pick_config, query_work, store_rows, work_item,
+    bucket_len, gpu_checked, key_work, load_rows, pick_config, query_work, row_descriptors, store_rows, work_item,
 )
 from gemctl.ops.triton.mx_quant import _shared_exponent
 
@@ -114,9 +113,7 @@ _PENDING_AUTOTUNE = False  # True: autotuning times every candidate (benchmarks 
 
 
 def _tuned(candidates: list, first_optional: int) -> list:
-    """The candidates autotuning times: those with an optional field (index >= first_optional) set
-    only where the GPU tier has checked them, or all with _PENDING_AUTOTUNE."""
-    return [c for c in candidates if _PENDING_AUTOTUNE or c in _GPU_CHECKED or not any(c[first_optional:])]
+    return gpu_checked(candidates, first_optional, _GPU_CHECKED, _PENDING_AUTOTUNE)
 
 
 def _field(cfg: tuple, i: int) -> int:
@@ -574,22 +571,6 @@ def _check_mx_tile(mx_p: int, block_n: int) -> None:
         raise ValueError(f"jagged_attention: MX probabilities need key tiles of whole 32-key blocks, got BLOCK_N={block_n}")
 
 
-def _row_descriptors(block_rows: int, *tensors):
-    """TMA descriptors over jagged [N, H, D] tensors viewed as [N, H * D] with (block_rows, D)
-    blocks (a head's rows of one tile), or None where that view or TMA's alignment does not hold
-    (heads not adjacent, rows overlapping, a row stride or base not 16-byte aligned, fewer rows
-    than a block)."""
-    descs = []
-    for t in tensors:
-        n, heads, dim = t.shape
-        size = t.element_size()
-        if (t.stride(2) != 1 or t.stride(1) != dim or t.stride(0) < heads * dim or (t.stride(0) * size) % 16
-                or t.data_ptr() % 16 or (dim * size) % 16 or n < block_rows):
-            return None
-        descs.append(TensorDescriptor(t, [n, heads * dim], [t.stride(0), 1], [block_rows, dim]))
-    return descs
-
-
 def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, scale, window, mx_p=0):
     n_q, heads, dim = q.shape
     out = torch.empty_like(q)
@@ -606,7 +587,7 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, 
         if work.shape[0] == 0:
             return
         # Where the descriptors cannot be built the same tiles run by masked loads (same values).
-        descs = _row_descriptors(bn, k, v) if _field(cfg, 4) else None
+        descs = row_descriptors(bn, k, v) if _field(cfg, 4) else None
         _jagged_attn_fwd[(work.shape[0], heads)](
             q, k, v, out, lse, mrow if mx_p else lse, q_offsets, k_offsets, work, bias_d, *(descs or (None, None)),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
@@ -641,7 +622,7 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
         bm, bn, warps, stages, transposed = cfg[:5]
         _check_mx_tile(mx_p, bn)
         kwork = key_work(q_offsets, k_offsets, bn, causal, q.device)
-        descs = _row_descriptors(bm, q, do) if _field(cfg, 5) else None
+        descs = row_descriptors(bm, q, do) if _field(cfg, 5) else None
         if kwork.shape[0]:
             _jagged_attn_bwd_dkdv[(kwork.shape[0], heads)](
                 q, k, v, do, lse, delta, dk, dv, mrow if mx_p else lse, q_offsets, k_offsets, kwork, bias_d,
@@ -657,7 +638,7 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
         bm, bn, warps, stages = cfg[:4]
         qwork = query_work(q_offsets, k_offsets, bm, causal, q.device)
         dbias = torch.zeros(max(qwork.shape[0], 1), heads, nb_pad, device=q.device, dtype=torch.float32)
-        descs = _row_descriptors(bn, k, v) if _field(cfg, 4) else None
+        descs = row_descriptors(bn, k, v) if _field(cfg, 4) else None
         if qwork.shape[0]:
             _jagged_attn_bwd_dq[(qwork.shape[0], heads)](
                 q, k, v, do, lse, delta, dq, dbias, q_offsets, k_offsets, qwork, bias_d, buckets,
