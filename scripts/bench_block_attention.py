@@ -39,8 +39,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import base_meta  # noqa: E402
-from bench_gdpa import ceilings, graph_bench, timings  # noqa: E402
+from bench_common import base_meta, graph_bench  # noqa: E402
+from bench_gdpa import ceilings, timings  # noqa: E402
 from bench_jagged_attention import make_inputs  # noqa: E402
 from gemctl import ops  # noqa: E402
 from gemctl.ops.triton import block_attention as block_kernels  # noqa: E402

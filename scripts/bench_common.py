@@ -18,6 +18,17 @@ def bench(fn, grad_to_none=None, rep: int = 100) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=rep, grad_to_none=grad_to_none, return_mode="median")
 
 
+def graph_bench(fn, rep: int = 100) -> float:
+    """Median milliseconds of ``fn`` by CUDA-graph replay: GPU time without the host launch cost
+    (which bounds eager calls of short kernels); NaN, said once per call, where ``fn`` cannot be
+    captured."""
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+    except Exception as exc:  # noqa: BLE001 - reported; the eager timing stands
+        print(f"  (CUDA graph capture failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]})", flush=True)
+        return float("nan")
+
+
 def copy_tbps() -> float:
     """Device copy bandwidth (TB/s, read + write) of a 1 GiB bf16 tensor: the memory ceiling."""
     x = torch.randn(2**29, device="cuda", dtype=torch.bfloat16)

@@ -24,22 +24,17 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import base_meta  # noqa: E402
+from bench_common import base_meta, graph_bench  # noqa: E402
 from bench_jagged_attention import bench, make_inputs, tflops  # noqa: E402
 from gemctl import ops  # noqa: E402
 from gemctl.metrics.flops import attention, attention_pairs  # noqa: E402
 from gemctl.ops.triton import common  # noqa: E402
 from gemctl.ops.triton import gdpa as gdpa_kernels  # noqa: E402
 from workloads import cross_workload, pma_workload, self_workload  # noqa: E402
-
-
-def graph_bench(fn) -> float:
-    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
 def ceilings() -> dict:

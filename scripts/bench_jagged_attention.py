@@ -32,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import base_meta  # noqa: E402
+from bench_common import base_meta, graph_bench  # noqa: E402
 from gemctl import ops  # noqa: E402
 from gemctl.metrics.flops import attention, attention_pairs  # noqa: E402
 from gemctl.ops import host  # noqa: E402
@@ -43,17 +43,6 @@ def bench(fn) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-
-
-def graph_bench(fn) -> float:
-    """GPU time of ``fn`` by CUDA-graph replay (no host launch cost); NaN where it cannot be captured."""
-    import triton.testing
-
-    try:
-        return triton.testing.do_bench_cudagraph(fn, rep=100)
-    except Exception as exc:  # noqa: BLE001 - reported, the eager timing stands
-        print(f"  (CUDA graph capture failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]})", flush=True)
-        return float("nan")
 
 
 def tflops(flops: float, ms: float) -> float:
