@@ -12,7 +12,12 @@
 #   profile   gemctl profile --recipe small_h200 (profile.json and plots copied out)
 #   ab-gdpa   small_h200 with model.kernels.gdpa=torch, then =triton (whole-model before/after)
 #   every     every autotune candidate of the jagged, block and GDPA kernels pinned in turn against
-#             float64 (element-wise bounds too): three pytest processes at once (compile-bound)
+#             float64 (element-wise bounds too); compile-bound: with pytest-xdist (a wheel in .whl/)
+#             14 workers, else three pytest processes at once (140+ tests: more than one 10-minute
+#             call without xdist). EVERY_K narrows the selection (pytest -k expression).
+#   sweep-block scripts/bench_block_attention.py --sweep: every block-attention candidate (TMA too)
+#             timed against the memory roofline
+#   bench-mx  scripts/bench_mx.py: MX quantize kernels, Python call and CUDA-graph time, vs copy
 #   sweep     scripts/bench_jagged_attention.py --sweep fwd/dkdv/dq: every candidate of each pass timed
 #   ncu       Nsight Compute counters of the jagged attention kernels at self-1000 (fwd, dK/dV, dQ)
 #   precision-speed  small_h200 once per precision recipe (bf16, fp8_mlp, fp8_tower, fp8), autotuned,
@@ -44,10 +49,18 @@ for stage in "$@"; do
         cp "$(ls -d runs/small_h200-gdpa-$impl/* | tail -1)/summary.json" "$OUT/small_h200_gdpa_${impl}_summary.json"
       done ;;
     every)
-      for f in jagged_attention block_attention gdpa; do
-        python3 -m pytest -q -m gpu "tests/test_${f}_triton.py" -k "every or tma" -p no:cacheprovider -rf 2>&1 \
-          | grep -v '^ *$' | tail -30 > "$OUT/every_$f.log" &
-      done; wait; tail -n 6 "$OUT"/every_*.log ;;
+      sel=${EVERY_K:-every or tma}
+      if python3 -c "import xdist" 2>/dev/null; then
+        python3 -m pytest -q -m gpu -n 14 tests/test_{jagged_attention,block_attention,gdpa}_triton.py -k "$sel" \
+          -p no:cacheprovider -p no:benchmark -rf 2>&1 | grep -v '^ *$\|Warning\|warner' | tail -30 | tee "$OUT/every.log"
+      else
+        for f in jagged_attention block_attention gdpa; do
+          python3 -m pytest -q -m gpu "tests/test_${f}_triton.py" -k "$sel" -p no:cacheprovider -rf 2>&1 \
+            | grep -v '^ *$' | tail -30 > "$OUT/every_$f.log" &
+        done; wait; tail -n 6 "$OUT"/every_*.log
+      fi ;;
+    sweep-block) python3 scripts/bench_block_attention.py --sweep --out "$OUT/sweep_block.json" 2>&1 | quiet | tee "$OUT/sweep_block.log" ;;
+    bench-mx) python3 scripts/bench_mx.py --out "$OUT/bench_mx.json" 2>&1 | quiet | tee "$OUT/bench_mx.log" ;;
     sweep) python3 scripts/bench_jagged_attention.py --sweep fwd --sweep dkdv --sweep dq --out "$OUT/sweep_jagged.json" 2>&1 | quiet | tee "$OUT/sweep_jagged.log" ;;
     ncu)
       ncu --clock-control none --profile-from-start off --kernel-name regex:_jagged_attn \
@@ -65,6 +78,6 @@ for stage in "$@"; do
       python3 -m gemctl profile --recipe small_h200 2>&1 | quiet | tee "$OUT/profile.log"
       d=$(ls -d runs/small_h200-profile/* | tail -1)
       cp "$d/profile.json" "$d/breakdown.png" "$d/waterfall.png" "$OUT/" ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, ncu, precision-speed, profile)" >&2; exit 2 ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, sweep-block, bench-mx, ncu, precision-speed, profile)" >&2; exit 2 ;;
   esac
 done
