@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import base_meta, graph_bench  # noqa: E402
+from bench_common import base_meta, graph_bench, profile_step  # noqa: E402
 from bench_gdpa import ceilings, timings  # noqa: E402
 from bench_jagged_attention import make_inputs  # noqa: E402
 from gemctl import ops  # noqa: E402
@@ -231,7 +231,20 @@ def main() -> None:
     ap.add_argument("--bwd-configs", default="", help="backward configs of the sweep (default: the candidate list)")
     ap.add_argument("--out", default="bench_block_attention.json")
     ap.add_argument("--only", nargs="*", help="workload names to run (default: self-1000 self-4000)")
+    ap.add_argument("--profile-step", metavar="WORKLOAD",
+                    help="one block-64 RoPE forward+backward of WORKLOAD (autotuned) between profiler start and "
+                    "stop (ncu), nothing else")
     args = ap.parse_args()
+    if args.profile_step:
+        by_name = {w.name: w for w in block_attention_workloads()}
+        if args.profile_step not in by_name:
+            raise SystemExit(f"bench_block_attention: --profile-step takes one of {sorted(by_name)}, got {args.profile_step!r}")
+        w = by_name[args.profile_step]
+        q, k, v, off, _, _, _, grad = make_inputs(w)
+        max_len = int(w.q_lengths.max())
+        profile_step(api_pair(lambda q, k, v: ops.block_attention(q, k, v, off, max_len, block_size=64, rope=ROPE_BASE,
+                                                                  backend="triton"), q, k, v, grad)[1])
+        return
     meta = {**base_meta(dtype="bfloat16", rope_base=ROPE_BASE), **ceilings()}
     print(meta, flush=True)
     if args.sweep:

@@ -29,6 +29,18 @@ def graph_bench(fn, rep: int = 100) -> float:
         return float("nan")
 
 
+def profile_step(fn, warmup: int = 3) -> None:
+    """For ``ncu --profile-from-start off``: ``fn`` ``warmup`` times (compilation, autotuning, plans),
+    then once between CUDA profiler start and stop, so the counters cover one step only."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
 def copy_tbps() -> float:
     """Device copy bandwidth (TB/s, read + write) of a 1 GiB bf16 tensor: the memory ceiling."""
     x = torch.randn(2**29, device="cuda", dtype=torch.bfloat16)

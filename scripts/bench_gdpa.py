@@ -28,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import base_meta, graph_bench  # noqa: E402
+from bench_common import base_meta, graph_bench, profile_step  # noqa: E402
 from bench_jagged_attention import bench, make_inputs, tflops  # noqa: E402
 from gemctl import ops  # noqa: E402
 from gemctl.metrics.flops import attention, attention_pairs  # noqa: E402
@@ -132,11 +132,19 @@ def main() -> None:
     ap.add_argument("--out", default="bench_gdpa.json")
     ap.add_argument("--grids", action="store_true", help="also time the forward under every candidate config")
     ap.add_argument("--only", nargs="*", help="workload names to run (default: all)")
+    ap.add_argument("--profile-step", metavar="WORKLOAD",
+                    help="one GDPA forward+backward of WORKLOAD between profiler start and stop (ncu), nothing else")
     args = ap.parse_args()
+    workloads = [pma_workload(256, 32), cross_workload(256, 32), cross_workload(256, 128), self_workload(256, 1000)]
+    if args.profile_step:
+        by_name = {w.name: w for w in workloads}
+        if args.profile_step not in by_name:
+            raise SystemExit(f"bench_gdpa: --profile-step takes one of {sorted(by_name)}, got {args.profile_step!r}")
+        profile_step(implementations(by_name[args.profile_step])["ours"]()[1])  # forward+backward
+        return
     meta = {**base_meta(), **ceilings()}
     print(meta, flush=True)
     rows = []
-    workloads = [pma_workload(256, 32), cross_workload(256, 32), cross_workload(256, 128), self_workload(256, 1000)]
     for w in [w for w in workloads if not args.only or w.name in args.only]:
         pairs = attention_pairs(w.q_lengths, w.k_lengths, causal=False)
         f_flops = attention(w.heads, w.head_dim, pairs)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import base_meta, graph_bench  # noqa: E402
+from bench_common import base_meta, graph_bench, profile_step  # noqa: E402
 from gemctl import ops  # noqa: E402
 from gemctl.metrics.flops import attention, attention_pairs  # noqa: E402
 from gemctl.ops import host  # noqa: E402
@@ -237,18 +237,12 @@ def main() -> None:
     meta = base_meta()
     print(meta)
     if args.profile_step:  # for ncu --profile-from-start off: warm-up (compilation, autotuning), then
-        from workloads import self_workload  # one forward+backward between profiler start and stop
+        from workloads import self_workload  # one forward+backward between profiler start and stop (bench_common)
 
         w = self_workload(256, 1000)
         q, k, v, qo, ko, _, _, grad = make_inputs(w)
         m = int(w.q_lengths.max())
-        for step in range(4):
-            if step == 3:
-                torch.cuda.synchronize()
-                torch.cuda.profiler.start()
-            ops.jagged_attention(q, k, v, qo, ko, m, m, backend="triton").backward(grad)
-        torch.cuda.synchronize()
-        torch.cuda.profiler.stop()
+        profile_step(lambda: ops.jagged_attention(q, k, v, qo, ko, m, m, backend="triton").backward(grad))
         return
     if args.sweep:
         Path(args.out).write_text(json.dumps({"meta": meta, "sweep": sweep(args.sweep)}, indent=1))

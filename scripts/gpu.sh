@@ -19,7 +19,8 @@
 #             timed against the memory roofline
 #   bench-mx  scripts/bench_mx.py: MX quantize kernels, Python call and CUDA-graph time, vs copy
 #   sweep     scripts/bench_jagged_attention.py --sweep fwd/dkdv/dq: every candidate of each pass timed
-#   ncu       Nsight Compute counters of the jagged attention kernels at self-1000 (fwd, dK/dV, dQ)
+#   ncu       Nsight Compute counters of one autotuned forward+backward: jagged attention self-1000,
+#             GDPA cross-128, block attention (64, RoPE) self-1000
 #   precision-speed  small_h200 once per precision recipe (bf16, fp8_mlp, fp8_tower, fp8), autotuned,
 #             30 steps and smaller item/user tables (the step compares recipes, not the baseline)
 #
@@ -63,11 +64,18 @@ for stage in "$@"; do
     bench-mx) python3 scripts/bench_mx.py --out "$OUT/bench_mx.json" 2>&1 | quiet | tee "$OUT/bench_mx.log" ;;
     sweep) python3 scripts/bench_jagged_attention.py --sweep fwd --sweep dkdv --sweep dq --out "$OUT/sweep_jagged.json" 2>&1 | quiet | tee "$OUT/sweep_jagged.log" ;;
     ncu)
-      ncu --clock-control none --profile-from-start off --kernel-name regex:_jagged_attn \
-        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-        python3 scripts/bench_jagged_attention.py --profile-step > "$OUT/ncu_jagged.txt" 2>&1
-      grep -E '^  _jagged|Duration|Throughput|Registers Per|Occupancy|Issue Slots|Executed Ipc' "$OUT/ncu_jagged.txt" | head -60 ;;
+      # one autotuned forward+backward each: jagged attention self-1000, GDPA cross-128, block attention self-1000
+      for spec in "jagged:_jagged_attn:bench_jagged_attention.py --profile-step" \
+                  "gdpa:_gdpa:bench_gdpa.py --profile-step cross-128" \
+                  "block:_block_attn:bench_block_attention.py --profile-step self-1000"; do
+        IFS=: read -r name regex cmd <<< "$spec"
+        ncu --clock-control none --profile-from-start off --kernel-name "regex:$regex" \
+          --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+          --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+          python3 scripts/$cmd > "$OUT/ncu_$name.txt" 2>&1
+        grep -E "^  $regex|Duration|Throughput|Registers Per|Achieved Occupancy|Issue Slots|Executed Ipc|Stall" \
+          "$OUT/ncu_$name.txt" | head -40
+      done ;;
     precision-speed)
       # 30 steps (10 untimed) and 100K-row item/user tables: the four jobs fit one 10-minute call
       python3 -m gemctl train --recipe small_h200 -m precision=bf16,fp8_mlp,fp8_tower,fp8 run.progress=false \
