@@ -163,7 +163,7 @@ def _scores(Q, K, Q_DESC, K_DESC, start, first, rows, length, stride_qn, stride_
 def _fwd_head(Q, K, V, O, LSE, Q_DESC, K_DESC, V_DESC, h, start, first, rows, length, c, s, num_heads,
               stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, qk_scale,
               HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, BY_DESC: tl.constexpr):
-    """One head of one block: o and the rows' log2-sum-exp2. BY_DESC: a whole block (no key mask)."""
+    """One head of one block: o and the rows' log2-sum-exp2. BY_DESC: a whole block by TMA (no masks)."""
     offs_d = tl.arange(0, HEAD_DIM)
     _, _, _, _, scores = _scores(Q, K, Q_DESC, K_DESC, start, first, rows, length, stride_qn, stride_qh, stride_kn,
                                  stride_kh, h, c, s, qk_scale, HEAD_DIM // 2, ROPE, BY_DESC)
@@ -195,16 +195,10 @@ def _block_attn_fwd(
     # TMA: this launch gets whole blocks only (the partial last blocks go to a launch without TMA):
     # one kernel holding both loops would take the masked loop's registers (255 at 4 warps with
     # rope, vs 223 by TMA alone).
-    if TMA:
-        for h in range(h0, h_end):
-            _fwd_head(Q, K, V, O, LSE, Q_DESC, K_DESC, V_DESC, h, start, first, rows, length, c, s, num_heads,
-                      stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, qk_scale,
-                      HEAD_DIM, ROPE, True)
-    else:
-        for h in range(h0, h_end):
-            _fwd_head(Q, K, V, O, LSE, Q_DESC, K_DESC, V_DESC, h, start, first, rows, length, c, s, num_heads,
-                      stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, qk_scale,
-                      HEAD_DIM, ROPE, False)
+    for h in range(h0, h_end):
+        _fwd_head(Q, K, V, O, LSE, Q_DESC, K_DESC, V_DESC, h, start, first, rows, length, c, s, num_heads,
+                  stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, qk_scale,
+                  HEAD_DIM, ROPE, TMA)
 
 
 @triton.jit
@@ -218,9 +212,8 @@ def _bwd_head(Q, K, V, O, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC,
     # formed, dq before dk is computed, and c, s are re-read (L1/L2) for each gradient's rotation
     # and returned for the caller's head loop to carry: that ends the setup rows' lifetime at the
     # q/k rotation (keeping them live across the body spilled twice as much: 1,016 vs 592 B per
-    # thread at 4 warps, sm_90 ptxas). Holding dq, dk,
-    # dv together spilled ~1 KB per thread; this order measured 0.33 vs 0.41 ms on self-1000
-    # (H200, docs/benchmarks.md).
+    # thread at 4 warps, sm_90 ptxas). Holding dq, dk, dv together spilled ~1 KB per thread; this
+    # order measured 0.33 vs 0.41 ms on self-1000 (H200, docs/benchmarks.md).
     HALF: tl.constexpr = HEAD_DIM // 2
     row_ok = rows < length
     offs_half = tl.arange(0, HALF)
@@ -270,20 +263,12 @@ def _block_attn_bwd(
     HALF: tl.constexpr = HEAD_DIM // 2
     start, length, first, rows, h0, h_end, c, s = _block_setup(WORK, OFFSETS, COS, SIN, stride_rope,
                                                                heads_per_program, num_heads, BLOCK, HALF, ROPE)
-    if TMA:  # whole blocks only, as in the forward
-        for h in range(h0, h_end):
-            c, s = _bwd_head(Q, K, V, O, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, O_DESC, DO_DESC,
-                      h, start, first, rows, length, c, s, num_heads,
-                      stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
-                      stride_don, stride_doh, stride_dqn, stride_dqh, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-                      stride_rope, qk_scale, scale, HEAD_DIM, ROPE, True)
-    else:
-        for h in range(h0, h_end):
-            c, s = _bwd_head(Q, K, V, O, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, O_DESC, DO_DESC,
-                      h, start, first, rows, length, c, s, num_heads,
-                      stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
-                      stride_don, stride_doh, stride_dqn, stride_dqh, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-                      stride_rope, qk_scale, scale, HEAD_DIM, ROPE, False)
+    for h in range(h0, h_end):  # TMA: whole blocks only, as in the forward
+        c, s = _bwd_head(Q, K, V, O, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, O_DESC, DO_DESC,
+                         h, start, first, rows, length, c, s, num_heads,
+                         stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
+                         stride_don, stride_doh, stride_dqn, stride_dqh, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
+                         stride_rope, qk_scale, scale, HEAD_DIM, ROPE, TMA)
 
 
 # ----------------------------------------------------------------------------------------------
