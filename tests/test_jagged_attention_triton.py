@@ -146,12 +146,13 @@ def test_lazy_rescaling_cpu(causal):
 def test_pending_candidates_join_autotuning_only_when_enabled_cpu(monkeypatch):
     """TMA and lazy-rescaling configs are pinned by tests and benchmarks but not timed by the
     autotuner until their GPU tier has passed them (_GPU_CHECKED; _PENDING_AUTOTUNE for all)."""
-    fwd, dkdv = ja_kernels._FWD_CANDIDATES["large"], ja_kernels._DKDV_CANDIDATES
+    fwd, dkdv = ja_kernels._FWD_CANDIDATES["small"], ja_kernels._DKDV_CANDIDATES
     assert any(len(c) > 4 and c[4] for c in fwd) and any(len(c) > 5 and c[5] for c in fwd)
     assert any(len(c) > 5 and c[5] for c in dkdv)
     monkeypatch.setattr(ja_kernels, "_PENDING_AUTOTUNE", False)
     checked = ja_kernels._GPU_CHECKED
-    assert checked and checked <= set(fwd) | set(ja_kernels._FWD_CANDIDATES["small"]) | set(dkdv) | set(ja_kernels._DQ_CANDIDATES)
+    every = set(ja_kernels._FWD_CANDIDATES["large"]) | set(fwd) | set(dkdv) | set(ja_kernels._DQ_CANDIDATES)
+    assert checked and checked <= every
     assert ja_kernels._tuned(fwd, 4) == [c for c in fwd if len(c) == 4 or c in checked]
     assert (64, 64, 4, 3, 1, 1) not in ja_kernels._tuned(fwd, 4)  # lazy rescaling: pinned only
     assert ja_kernels._tuned(dkdv, 5) == [c for c in dkdv if len(c) == 5 or c in checked]  # the transposed field stays
