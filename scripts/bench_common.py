@@ -66,7 +66,8 @@ def source_commit() -> str:
 
 def base_meta(**extra) -> dict:
     """Date, GPU, torch and triton versions, the commit, and ``extra``: what every result file records."""
-    return {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)"
+    return {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "torch": torch.__version__,
             "triton": triton.__version__, "commit": source_commit(), **extra}
 
 

@@ -21,6 +21,9 @@ and token-chunk variants):
    element per output written, 1 B per scale);
 5. accuracy: relative error (Frobenius) of y = x W^T against float64 for each granularity, on
    Gaussian x and on x with 8 outlier features (x100, as LLM/recsys activations have);
+   outliers: the same question on the emulated numerics (runs on a CPU too) for outlier scales
+   1..10^5, with the error of the small features reported apart, and the row format after a
+   Hadamard rotation (precision.fp8.hadamard) beside the others;
 6. accumulation: the GEMM's own error against float64 per contraction length (FP32 promotion on
    and off, cuBLAS fast and exact accumulation as anchors);
 7. profile: CUDA time per kernel of the fused MLP's forward+backward.
@@ -43,7 +46,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import bench, run_meta  # noqa: E402
+from bench_common import base_meta, bench, run_meta  # noqa: E402
 
 from gemctl.ops.triton.fp8_gemm import (  # noqa: E402
     AMAX_ROWS, TOKEN_CHUNK, fp8_cast_cols, fp8_cast_rows, fp8_gemm, fp8_rmsnorm_cast_rows,
@@ -138,6 +141,9 @@ def mlp_variants(d: int, h: int):
     variants["fp8 row fused+norm"] = lambda x: fp8_mlp(x, up, down, Fp8Recipe(), norm_weight=norm_w, eps=1e-6)
     variants["fp8 row unfused"] = lambda x: fp8_mlp(
         F.rms_norm(x, (d,), norm_w, 1e-6), up, down, Fp8Recipe(granularity="row", fused_mlp=False))
+    # precision.fp8.hadamard: the forward operands rotated along K first (two rotated linears)
+    variants["fp8 row hadamard128"] = lambda x: fp8_mlp(
+        F.rms_norm(x, (d,), norm_w, 1e-6), up, down, Fp8Recipe(granularity="row", hadamard=128))
     return variants, (up, down, norm_w)
 
 
@@ -238,6 +244,49 @@ def accuracy_rows() -> list[dict]:
     return out
 
 
+def outlier_rows() -> list[dict]:
+    """Emulated numerics (gemctl.precision.fp8_linear.qdq: the kernels' quantization bit for bit;
+    float64 products), on the GPU or the CPU: relative error of y = x W^T, and of x's small
+    features after quantization (and, with a rotation, rotating back), per format, for x
+    [2048, 2048] with 8 features scaled by 1 (none) to 10^5. Formats: row, block128, mx32, and
+    row after a Hadamard rotation of 32 or 128 features (precision.fp8.hadamard)."""
+    from gemctl.precision.fp8_linear import hadamard_features
+    from gemctl.precision.mx_linear import _hadamard_cpu
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(0)
+    m, k, n = 2048, 2048, 1024
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(device)
+    formats = {"row": (0, 0), "block128": (128, 0), "mx32": (32, 0), "row + hadamard 32": (0, 32),
+               "row + hadamard 128": (0, 128)}
+    out = []
+    for scale in (1.0, 1e2, 1e3, 1e4, 1e5):
+        x = torch.randn(m, k, generator=gen)
+        outliers = torch.randperm(k, generator=gen)[:8]
+        x[:, outliers] *= scale
+        x = x.to(device)
+        small = torch.ones(k, dtype=torch.bool, device=device)
+        small[outliers.to(device)] = False
+        exact = x.double() @ w.double().t()
+
+        def rel(a, b):
+            return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+        row = {"outlier_scale": scale, "bf16": {"y": rel(x.to(BF16).double() @ w.to(BF16).double().t(), exact),
+                                                "small": rel(x.to(BF16)[:, small], x[:, small])}}
+        for name, (group, size) in formats.items():
+            xr, wr = (hadamard_features(x, size), hadamard_features(w, size)) if size else (x, w)
+            xq, wq = qdq(xr, group, 1), qdq(wr, group, 1)
+            back = xq
+            if size:  # R^-1 = R^T, block by block
+                r = _hadamard_cpu(size, 0).to(device)
+                back = (xq.reshape(m, k // size, size) @ r.t()).reshape(m, k)
+            row[name] = {"y": rel(xq.double() @ wq.double().t(), exact), "small": rel(back[:, small], x[:, small])}
+        print(row, flush=True)
+        out.append(row)
+    return out
+
+
 def accumulation_rows() -> list[dict]:
     """Error of the FP32-vs-tensor-core accumulation alone: the same E4M3 operands, our GEMM and
     cuBLAS ``_scaled_mm`` (fast accumulation on and off) against float64 products of the
@@ -303,13 +352,16 @@ def main() -> None:
     ap.add_argument("--mlp", default="", help="comma-separated MLP variants to time (default: all)")
     ap.add_argument("--widths", default="", help="comma-separated model widths d of the MLP section (default: all)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_fp8: needs a CUDA GPU")
-    meta = run_meta(tokens=args.tokens)
-    result = {"meta": meta}
     parts = args.only.split(",")
+    if not torch.cuda.is_available():
+        if parts != ["outliers"]:
+            raise SystemExit("bench_fp8: needs a CUDA GPU (only --only outliers, emulated numerics, runs on a CPU)")
+        meta = {**base_meta(), "device": "cpu"}
+    else:
+        meta = run_meta(tokens=args.tokens)
+    result = {"meta": meta}
     path = Path(args.out)
-    sections = {"accuracy": accuracy_rows, "accumulation": accumulation_rows,
+    sections = {"accuracy": accuracy_rows, "outliers": outlier_rows, "accumulation": accumulation_rows,
                 "cast": lambda: cast_rows(args.tokens, meta["copy_tbps"]),
                 "gemm": lambda: gemm_rows(args.tokens, args.grans.split(",")),
                 "mlp": lambda: mlp_rows(args.tokens, [v for v in args.mlp.split(",") if v],

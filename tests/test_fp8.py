@@ -15,7 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gemctl.precision.fp8_linear import GRANULARITIES, Fp8Recipe, _EmulatedFunction, fp8_linear, fp8_mlp, qdq
+from gemctl.precision.fp8_linear import (
+    GRANULARITIES, Fp8Recipe, _EmulatedFunction, fp8_linear, fp8_mlp, hadamard_features, qdq,
+)
 from gemctl.precision.mx import dequantize_mx, e8m0_to_float, quantize_mx
 
 pytest.importorskip("triton")
@@ -254,6 +256,74 @@ def test_linear_matches_emulated(granularity, wgrad, dgrad, device="cpu", dtype=
         assert _rel(b, e) < 0.08, name  # E4M3 carries 3 mantissa bits
 
 
+def test_hadamard_rotation_is_exact_and_orthogonal():
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(5, 3, 96, generator=g, dtype=torch.float64), torch.randn(40, 96, generator=g, dtype=torch.float64)
+    xr, wr = hadamard_features(x, 32, seed=3), hadamard_features(w, 32, seed=3)
+    assert torch.allclose(xr @ wr.t(), x @ w.t(), atol=1e-12)  # (x R)(W R)^T = x W^T
+    assert torch.allclose(xr.norm(dim=-1), x.norm(dim=-1), atol=1e-12)
+    assert not torch.allclose(xr[..., :32], x[..., :32])  # it does rotate
+    assert not torch.allclose(hadamard_features(x, 32, seed=4), xr)  # the seed draws the signs
+
+
+@pytest.mark.parametrize("granularity", ["row", "mx32"])
+def test_hadamard_linear_quantizes_the_rotated_operands(granularity):
+    """With ``hadamard``, fp8_linear is the unrotated format applied to x R and W R, gradients
+    through the rotation included (the same call path as without: Triton under the interpreter)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(80, 128, generator=g).requires_grad_()
+    w = (torch.randn(256, 128, generator=g) / 128**0.5).requires_grad_()
+    gy = torch.randn(80, 256, generator=g)
+    plain = Fp8Recipe(granularity=granularity, token_chunk=64)
+    rotated = Fp8Recipe(granularity=granularity, token_chunk=64, hadamard=64, hadamard_seed=1)
+    got = _grads(lambda: fp8_linear(x, w, None, rotated), [x, w], gy)
+    want = _grads(lambda: _EmulatedFunction.apply(hadamard_features(x, 64, 1), hadamard_features(w, 64, 1), plain),
+                  [x, w], gy)
+    unrotated = _grads(lambda: fp8_linear(x, w, None, plain), [x, w], gy)
+    exact = _grads(lambda: x.double() @ w.double().t(), [x, w], gy.double())
+    for name, a, b, u, e in zip(("y", "dx", "dw"), got, want, unrotated, exact):
+        assert _rel(a, b) < 1e-5, name
+        assert _rel(a, e) < 0.08, name
+        assert _rel(a, u) > 1e-3, name  # other operands were quantized
+
+
+def test_hadamard_skips_a_layer_whose_k_does_not_divide(capsys):
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(16, 48, generator=g), torch.randn(32, 48, generator=g)
+    y = fp8_linear(x, w, None, Fp8Recipe(hadamard=32))
+    assert torch.equal(y, fp8_linear(x, w, None, Fp8Recipe()))
+    assert "Hadamard rotation of 32 features skipped for a layer with K=48" in capsys.readouterr().err
+
+
+def test_hadamard_mlp_runs_as_two_rotated_linears():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(40, 64, generator=g)
+    w_up, w_down = torch.randn(128, 64, generator=g) / 8, torch.randn(64, 128, generator=g) / 11
+    recipe = Fp8Recipe(hadamard=32, token_chunk=64)
+    got = fp8_mlp(x, w_up, w_down, recipe)
+    want = fp8_linear(F.silu(fp8_linear(x, w_up, None, recipe)), w_down, None, recipe)
+    assert torch.equal(got, want)
+
+
+def test_hadamard_spreads_outlier_error_onto_small_features():
+    """Why the rotation does not pay for E4M3 (docs/precision.md): the format's range already holds
+    features 1000x apart at one power-of-two scale per row, and rotating mixes each outlier's
+    rounding error into every feature of its block."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 256, generator=g)
+    outliers = torch.randperm(256, generator=g)[:4]
+    x[:, outliers] *= 1000
+    small = torch.ones(256, dtype=torch.bool)
+    small[outliers] = False
+    from gemctl.precision.mx_linear import _hadamard_cpu
+
+    err_plain = ((qdq(x, 0, 1) - x)[:, small].norm() / x[:, small].norm()).item()
+    rotated = qdq(hadamard_features(x, 128), 0, 1)
+    back = (rotated.reshape(256, 2, 128) @ _hadamard_cpu(128, 0).t()).reshape(256, 256)  # R^-1 = R^T
+    err_rot = ((back - x)[:, small].norm() / x[:, small].norm()).item()
+    assert err_plain < 0.05 < 0.5 < err_rot, (err_plain, err_rot)
+
+
 def _bf16(t: torch.Tensor) -> torch.Tensor:
     """float32 -> bf16 values as the kernels store them: round to nearest even on a GPU; the
     Triton interpreter truncates (Triton 3.7)."""
@@ -466,6 +536,8 @@ def test_bad_fp8_options_name_the_field():
         validate(compose(["precision=fp8", "precision.fp8.dgrad=e5m2"]), check_device=False)
     with pytest.raises(ConfigError, match=r"^precision\.fp8\.token_chunk: .*multiple of 128"):
         validate(compose(["precision=fp8", "precision.fp8.token_chunk=1000"]), check_device=False)
+    with pytest.raises(ConfigError, match=r"^precision\.fp8\.hadamard: .*power of two"):
+        validate(compose(["precision=fp8", "precision.fp8.hadamard=100"]), check_device=False)
 
 
 # ------------------------------------------------------------------------------------------------

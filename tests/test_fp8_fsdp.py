@@ -198,6 +198,7 @@ def test_can_gather_fp8():
     assert not can_gather_fp8(torch.empty(128, 128), 2, 128)  # 64 rows per rank
     assert Fp8GatherWeight.can_gather(torch.empty(256, 128), 2, Fp8Recipe(granularity="block128"))
     assert not Fp8GatherWeight.can_gather(torch.empty(256, 128), 2, Fp8Recipe(dgrad="bf16"))  # needs W itself
+    assert not Fp8GatherWeight.can_gather(torch.empty(256, 128), 2, Fp8Recipe(hadamard=64))  # quantizes W R
 
 
 def test_wrapper_keeps_its_class_through_fsdp_views():

@@ -101,6 +101,8 @@ class Fp8Config:
     dgrad: str = "fp8"  # input-gradient GEMM: fp8 | bf16 (unquantized; with wgrad bf16: FP8 forward only)
     fused_mlp: bool = True  # row-wise MLP blocks (up -> SiLU -> down) with fused producers
     token_chunk: int = 4096  # row: tokens per scale of the weight-gradient operands (a multiple of 128)
+    hadamard: int = 0  # rotate both forward operands along K by a random Hadamard per this many features (0: off; a power of two)
+    hadamard_seed: int = 0  # seed of that rotation's fixed sign vector
     fsdp_gather: bool = True  # FSDP/HSDP: all-gather fp8 Linear weights FP8-quantized (gemctl.precision.fp8_fsdp)
 
 

@@ -94,6 +94,10 @@ def validate(cfg, check_device: bool = True) -> None:
     _one_of(p.fp8.dgrad, FP8_GRAD_FORMATS, "precision.fp8.dgrad")
     if p.fp8.token_chunk < 128 or p.fp8.token_chunk % 128:
         raise ConfigError("precision.fp8.token_chunk", f"must be a positive multiple of 128, got {p.fp8.token_chunk}")
+    h = p.fp8.hadamard
+    if h < 0 or h == 1 or h & (h - 1) or h > 4096:
+        raise ConfigError("precision.fp8.hadamard", f"must be 0 (off) or a power of two from 2 to 4096, got {h}")
+    _positive(cfg, "precision.fp8.hadamard_seed", allow_zero=True)
     for i, rule in enumerate(p.rules):
         _one_of(rule.format, PRECISION_FORMATS, f"precision.rules[{i}].format")
         if rule.last_n_layers is not None and not 1 <= rule.last_n_layers <= m.num_layers:

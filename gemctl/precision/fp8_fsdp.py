@@ -35,7 +35,8 @@ step on the sharded fp32 master are unchanged.
 ``Fp8GatherWeight`` is the fp8 format of the wrapper in gemctl.precision.fsdp_gather (the tensor
 subclass and the FSDP2 hooks, shared with the MX format).
 
-Limits: only with ``precision.fp8.dgrad: fp8`` (an unquantized dgrad needs W itself in the
+Limits: not with ``precision.fp8.hadamard`` (the linear quantizes the rotated W R; those weights
+gather in the unit's dtype); only with ``precision.fp8.dgrad: fp8`` (an unquantized dgrad needs W itself in the
 backward); only weights of units that reshard after forward are wrapped (FSDP2 keeps the root and
 the last block gathered between forward and backward, and their dgrad would need the axis-0
 quantization as well); N must split evenly over the shard group and, for block128 / mx32, hold a
@@ -113,8 +114,9 @@ class Fp8GatherWeight(QuantizedGatherWeight):
 
     @classmethod
     def can_gather(cls, weight: torch.Tensor, shard_size: int, recipe) -> bool:
-        # dgrad: bf16 multiplies by W itself, which the backward re-gather must then carry unquantized
-        return recipe.dgrad == "fp8" and can_gather_fp8(weight, shard_size, recipe.group)
+        # dgrad: bf16 multiplies by W itself, which the backward re-gather must then carry unquantized;
+        # with a Hadamard rotation the linear quantizes W R, not W, so a quantized W gathers wrong values
+        return recipe.dgrad == "fp8" and not recipe.hadamard and can_gather_fp8(weight, shard_size, recipe.group)
 
 
 def can_gather_fp8(weight: torch.Tensor, shard_size: int, group: int) -> bool:

@@ -27,6 +27,16 @@ x in its own dtype instead), ``dgrad: bf16`` the input-gradient GEMM (saving W i
 together leave FP8 in the forward only, the ablation that tells the forward's quantization from
 the backward's.
 
+``hadamard = s`` (a power of two, 0: off) rotates both forward operands along their contraction
+axis K by the same block-diagonal random Hadamard transform R = H_s D / sqrt(s) per s features
+before they are quantized (QuaRot-style): R is orthogonal, so (x R)(W R)^T = x W^T, and autograd
+through the rotation takes the gradients back (dx = dx' R^T, dW = dW' R^T); the backward GEMMs
+quantize the rotated operands. A layer whose K is not a multiple of s runs unrotated (said once).
+Measured on the emulated numerics (scripts/bench_fp8.py --only outliers, docs/precision.md): for
+E4M3 with power-of-two scales it does not lower the GEMM's error, and it raises the error of the
+small features next to outlier features: E4M3 is a floating-point format whose range already
+holds both, and the rotation spreads each outlier's rounding error over its whole block.
+
 ``fp8_mlp(x, w_up, w_down)`` is the MLP block ``down(silu(up(x)))`` with the row-wise format
 and fused producers: the casts of the pre-activation apply silu on the fly (silu(pre) never
 exists in bf16 in memory), and the backward's first GEMM multiplies by silu'(pre) in its
@@ -67,6 +77,8 @@ class Fp8Recipe:
     dgrad: str = "fp8"  # fp8 | bf16 (the input-gradient GEMM unquantized, in the compute dtype)
     fused_mlp: bool = True  # row-wise MLP blocks through fp8_mlp (the fused producers)
     token_chunk: int = 4096  # row-wise: tokens per scale of the weight-gradient operands
+    hadamard: int = 0  # features per block of the forward operands' Hadamard rotation (0: none)
+    hadamard_seed: int = 0  # seed of the rotation's fixed sign vector
 
     @property
     def group(self) -> int:
@@ -82,7 +94,8 @@ class Fp8Recipe:
         if cfg is None:
             return cls()
         return cls(granularity=str(cfg.granularity), wgrad=str(cfg.wgrad), dgrad=str(cfg.dgrad),
-                   fused_mlp=bool(cfg.fused_mlp), token_chunk=int(cfg.token_chunk))
+                   fused_mlp=bool(cfg.fused_mlp), token_chunk=int(cfg.token_chunk),
+                   hadamard=int(getattr(cfg, "hadamard", 0)), hadamard_seed=int(getattr(cfg, "hadamard_seed", 0)))
 
 
 def _say_once(key: str, message: str) -> None:
@@ -298,9 +311,36 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return dx, dw, None
 
 
+@functools.lru_cache(maxsize=None)
+def _hadamard(size: int, seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    from gemctl.precision.mx_linear import _hadamard_cpu
+
+    return _hadamard_cpu(size, seed).to(device, dtype)
+
+
+def hadamard_features(t: torch.Tensor, size: int, seed: int = 0) -> torch.Tensor:
+    """``t`` [..., K] rotated along K by the block-diagonal R = H_size D / sqrt(size) (orthogonal;
+    K a multiple of size), in t's dtype; differentiable."""
+    k = t.shape[-1]
+    r = _hadamard(size, seed, t.device, t.dtype)
+    return (t.reshape(*t.shape[:-1], k // size, size) @ r).reshape(t.shape)
+
+
+def _rotated(x2d: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe):
+    """The forward operands with the recipe's Hadamard rotation along K applied (where K allows)."""
+    size, k = recipe.hadamard, x2d.shape[1]
+    if not size:
+        return x2d, weight
+    if k % size:
+        _say_once(f"hadamard{k}", f"fp8 Hadamard rotation of {size} features skipped for a layer with K={k} "
+                  f"(not a multiple of {size})")
+        return x2d, weight
+    return hadamard_features(x2d, size, recipe.hadamard_seed), hadamard_features(weight, size, recipe.hadamard_seed)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Fp8Recipe) -> torch.Tensor:
     """F.linear with FP8 GEMMs (forward and backward); x [..., K], weight [N, K]."""
-    x2d = x.reshape(-1, x.shape[-1])
+    x2d, weight = _rotated(x.reshape(-1, x.shape[-1]), weight, recipe)
     if triton_ready(x2d, weight) and _group_fits(recipe.group, x2d.shape[1], weight.shape[0]):
         y = _Fp8LinearFunction.apply(x2d, weight, recipe)
     else:
@@ -401,7 +441,12 @@ def fp8_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, recipe: F
 
     x2d = x.reshape(-1, x.shape[-1])
     eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
+    # The fused producers apply the norm and silu inside the casts, before a rotation could: with
+    # a Hadamard rotation the block runs as two fp8_linear calls (said once).
     fused = recipe.group == 0 and recipe.fused_mlp and triton_ready(x2d, w_up, w_down)
+    if fused and recipe.hadamard:
+        _say_once("hadamard_mlp", "fp8 MLP blocks with a Hadamard rotation run unfused (two fp8 linears)")
+        fused = False
     if norm_weight is not None and not (fused and x.shape[-1] <= _ROWS_IN_REGISTERS):
         x = F.rms_norm(x, (x.shape[-1],), norm_weight.to(x.dtype), eps)
         x2d, norm_weight = x.reshape(-1, x.shape[-1]), None
