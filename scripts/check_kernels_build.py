@@ -58,6 +58,8 @@ def kernels():
             yield gdpa._gdpa_fwd, io, consts
             yield gdpa._gdpa_bwd_dkdv, io, consts
             yield gdpa._gdpa_bwd_dq, io, consts
+    kv_tiles = {name: "tensordesc<bf16[32, 128]>" for name in ("K_DESC", "V_DESC")}  # whole key tiles by TMA
+    yield gdpa._gdpa_fwd, dict(io, **kv_tiles), dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=32, ACT=0, CHUNK=0, TMA=True)
     mx_io = dict(X="*i16", W="*bf16", Y="*bf16", DATA="*u8", SCALE="*u8", eps="fp32")  # bf16 input as int16
     for e5m2, emax, elem_max in ((False, 8, 448.0), (True, 15, 57344.0)):  # E4M3, E5M2 elements
         for rceil in (False, True):

@@ -82,6 +82,34 @@ def test_gdpa_grids_cpu(cfg):
         _check([0, 1, 15, 16, 17, 40, 3], [5, 0, 16, 17, 1, 33, 2], "silu", "cpu", torch.float32, tol=2e-5)
 
 
+@pytest.mark.parametrize("per_sm", [0, 2])
+def test_gdpa_tma_forward_cpu(per_sm):
+    """TMA forward configs (seventh field 1): whole key tiles through descriptors, the partial last
+    one by masked loads; against float64, and the masked-load path's output (same values, up to
+    the float32 summation order of the interpreter's Q K^T against K^T loaded transposed)."""
+    from gemctl.ops.triton import gdpa as gdpa_kernels
+    from gemctl.ops.triton.common import forced_config, row_descriptors
+
+    ql, kl = [0, 1, 15, 16, 17, 40, 3], [5, 0, 16, 17, 1, 33, 48]
+    with forced_config({"gdpa_fwd": (16, 16, 1, 1, per_sm, 0, 1)}):
+        tma = _check(ql, kl, "silu", "cpu", torch.float32, tol=2e-5)
+    with forced_config({"gdpa_fwd": (16, 16, 1, 1, per_sm, 0)}):
+        plain = _check(ql, kl, "silu", "cpu", torch.float32, tol=2e-5)
+    assert torch.allclose(tma[0], plain[0], rtol=1e-5, atol=1e-5) and not torch.equal(tma[0], 0 * tma[0])
+    assert row_descriptors(16, torch.zeros(sum(kl), 2, 32)) is not None  # the TMA path did run
+    assert any(len(c) > 6 and c[6] for c in gdpa_kernels._FWD_CANDIDATES)
+    assert all(len(c) == 6 or c in gdpa_kernels._GPU_CHECKED or gdpa_kernels._PENDING_AUTOTUNE
+               for c in gpu_checked_forward())
+
+
+def gpu_checked_forward():
+    """The forward candidates autotuning times (the TMA ones only once the GPU tier passed them)."""
+    from gemctl.ops.triton import gdpa as gdpa_kernels
+    from gemctl.ops.triton.common import gpu_checked
+
+    return gpu_checked(gdpa_kernels._FWD_CANDIDATES, 6, gdpa_kernels._GPU_CHECKED, gdpa_kernels._PENDING_AUTOTUNE)
+
+
 RESIDENT = {  # shape -> per-kernel configs with the short side resident (chunk >= 1)
     "cross": ([0, 1, 15, 16, 17, 40, 33], [1, 2, 16, 17, 32, 3, 0],
               {"gdpa_fwd": (16, 32, 1, 1, 1, 2), "gdpa_dq": (16, 32, 1, 1, 0, 3), "gdpa_dkdv": (16, 16, 1, 1, 2, 0)}),
