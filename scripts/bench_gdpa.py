@@ -124,6 +124,8 @@ def grid_sweep(w) -> list[dict]:
                 rows.append({"config": list(cfg), "fwd_graph_ms": graph_bench(fwd)})
             except Exception as exc:
                 rows.append({"config": list(cfg), "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"})
+            print(f"  {w.name} forward {str(tuple(cfg)):26s} {rows[-1].get('fwd_graph_ms', float('nan')):.4f} ms "
+                  f"{rows[-1].get('error', '')[:60]}", flush=True)
     return rows
 
 
