@@ -41,6 +41,7 @@ def kernels():
                 yield ja._jagged_attn_bwd_dkdv, io, dict(consts, TRANSPOSED=transposed)
             yield ja._jagged_attn_bwd_dq, io, dict(consts, NUM_BUCKETS=32)
     yield ja._jagged_attn_fwd, io, dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, CAUSAL=True, HAS_BIAS=True, WINDOWED=True)
+    yield ja._bwd_delta, io, dict(HEAD_DIM=128, BLOCK_R=ja._DELTA_ROWS)  # the backward's rowsum(dO * O)
     tiles = {name: "tensordesc<bf16[64, 128]>" for name in ("K_DESC", "V_DESC", "Q_DESC", "DO_DESC")}
     for causal in (False, True):  # the unmasked tiles by TMA
         consts = dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, CAUSAL=causal, HAS_BIAS=causal, TMA=True)

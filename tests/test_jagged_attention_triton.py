@@ -160,6 +160,22 @@ def test_pending_candidates_join_autotuning_only_when_enabled_cpu(monkeypatch):
     assert ja_kernels._tuned(fwd, 4) == fwd and ja_kernels._tuned(dkdv, 5) == dkdv
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_writes_every_gradient_row_cpu(monkeypatch, causal):
+    """dq, dk, dv are allocated without zero fills: every row must be written by a kernel. With the
+    allocations poisoned (NaN), sequences without queries, without keys, keys no query sees
+    (causal, K longer than Q) and rows past a tile still come out exact; delta comes from the fused
+    rowsum kernel."""
+    real = torch.empty_like
+
+    def poisoned(t, *args, **kwargs):
+        return real(t, *args, **kwargs).fill_(float("nan"))
+
+    monkeypatch.setattr(ja_kernels.torch, "empty_like", poisoned)
+    _check([0, 5, 17, 1, 0, 40], [7, 0, 40, 1, 0, 9], causal, True, "cpu", torch.float32, tol=2e-5)
+    _check([33, 0, 2], [33, 3, 2], causal, False, "cpu", torch.float32, tol=2e-5)
+
+
 def test_tma_needs_row_views_cpu():
     """Descriptors only where a head's rows are one contiguous, 16-byte aligned [N, H * D] view."""
     x = torch.zeros(40, 2, 16)

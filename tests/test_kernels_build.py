@@ -19,10 +19,10 @@ def test_kernels_compile_for_sm90():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ": ok" in ln]
-    # jagged attention (16: dK/dV in both formulations; + the windowed forward, + 5 with the unmasked
+    # jagged attention (16: dK/dV in both formulations; + the windowed forward, + delta, + 5 with the unmasked
     # tiles by TMA (one with lazy rescaling), + 3 with MXFP8 probabilities) + gdpa (12, + the forward
     # with whole key tiles by TMA) + block attention (8, + forward and backward with whole blocks by
     # TMA) + MX quantize (5) and RMSNorm->MX (2) + FP8 GEMMs (6: row-wise, silu' epilogue, promoted,
     # token chunks, 128, 32) and the FP8 casts (7: rows one sweep, with column maxima, two sweeps,
     # RMSNorm fused; columns, from column maxima, RMSNorm recomputed)
-    assert len(lines) == 16 + 1 + 5 + 3 + 13 + 10 + 7 + 6 + 7, proc.stdout
+    assert len(lines) == 16 + 2 + 5 + 3 + 13 + 10 + 7 + 6 + 7, proc.stdout

@@ -29,10 +29,12 @@ is -inf, never 0: with a zeroed score, a row whose valid logits all sit far belo
 negative bias) would lose them to exp(0 - m) terms and cancel catastrophically when the surplus
 is subtracted, so this kernel keeps the exact max over valid entries instead.
 
-Backward: dK/dV per key tile looping over the query tiles that see it; dQ (and the bias gradient)
-in a separate pass per query tile looping over key tiles. No atomics: the bias gradient is
-accumulated per program in registers and summed over programs in a fixed order, so gradients are
-bitwise identical for identical inputs.
+Backward: delta = rowsum(dO * O) in one pass (_bwd_delta); dK/dV per key tile looping over the
+query tiles that see it; dQ (and the bias gradient) in a separate pass per query tile looping over
+key tiles. Every gradient row is written by a program (key tiles of sequences without queries
+store zeros), so nothing is zero-filled first. No atomics: the bias gradient is accumulated per
+program in registers and summed over programs in a fixed order, so gradients are bitwise identical
+for identical inputs.
 
 Measured on one H200 (2026-11-29): see docs/benchmarks.md ("jagged_attention").
 TMA: configs that load the tiles needing no mask through tensor descriptors (K/V in the forward
@@ -47,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gemctl.ops import host
 from gemctl.ops.bias import RelativePositionBias, relative_position_bucket
 from gemctl.ops.triton.common import (
     bucket_len, gpu_checked, key_work, load_rows, pick_config, query_work, row_descriptors, store_rows, work_item,
@@ -553,10 +556,26 @@ def _jagged_attn_bwd_dq(
         tl.store(DBIAS + (pid * num_heads + h) * NUM_BUCKETS + bucket_ids, dbias)
 
 
+@triton.jit
+def _bwd_delta(O, DO, DELTA, n_rows, num_heads, stride_on, stride_oh, stride_don, stride_doh,
+               HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
+    # DELTA: fp32 [N, H] = rowsum(dO * O) per row and head (the softmax backward's correction),
+    # read once from O and dO: one pass instead of torch's casts, product and sum (five passes
+    # over fp32 copies). Program (pid, h): BLOCK_R rows of head h.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = rows < n_rows
+    o = tl.load(O + rows[:, None] * stride_on + h * stride_oh + offs_d[None, :], mask=ok[:, None], other=0.0)
+    do = tl.load(DO + rows[:, None] * stride_don + h * stride_doh + offs_d[None, :], mask=ok[:, None], other=0.0)
+    tl.store(DELTA + rows * num_heads + h, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=ok)
+
+
 # ----------------------------------------------------------------------------------------------
 # Host side: work lists, configs, launchers.
 
 
+_DELTA_ROWS = 64  # rows per program of _bwd_delta
 _NO_BIAS: dict = {}  # device -> the no-bias placeholders (two fills a call were ~10% of self-200's host time)
 
 
@@ -617,8 +636,19 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
               mrow=None, mx_p=0):
     n_q, heads, dim = q.shape
     do = do.contiguous()
-    delta = (out.float() * do.float()).sum(-1).contiguous()  # (Nq, H) rowsum(dO * O)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    delta = torch.empty(n_q, heads, device=q.device, dtype=torch.float32)  # (Nq, H) rowsum(dO * O)
+    if n_q:
+        _bwd_delta[(triton.cdiv(n_q, _DELTA_ROWS), heads)](
+            out, do, delta, n_q, heads, out.stride(0), out.stride(1), do.stride(0), do.stride(1),
+            HEAD_DIM=dim, BLOCK_R=_DELTA_ROWS, num_warps=4,
+        )
+    # No zero fills where the kernels write every row: the dQ pass has a program for every query
+    # tile (rows that see no key store zeros), the dK/dV pass one for every key tile, those of
+    # sequences without queries included (they store zeros). Rows past the offsets' last entry
+    # belong to no sequence: zeros then.
+    whole = int(host.host_of(q_offsets)[-1]) == n_q and int(host.host_of(k_offsets)[-1]) == k.shape[0]
+    alloc = torch.empty_like if whole else torch.zeros_like
+    dq, dk, dv = alloc(q), alloc(k), alloc(v)
     bias_d, buckets, bias_max, n_buckets = _bias_tables(bias, heads, q.device)
     nb_pad = max(16, triton.next_power_of_2(n_buckets))
     qk_scale = scale * LOG2E
@@ -629,7 +659,7 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
     def run_dkdv(cfg):
         bm, bn, warps, stages, transposed = cfg[:5]
         _check_mx_tile(mx_p, bn)
-        kwork = key_work(q_offsets, k_offsets, bn, causal, q.device)
+        kwork = key_work(q_offsets, k_offsets, bn, causal, q.device, include_empty=True)
         descs = row_descriptors(bm, q, do) if _field(cfg, 5) else None
         if kwork.shape[0]:
             _jagged_attn_bwd_dkdv[(kwork.shape[0], heads)](
@@ -645,7 +675,9 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
     def run_dq(cfg):
         bm, bn, warps, stages = cfg[:4]
         qwork = query_work(q_offsets, k_offsets, bm, causal, q.device)
-        dbias = torch.zeros(max(qwork.shape[0], 1), heads, nb_pad, device=q.device, dtype=torch.float32)
+        # per-program partial bias gradients; without a bias the kernel stores none (a placeholder)
+        dbias = (torch.zeros(max(qwork.shape[0], 1), heads, nb_pad, device=q.device, dtype=torch.float32)
+                 if has_bias else bias_d)
         descs = row_descriptors(bn, k, v) if _field(cfg, 4) else None
         if qwork.shape[0]:
             _jagged_attn_bwd_dq[(qwork.shape[0], heads)](
