@@ -18,13 +18,16 @@ def bench(fn, grad_to_none=None, rep: int = 100) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=rep, grad_to_none=grad_to_none, return_mode="median")
 
 
-def graph_bench(fn, rep: int = 100) -> float:
+def graph_bench(fn, rep: int = 100, nan_on_failure: bool = False) -> float:
     """Median milliseconds of ``fn`` by CUDA-graph replay: GPU time without the host launch cost
-    (which bounds eager calls of short kernels); NaN, said once per call, where ``fn`` cannot be
-    captured."""
+    (which bounds eager calls of short kernels). Where ``fn`` cannot be captured: raises, or with
+    ``nan_on_failure`` says so and returns NaN (callers that keep their eager timing then)."""
     try:
         return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
-    except Exception as exc:  # noqa: BLE001 - reported; the eager timing stands
+    except Exception as exc:  # noqa: BLE001
+        if not nan_on_failure:
+            raise
+        torch.cuda.synchronize()
         print(f"  (CUDA graph capture failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]})", flush=True)
         return float("nan")
 

@@ -88,8 +88,8 @@ def run_ours(w, causal, with_bias, window=None):
 
     qd, kd, vd, scale = q.detach(), k.detach(), v.detach(), w.head_dim**-0.5
     o, lse, _ = kernels._forward(qd, kd, vd, qo, ko, mq, mk, bias, causal, scale, 0)
-    gpu_f = graph_bench(lambda: kernels._forward(qd, kd, vd, qo, ko, mq, mk, bias, causal, scale, 0))
-    gpu_b = graph_bench(lambda: kernels._backward(grad, qd, kd, vd, o, lse, qo, ko, mq, mk, bias, causal, scale, 0))
+    gpu_f = graph_bench(lambda: kernels._forward(qd, kd, vd, qo, ko, mq, mk, bias, causal, scale, 0), nan_on_failure=True)
+    gpu_b = graph_bench(lambda: kernels._backward(grad, qd, kd, vd, o, lse, qo, ko, mq, mk, bias, causal, scale, 0), nan_on_failure=True)
     return ms_f, ms_b, gpu_f, gpu_b
 
 
@@ -110,7 +110,7 @@ def run_fa2(w, causal):
         return torch.ops.aten._flash_attention_backward(grad, qd, kd, vd, out, lse, cq, ck, mq, mk, 0.0, causal, rng, unused, scale=scale)
 
     bwd()
-    return bench(fwd), bench(bwd), graph_bench(fwd), graph_bench(bwd)
+    return bench(fwd), bench(bwd), graph_bench(fwd, nan_on_failure=True), graph_bench(bwd, nan_on_failure=True)
 
 
 def run_flex(w, causal):

@@ -66,7 +66,7 @@ def rows(tokens: int, copy: float) -> list[dict]:
 
     def add(name, shape, nbytes, fn):
         """Time ``fn`` as a Python call (launch included) and by CUDA-graph replay (GPU time)."""
-        ms, graph_ms = bench(fn), graph_bench(fn)
+        ms, graph_ms = bench(fn), graph_bench(fn, nan_on_failure=True)
         tbps, graph_tbps = nbytes / (ms * 1e-3) / 1e12, nbytes / (graph_ms * 1e-3) / 1e12
         out.append({"kernel": name, "shape": list(shape), "ms": ms, "gbps": tbps * 1e3, "pct_copy": 100 * tbps / copy,
                     "graph_ms": graph_ms, "graph_gbps": graph_tbps * 1e3, "graph_pct_copy": 100 * graph_tbps / copy})

@@ -312,18 +312,23 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
 
 @functools.lru_cache(maxsize=None)
-def _hadamard(size: int, seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def _signed_hadamard(size: int, seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """H_size D with entries +-1 (exact in any float dtype); made outside inference mode, so a first
+    call under torch.inference_mode() does not cache a tensor that training cannot save."""
     from gemctl.precision.mx_linear import _hadamard_cpu
 
-    return _hadamard_cpu(size, seed).to(device, dtype)
+    with torch.inference_mode(False):
+        return (_hadamard_cpu(size, seed) * size**0.5).round().to(device, dtype)
 
 
 def hadamard_features(t: torch.Tensor, size: int, seed: int = 0) -> torch.Tensor:
     """``t`` [..., K] rotated along K by the block-diagonal R = H_size D / sqrt(size) (orthogonal;
-    K a multiple of size), in t's dtype; differentiable."""
+    K a multiple of size), in t's dtype; differentiable. The +-1 matrix multiplies first and the
+    result is scaled by 1/sqrt(size) after: R itself in bf16 would round 1/sqrt(size) (for odd
+    powers of two) and scale every rotated GEMM by a systematic -2e-4."""
     k = t.shape[-1]
-    r = _hadamard(size, seed, t.device, t.dtype)
-    return (t.reshape(*t.shape[:-1], k // size, size) @ r).reshape(t.shape)
+    h = _signed_hadamard(size, seed, t.device, t.dtype)
+    return (t.reshape(*t.shape[:-1], k // size, size) @ h).reshape(t.shape) * size**-0.5
 
 
 def _rotated(x2d: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe):

@@ -166,6 +166,8 @@ def _gdpa_fwd(
                 if TMA:
                     whole = k_len // BLOCK_N * BLOCK_N
                     for start_n in range(0, whole, BLOCK_N):
+                        # column h * HEAD_DIM: heads adjacent in a row (the host builds the
+                        # descriptors only where stride(1) == D)
                         k = K_DESC.load([k_start + start_n, h * HEAD_DIM])  # (BN, D)
                         v = V_DESC.load([k_start + start_n, h * HEAD_DIM])
                         a = _act(tl.dot(q, tl.trans(k)) * scale, ACT)
