@@ -55,8 +55,8 @@ import triton
 import triton.language as tl
 
 from gemctl.ops.triton.common import (
-    bucket_len, gpu_checked, load_rows, pick_config, query_work, row_descriptors, store_rows, whole_tile_work,
-    work_item,
+    bucket_len, config_field, gpu_checked, load_tile, pick_config, query_work, row_descriptors, store_rows,
+    whole_tile_work, work_item,
 )
 
 LOG2E = 1.4426950408889634
@@ -105,24 +105,12 @@ def _rotate(x1, x2, c, s):
 
 
 @triton.jit
-def _tile(PTR, DESC, start, first, rows, length, stride_n, col, offs, BY_DESC: tl.constexpr):
-    """Columns [col, col + len(offs)) of the block's rows of a jagged [N, H, D] tensor (col counts
-    from the row's start, i.e. h * D + offset within the head): through DESC (the tensor as
-    [N, H * D]) when BY_DESC, which the caller sets only for whole blocks; else masked loads (rows
-    past ``length`` read 0). Needs stride(1) == D, which the host checks for descriptors."""
-    if BY_DESC:
-        return DESC.load([start + first, col])
-    else:
-        return load_rows(PTR, start, rows, length, stride_n, col, offs)
-
-
-@triton.jit
 def _load_halves(PTR, DESC, start, first, rows, length, stride_n, stride_h, h, offs_half, c, s,
                  HALF: tl.constexpr, ROPE: tl.constexpr, BY_DESC: tl.constexpr):
     """The two halves (BS, D/2) of head h of a q or k tile, rotated by position when ROPE, in PTR's
     dtype (the dot operands)."""
-    x1 = _tile(PTR, DESC, start, first, rows, length, stride_n, h * stride_h, offs_half, BY_DESC)
-    x2 = _tile(PTR, DESC, start, first, rows, length, stride_n, h * stride_h + HALF, offs_half, BY_DESC)
+    x1 = load_tile(PTR, DESC, start, first, rows, length, stride_n, h * stride_h, offs_half, BY_DESC)
+    x2 = load_tile(PTR, DESC, start, first, rows, length, stride_n, h * stride_h + HALF, offs_half, BY_DESC)
     if ROPE:
         r1, r2 = _rotate(x1, x2, c, s)
         x1, x2 = r1.to(x1.dtype), r2.to(x2.dtype)
@@ -169,7 +157,7 @@ def _fwd_head(Q, K, V, O, LSE, Q_DESC, K_DESC, V_DESC, h, start, first, rows, le
     offs_d = tl.arange(0, HEAD_DIM)
     _, _, _, _, scores = _scores(Q, K, Q_DESC, K_DESC, start, first, rows, length, stride_qn, stride_qh, stride_kn,
                                  stride_kh, h, c, s, qk_scale, HEAD_DIM // 2, ROPE, BY_DESC)
-    v = _tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh, offs_d, BY_DESC)  # (BS, D)
+    v = load_tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh, offs_d, BY_DESC)  # (BS, D)
     if not BY_DESC:
         scores = tl.where((rows < length)[None, :], scores, float("-inf"))
     m = tl.max(scores, 1)  # finite: key row `first` is always valid
@@ -220,8 +208,8 @@ def _bwd_head(Q, K, V, O, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC,
     row_ok = rows < length
     offs_half = tl.arange(0, HALF)
     offs_d = tl.arange(0, HEAD_DIM)
-    o = _tile(O, O_DESC, start, first, rows, length, stride_on, h * stride_oh, offs_d, BY_DESC)
-    do = _tile(DO, DO_DESC, start, first, rows, length, stride_don, h * stride_doh, offs_d, BY_DESC)
+    o = load_tile(O, O_DESC, start, first, rows, length, stride_on, h * stride_oh, offs_d, BY_DESC)
+    do = load_tile(DO, DO_DESC, start, first, rows, length, stride_don, h * stride_doh, offs_d, BY_DESC)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # (BS,)
     lse = tl.load(LSE + (start + rows) * num_heads + h, mask=row_ok, other=float("inf"))  # inf: p = 0
     q1, q2, k1, k2, scores = _scores(Q, K, Q_DESC, K_DESC, start, first, rows, length, stride_qn, stride_qh, stride_kn,
@@ -231,7 +219,7 @@ def _bwd_head(Q, K, V, O, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC,
         p = tl.where(row_ok[None, :], p, 0.0)  # keys beyond L: 0
     dv = tl.dot(tl.trans(p.to(do.dtype)), do)
     store_rows(DV, dv, start, rows, length, stride_dvn, h * stride_dvh, offs_d)
-    v = _tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh, offs_d, BY_DESC)
+    v = load_tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh, offs_d, BY_DESC)
     ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])  # gradient of the natural-units score
     ds = ds.to(q1.dtype)
     dq1, dq2 = tl.dot(ds, k1) * scale, tl.dot(ds, k2) * scale
@@ -304,15 +292,16 @@ def _rope_args(cos, sin, rope_base, max_len, q):
     return cos, sin, True
 
 
-def _descriptors(cfg, block_size, halves, wholes):
+def _descriptors(cfg, block_size, halves, wholes) -> tuple:
     """The TMA descriptors of a config with the TMA field set: (BS, D/2) blocks over ``halves`` (q,
-    k), (BS, D) over ``wholes``; None (masked loads, same values) without it or where a tensor's
-    layout does not allow them."""
-    if len(cfg) < 4 or not cfg[3]:
-        return None
+    k), (BS, D) over ``wholes``; all None (masked loads, same values) without it or where a
+    tensor's layout does not allow them."""
+    off = (None,) * (len(halves) + len(wholes))
+    if not config_field(cfg, 3):
+        return off
     half = halves[0].shape[-1] // 2
     a, b = row_descriptors(block_size, *halves, cols=half), row_descriptors(block_size, *wholes)
-    return None if a is None or b is None else a + b
+    return off if a is None or b is None else (*a, *b)
 
 
 def _launch(kernel, offsets, heads, block_size, cfg, args, descs, dim, rope, device):
@@ -342,7 +331,7 @@ def _forward(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
                cos.stride(0), scale * LOG2E)
 
     def run(cfg):
-        descs = _descriptors(cfg, block_size, (q, k), (v,)) or (None,) * 3
+        descs = _descriptors(cfg, block_size, (q, k), (v,))
         _launch(_block_attn_fwd, offsets, heads, block_size, cfg, (q, k, v, out, lse, cos, sin, strides), descs, dim,
                 rope, q.device)
 
@@ -362,7 +351,7 @@ def _backward(do, q, k, v, out, lse, cos, sin, offsets, max_len, block_size, rop
 
     def run(cfg):
         args = (q, k, v, out, do, lse, dq, dk, dv, cos, sin, strides)
-        descs = _descriptors(cfg, block_size, (q, k), (v, out, do)) or (None,) * 5
+        descs = _descriptors(cfg, block_size, (q, k), (v, out, do))
         _launch(_block_attn_bwd, offsets, heads, block_size, cfg, args, descs, dim, rope, q.device)
 
     key = ("block_attention_bwd", dim, q.dtype, block_size, rope, heads, bucket_len(n))

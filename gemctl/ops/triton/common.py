@@ -58,6 +58,11 @@ def row_descriptors(block_rows: int, *tensors, cols: int | None = None):
     return descs
 
 
+def config_field(cfg: tuple, i: int) -> int:
+    """Optional config field i (TMA, lazy rescaling, ...), 0 where the config is shorter."""
+    return cfg[i] if len(cfg) > i else 0
+
+
 def gpu_checked(candidates: list, first_optional: int, checked: set, everything: bool = False) -> list:
     """The candidates autotuning times: those whose optional fields (index >= first_optional: TMA,
     lazy rescaling, ...) are all 0, and those the GPU tier's every-candidate test has passed
@@ -89,6 +94,19 @@ def load_rows(PTR, start, rows, length, stride_n, head_offset, offs_d):
     value row ``start``, one head (``head_offset`` = h * stride_h); rows >= ``length`` read 0."""
     ptrs = PTR + (start + rows)[:, None] * stride_n + head_offset + offs_d[None, :]
     return tl.load(ptrs, mask=(rows < length)[:, None], other=0.0)
+
+
+@triton.jit
+def load_tile(PTR, DESC, start, first, rows, length, stride_n, col, offs, BY_DESC: tl.constexpr):
+    """Columns [col, col + len(offs)) of rows ``first + arange`` of the sequence starting at value
+    row ``start`` of a jagged [N, H, D] tensor (col counts from the row's start: h * stride_h, plus
+    an offset within the head): through DESC (the tensor as [N, H * D], see row_descriptors, which
+    needs stride_h == D) when BY_DESC, which callers set only for tiles inside the sequence; else
+    masked loads (rows past ``length`` read 0)."""
+    if BY_DESC:
+        return DESC.load([start + first, col])
+    else:
+        return load_rows(PTR, start, rows, length, stride_n, col, offs)
 
 
 @triton.jit

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from gemctl.ops.triton.common import (
-    bucket_len, gpu_checked, key_work, load_rows, num_programs, pick_config, query_work, row_descriptors, store_rows,
+    bucket_len, config_field, gpu_checked, key_work, load_rows, num_programs, pick_config, query_work, row_descriptors, store_rows,
     work_item, zigzag_item,
 )
 
@@ -339,7 +339,7 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scale):
         _check_resident(cfg, max_k_len, 1, "key")
         work = query_work(q_offsets, k_offsets, cfg[0] * max(cfg[5], 1), False, q.device)
         # TMA field set (tile-loop configs): K/V descriptors, or masked loads where the layout has none
-        descs = row_descriptors(cfg[1], k, v) if len(cfg) > 6 and cfg[6] and not cfg[5] else None
+        descs = row_descriptors(cfg[1], k, v) if config_field(cfg, 6) and not cfg[5] else None
         _launch(_gdpa_fwd, work, heads, cfg, (q, k, v, out, q_offsets, k_offsets, strides), dim, act,
                 descs or (None, None), TMA=descs is not None)
 

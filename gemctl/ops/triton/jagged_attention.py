@@ -52,7 +52,8 @@ import triton.language as tl
 from gemctl.ops import host
 from gemctl.ops.bias import RelativePositionBias, relative_position_bucket
 from gemctl.ops.triton.common import (
-    bucket_len, gpu_checked, key_work, load_rows, pick_config, query_work, row_descriptors, store_rows, work_item,
+    bucket_len, config_field, gpu_checked, key_work, load_rows, load_tile, pick_config, query_work, row_descriptors,
+    store_rows, work_item,
 )
 from gemctl.ops.triton.mx_quant import _shared_exponent
 
@@ -127,11 +128,6 @@ def _tuned(candidates: list, first_optional: int) -> list:
     return gpu_checked(candidates, first_optional, _GPU_CHECKED, _PENDING_AUTOTUNE)
 
 
-def _field(cfg: tuple, i: int) -> int:
-    """Optional config field i (TMA, lazy rescaling), 0 where the config is shorter."""
-    return cfg[i] if len(cfg) > i else 0
-
-
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _bias_tile(BIAS, h, dist, stride_bias_h, bias_max):
@@ -196,18 +192,6 @@ def _mx_qdq_keys(p, KEY_AXIS: tl.constexpr, MX_P: tl.constexpr):
 
 
 @triton.jit
-def _rows(PTR, DESC, start, first, rows, length, stride_n, head_offset, h, offs_d, USE_DESC: tl.constexpr):
-    """A (rows, D) tile of head h of a jagged [N, H, D] tensor, rows ``first + arange`` of the
-    sequence starting at ``start``: by TMA through DESC (the tensor as [N, H * D]) when USE_DESC,
-    which the caller sets only for tiles inside the sequence; else by masked loads (rows past
-    ``length`` read 0)."""
-    if USE_DESC:
-        return DESC.load([start + first, h * offs_d.shape[0]])
-    else:
-        return load_rows(PTR, start, rows, length, stride_n, head_offset, offs_d)
-
-
-@triton.jit
 def _fwd_tile(
     acc, m_i, l_i, q, K, V, K_DESC, V_DESC, BIAS, h, k_start, start_n, k_len, shift,
     offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh, stride_bias_h, bias_max, qk_scale, window,
@@ -223,14 +207,14 @@ def _fwd_tile(
     cols = start_n + offs_n  # key positions of this tile within the sequence
     kmask = cols < k_len
     if TMA and not MASK:  # a tile inside the sequence: K by TMA, no address arithmetic
-        k = _rows(K, K_DESC, k_start, start_n, cols, k_len, stride_kn, h * stride_kh, h, offs_d, True)
+        k = load_tile(K, K_DESC, k_start, start_n, cols, k_len, stride_kn, h * stride_kh, offs_d, True)
         s = tl.dot(q, tl.trans(k))  # (BM, BN)
     else:  # masked loads: rows past the sequence (another sequence's) read 0
         k = tl.load(K + (k_start + cols)[None, :] * stride_kn + h * stride_kh + offs_d[:, None], mask=kmask[None, :], other=0.0)  # (D, BN)
         s = tl.dot(q, k)  # (BM, BN)
     if not FOLD_SCALE:
         s = s * qk_scale  # log2 units
-    v = _rows(V, V_DESC, k_start, start_n, cols, k_len, stride_vn, h * stride_vh, h, offs_d,
+    v = load_tile(V, V_DESC, k_start, start_n, cols, k_len, stride_vn, h * stride_vh, offs_d,
               TMA and not MASK)  # (BN, D)
     dist = offs_m[:, None] + shift - cols[None, :]
     if HAS_BIAS:
@@ -444,8 +428,8 @@ def _jagged_attn_bwd_dkdv(
             offs_m = start_m + tl.arange(0, BLOCK_M)
             row_ok = offs_m < q_len
             by_tma: tl.constexpr = TMA and phase == 1
-            q = _rows(Q, Q_DESC, q_start, start_m, offs_m, q_len, stride_qn, h * stride_qh, h, offs_d, by_tma)
-            do = _rows(DO, DO_DESC, q_start, start_m, offs_m, q_len, stride_don, h * stride_doh, h, offs_d, by_tma)
+            q = load_tile(Q, Q_DESC, q_start, start_m, offs_m, q_len, stride_qn, h * stride_qh, offs_d, by_tma)
+            do = load_tile(DO, DO_DESC, q_start, start_m, offs_m, q_len, stride_don, h * stride_doh, offs_d, by_tma)
             lse = tl.load(LSE + (q_start + offs_m) * num_heads + h, mask=row_ok, other=float("inf"))
             delta = tl.load(DELTA + (q_start + offs_m) * num_heads + h, mask=row_ok, other=0.0)
             if MX_P:
@@ -529,8 +513,8 @@ def _jagged_attn_bwd_dq(
             kmask = offs_n < k_len
             # TMA (K_DESC, V_DESC over [Nk, H * D]) for the unmasked tiles: all inside the sequence
             by_tma: tl.constexpr = TMA and phase == 1
-            k = _rows(K, K_DESC, k_start, start_n, offs_n, k_len, stride_kn, h * stride_kh, h, offs_d, by_tma)
-            v = _rows(V, V_DESC, k_start, start_n, offs_n, k_len, stride_vn, h * stride_vh, h, offs_d, by_tma)
+            k = load_tile(K, K_DESC, k_start, start_n, offs_n, k_len, stride_kn, h * stride_kh, offs_d, by_tma)
+            v = load_tile(V, V_DESC, k_start, start_n, offs_n, k_len, stride_vn, h * stride_vh, offs_d, by_tma)
             dist = offs_m[:, None] + shift - offs_n[None, :]
             valid = _visible(kmask[None, :], dist, window, CAUSAL, True)
             p, _ = _bwd_scores(q, k, BIAS, h, dist, lse, stride_bias_h, bias_max, qk_scale, valid, HAS_BIAS, phase != 1)
@@ -614,13 +598,13 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, 
         if work.shape[0] == 0:
             return
         # Where the descriptors cannot be built the same tiles run by masked loads (same values).
-        descs = row_descriptors(bn, k, v) if _field(cfg, 4) else None
+        descs = row_descriptors(bn, k, v) if config_field(cfg, 4) else None
         _jagged_attn_fwd[(work.shape[0], heads)](
             q, k, v, out, lse, mrow if mx_p else lse, q_offsets, k_offsets, work, bias_d, *(descs or (None, None)),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
             bias_d.stride(0), bias_max, heads, qk_scale, kernel_window,
             HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias is not None, WINDOWED=window > 0,
-            MX_P=mx_p, TMA=descs is not None, FOLD_SCALE=bias is None and qk_scale > 0, LAZY=bool(_field(cfg, 5)),
+            MX_P=mx_p, TMA=descs is not None, FOLD_SCALE=bias is None and qk_scale > 0, LAZY=bool(config_field(cfg, 5)),
             num_warps=warps, num_stages=stages,
         )
 
@@ -660,7 +644,7 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
         bm, bn, warps, stages, transposed = cfg[:5]
         _check_mx_tile(mx_p, bn)
         kwork = key_work(q_offsets, k_offsets, bn, causal, q.device, include_empty=True)
-        descs = row_descriptors(bm, q, do) if _field(cfg, 5) else None
+        descs = row_descriptors(bm, q, do) if config_field(cfg, 5) else None
         if kwork.shape[0]:
             _jagged_attn_bwd_dkdv[(kwork.shape[0], heads)](
                 q, k, v, do, lse, delta, dk, dv, mrow if mx_p else lse, q_offsets, k_offsets, kwork, bias_d,
@@ -678,7 +662,7 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
         # per-program partial bias gradients; without a bias the kernel stores none (a placeholder)
         dbias = (torch.zeros(max(qwork.shape[0], 1), heads, nb_pad, device=q.device, dtype=torch.float32)
                  if has_bias else bias_d)
-        descs = row_descriptors(bn, k, v) if _field(cfg, 4) else None
+        descs = row_descriptors(bn, k, v) if config_field(cfg, 4) else None
         if qwork.shape[0]:
             _jagged_attn_bwd_dq[(qwork.shape[0], heads)](
                 q, k, v, do, lse, delta, dq, dbias, q_offsets, k_offsets, qwork, bias_d, buckets,
