@@ -93,7 +93,8 @@ def run_ours(w, causal, with_bias, window=None):
     return ms_f, ms_b, gpu_f, gpu_b
 
 
-def run_fa2(w, causal):
+def run_fa2(w, causal, eager: bool = True):
+    """(fwd, bwd) call ms and (fwd, bwd) CUDA-graph ms of FA2 varlen; only the graph pair when not ``eager``."""
     q, k, v, _, _, qo_h, ko_h, grad = make_inputs(w)
     cq = qo_h.to("cuda", torch.int32)
     ck = ko_h.to("cuda", torch.int32)
@@ -110,7 +111,8 @@ def run_fa2(w, causal):
         return torch.ops.aten._flash_attention_backward(grad, qd, kd, vd, out, lse, cq, ck, mq, mk, 0.0, causal, rng, unused, scale=scale)
 
     bwd()
-    return bench(fwd), bench(bwd), graph_bench(fwd, nan_on_failure=True), graph_bench(bwd, nan_on_failure=True)
+    graph = graph_bench(fwd, nan_on_failure=True), graph_bench(bwd, nan_on_failure=True)
+    return (bench(fwd), bench(bwd), *graph) if eager else graph
 
 
 def run_flex(w, causal):
@@ -173,8 +175,6 @@ def sweep(passes: list[str]) -> list[dict]:
     forward alone, or the whole backward (delta, dK/dV and dQ launchers) for dkdv / dq, timed by
     CUDA-graph replay against FA2 varlen in the same run; outputs compared with the first
     candidate's (max |difference|)."""
-    import triton
-
     from gemctl.ops.triton import common
     from gemctl.ops.triton import jagged_attention as kernels
     from workloads import self_workload
@@ -189,7 +189,7 @@ def sweep(passes: list[str]) -> list[dict]:
         scale = w.head_dim**-0.5
         qd, kd, vd = q.detach(), k.detach(), v.detach()
         out, lse, _ = kernels._forward(qd, kd, vd, qo, ko, mq, mk, bias, causal, scale, 0)
-        fa2 = (float("nan"), float("nan")) if with_bias else run_fa2(w, causal)[2:]  # CUDA-graph replay too
+        fa2 = (float("nan"), float("nan")) if with_bias else run_fa2(w, causal, eager=False)  # CUDA-graph replay too
 
         def backward():  # dq, dk, dv and, with the bias, its table's gradient (the dQ pass makes it)
             grads = kernels._backward(grad, qd, kd, vd, out, lse, qo, ko, mq, mk, bias, causal, scale, 0)
@@ -208,7 +208,7 @@ def sweep(passes: list[str]) -> list[dict]:
                 try:
                     with common.forced_config({name: cfg}):
                         got = call()
-                        ms = triton.testing.do_bench_cudagraph(call, rep=100)
+                        ms = graph_bench(call)
                 except Exception as exc:  # a config that does not fit
                     print(f"{w.name:>10} causal={int(causal)} {name} {cfg}: {type(exc).__name__}", flush=True)
                     continue
