@@ -95,7 +95,7 @@ class Fp8Recipe:
             return cls()
         return cls(granularity=str(cfg.granularity), wgrad=str(cfg.wgrad), dgrad=str(cfg.dgrad),
                    fused_mlp=bool(cfg.fused_mlp), token_chunk=int(cfg.token_chunk),
-                   hadamard=int(getattr(cfg, "hadamard", 0)), hadamard_seed=int(getattr(cfg, "hadamard_seed", 0)))
+                   hadamard=int(cfg.hadamard), hadamard_seed=int(cfg.hadamard_seed))
 
 
 def _say_once(key: str, message: str) -> None:
@@ -313,12 +313,11 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
 @functools.lru_cache(maxsize=None)
 def _signed_hadamard(size: int, seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """H_size D with entries +-1 (exact in any float dtype); made outside inference mode, so a first
-    call under torch.inference_mode() does not cache a tensor that training cannot save."""
-    from gemctl.precision.mx_linear import _hadamard_cpu
+    """mx_linear.signed_hadamard on ``device`` in ``dtype`` (outside inference mode, see there)."""
+    from gemctl.precision.mx_linear import signed_hadamard
 
     with torch.inference_mode(False):
-        return (_hadamard_cpu(size, seed) * size**0.5).round().to(device, dtype)
+        return signed_hadamard(size, seed).to(device, dtype)
 
 
 def hadamard_features(t: torch.Tensor, size: int, seed: int = 0) -> torch.Tensor:

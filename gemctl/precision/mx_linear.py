@@ -77,14 +77,24 @@ class MXRecipe:
 
 
 @functools.lru_cache(maxsize=None)
+def signed_hadamard(size: int, seed: int) -> torch.Tensor:
+    """H_size D in float32 on the CPU (size a power of two; H Sylvester-Hadamard, D a fixed +-1
+    sign vector drawn from ``seed``): entries +-1, exact in any float dtype. Made outside inference
+    mode, so a first call under torch.inference_mode() does not cache a tensor training cannot use."""
+    with torch.inference_mode(False):
+        h = torch.ones(1, 1)
+        while h.shape[0] < size:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        gen = torch.Generator().manual_seed(seed)
+        signs = torch.randint(0, 2, (size,), generator=gen).float() * 2 - 1
+        return h * signs  # columns scaled: H @ diag(signs)
+
+
+@functools.lru_cache(maxsize=None)
 def _hadamard_cpu(size: int, seed: int) -> torch.Tensor:
     """H_size D / sqrt(size) in float32 (size a power of two): orthogonal."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < size:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    gen = torch.Generator().manual_seed(seed)
-    signs = torch.randint(0, 2, (size,), generator=gen).float() * 2 - 1
-    return h * signs / size**0.5  # columns scaled: H @ diag(signs)
+    with torch.inference_mode(False):
+        return signed_hadamard(size, seed) / size**0.5
 
 
 def hadamard_tokens(t: torch.Tensor, seed: int, size: int = HADAMARD_SIZE) -> torch.Tensor:
