@@ -43,8 +43,9 @@ ACTIVATIONS = {"gelu": 0, "silu": 1}
 # (128, 32, 8, 3, 0, 4) need 240 KiB of shared memory at D=128 (the limit is 227 KiB).
 # Forward configs may carry a seventh field, TMA = 1 (tile-loop configs, chunk 0): the whole key
 # tiles by tensor descriptors, as the jagged attention forward does (there the 64x32 tile with TMA
-# measured 17-25% faster than without on the H200). Pinned-only until the GPU tier's
-# every-candidate test has passed them (_GPU_CHECKED).
+# measured 17-25% faster than without on the H200). They passed the H200's every-candidate test
+# (2026-11-30) but did not win there (cross-128: 125.0 vs 123.8 us for 64x32, docs/benchmarks.md),
+# so they stay pinned-only (_GPU_CHECKED empty): autotuning would only compile them for nothing.
 _FWD_CANDIDATES = [
     (64, 32, 4, 3, 0, 0), (64, 64, 4, 3, 0, 0), (128, 32, 4, 3, 0, 0), (32, 64, 4, 3, 0, 0),
     (64, 32, 4, 4, 0, 0), (64, 32, 8, 3, 0, 0), (64, 64, 4, 3, 2, 0), (32, 64, 4, 3, 4, 0),
