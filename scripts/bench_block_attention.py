@@ -39,7 +39,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import base_meta, graph_bench, profile_step  # noqa: E402
+from bench_common import (  # noqa: E402
+    add_pin_argument, base_meta, graph_bench, parse_pins, picked_configs, profile_step,
+)
 from bench_gdpa import ceilings, timings  # noqa: E402
 from bench_jagged_attention import make_inputs  # noqa: E402
 from gemctl import ops  # noqa: E402
@@ -234,7 +236,9 @@ def main() -> None:
     ap.add_argument("--profile-step", metavar="WORKLOAD",
                     help="one block-64 RoPE forward+backward of WORKLOAD (autotuned) between profiler start and "
                     "stop (ncu), nothing else")
+    add_pin_argument(ap)
     args = ap.parse_args()
+    pins = parse_pins(args.pin, bool(args.profile_step))
     if args.profile_step:
         by_name = {w.name: w for w in block_attention_workloads()}
         if args.profile_step not in by_name:
@@ -243,7 +247,7 @@ def main() -> None:
         q, k, v, off, _, _, _, grad = make_inputs(w)
         max_len = int(w.q_lengths.max())
         profile_step(api_pair(lambda q, k, v: ops.block_attention(q, k, v, off, max_len, block_size=64, rope=ROPE_BASE,
-                                                                  backend="triton"), q, k, v, grad)[1])
+                                                                  backend="triton"), q, k, v, grad)[1], pins=pins)
         return
     meta = {**base_meta(dtype="bfloat16", rope_base=ROPE_BASE), **ceilings()}
     print(meta, flush=True)
@@ -259,8 +263,7 @@ def main() -> None:
             continue
         rows.append(run_workload(w, meta["copy_tbps"]))
         print(json.dumps({k: v for k, v in rows[-1].items() if "speedup" in k}), flush=True)
-    meta["configs"] = {"/".join(map(str, key)): list(cfg) for key, cfg in common._config_cache.items()
-                       if str(key[0]).startswith("block_attention")}
+    meta["configs"] = picked_configs(("block_attention_fwd", "block_attention_bwd"))
     print_tables(rows, meta)
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
 

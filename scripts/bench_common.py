@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -32,16 +33,68 @@ def graph_bench(fn, rep: int = 100, nan_on_failure: bool = False) -> float:
         return float("nan")
 
 
-def profile_step(fn, warmup: int = 3) -> None:
+# The first element of each Triton kernel's autotune key (gemctl.ops.triton.common.pick_config):
+# the names --pin takes.
+PINNABLE = ("fwd", "dkdv", "dq", "gdpa_fwd", "gdpa_dkdv", "gdpa_dq", "block_attention_fwd", "block_attention_bwd")
+
+
+def add_pin_argument(ap) -> None:
+    ap.add_argument("--pin", action="append", default=[], metavar="KERNEL=CFG",
+                    help="with --profile-step: run KERNEL with config CFG (comma-separated integers) instead of "
+                    f"autotuning it; KERNEL is one of {', '.join(PINNABLE)}. Autotuning inside an ncu process times "
+                    "the candidates under the profiler's launch interception and can pick another config than the "
+                    "benchmark did (repeatable)")
+
+
+def parse_pins(items: list[str], profiling: bool) -> dict:
+    """``["gdpa_fwd=64,32,4,3,0,0", ...]`` -> {"gdpa_fwd": (64, 32, 4, 3, 0, 0)}. A malformed item,
+    or pins without --profile-step, print one line and exit 2."""
+    def fail(msg: str):
+        print(msg, file=sys.stderr)
+        raise SystemExit(2)
+
+    if items and not profiling:
+        fail("--pin applies to --profile-step only (benchmarks time autotuned configs; the sweeps pin their own)")
+    pins = {}
+    for item in items:
+        name, _, cfg = item.partition("=")
+        try:
+            values = tuple(int(x) for x in cfg.split(","))
+        except ValueError:
+            values = ()
+        if name not in PINNABLE or not values:
+            fail(f"--pin: expected KERNEL=INT,INT,... with KERNEL one of {', '.join(PINNABLE)}, got {item!r}")
+        pins[name] = values
+    return pins
+
+
+def picked_configs(kernels: tuple[str, ...]) -> dict:
+    """The configs autotuning picked so far for these kernels (the autotune key's first element),
+    as {"kernel/key/fields": [config]}: what a benchmark's numbers were measured with."""
+    from gemctl.ops.triton import common
+
+    return {"/".join(map(str, key)): list(cfg) for key, cfg in common._config_cache.items() if str(key[0]) in kernels}
+
+
+def profile_step(fn, warmup: int = 3, pins: dict | None = None) -> None:
     """For ``ncu --profile-from-start off``: ``fn`` ``warmup`` times (compilation, autotuning, plans),
-    then once between CUDA profiler start and stop, so the counters cover one step only."""
-    for _ in range(warmup):
+    then once between CUDA profiler start and stop, so the counters cover one step only. ``pins``
+    (kernel -> config, see parse_pins) replace autotuning for those kernels. Prints the config of
+    every kernel the step ran, so the profile names the code it measured."""
+    from gemctl.ops.triton import common
+
+    with common.forced_config(pins or {}):
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        used = {key.split("/")[0]: cfg for key, cfg in picked_configs(PINNABLE).items()}
+        used.update(pins or {})
+        print("profiled configs:", " ".join(f"{name}={','.join(map(str, cfg))}" for name, cfg in sorted(used.items())),
+              flush=True)
+        torch.cuda.profiler.start()
         fn()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.start()
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
 
 
 def copy_tbps() -> float:

@@ -28,7 +28,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import base_meta, graph_bench, profile_step  # noqa: E402
+from bench_common import (  # noqa: E402
+    add_pin_argument, base_meta, graph_bench, parse_pins, picked_configs, profile_step,
+)
 from bench_jagged_attention import bench, make_inputs, tflops  # noqa: E402
 from gemctl import ops  # noqa: E402
 from gemctl.metrics.flops import attention, attention_pairs  # noqa: E402
@@ -136,13 +138,15 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="workload names to run (default: all)")
     ap.add_argument("--profile-step", metavar="WORKLOAD",
                     help="one GDPA forward+backward of WORKLOAD between profiler start and stop (ncu), nothing else")
+    add_pin_argument(ap)
     args = ap.parse_args()
+    pins = parse_pins(args.pin, bool(args.profile_step))
     workloads = [pma_workload(256, 32), cross_workload(256, 32), cross_workload(256, 128), self_workload(256, 1000)]
     if args.profile_step:
         by_name = {w.name: w for w in workloads}
         if args.profile_step not in by_name:
             raise SystemExit(f"bench_gdpa: --profile-step takes one of {sorted(by_name)}, got {args.profile_step!r}")
-        profile_step(implementations(by_name[args.profile_step])["ours"]()[1])  # forward+backward
+        profile_step(implementations(by_name[args.profile_step])["ours"]()[1], pins=pins)  # forward+backward
         return
     meta = {**base_meta(), **ceilings()}
     print(meta, flush=True)
@@ -167,8 +171,7 @@ def main() -> None:
             except Exception as exc:
                 row[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
             torch.cuda.empty_cache()
-        row["configs"] = {"/".join(map(str, k[:1] + k[4:])): list(v) for k, v in common._config_cache.items()
-                          if str(k[0]).startswith("gdpa")}
+        row["configs"] = picked_configs(("gdpa_fwd", "gdpa_dkdv", "gdpa_dq"))  # this workload's and earlier ones
         if args.grids:
             row["grid_sweep"] = grid_sweep(w)
         rows.append(row)

@@ -32,7 +32,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import base_meta, graph_bench, profile_step  # noqa: E402
+from bench_common import (  # noqa: E402
+    add_pin_argument, base_meta, graph_bench, parse_pins, picked_configs, profile_step,
+)
 from gemctl import ops  # noqa: E402
 from gemctl.metrics.flops import attention, attention_pairs  # noqa: E402
 from gemctl.ops import host  # noqa: E402
@@ -233,7 +235,9 @@ def main() -> None:
                     help="time each autotune candidate of this pass, forced (repeatable)")
     ap.add_argument("--profile-step", action="store_true",
                     help="self-1000 (non-causal) forward+backward, the last of 4 between profiler start and stop (ncu)")
+    add_pin_argument(ap)
     args = ap.parse_args()
+    pins = parse_pins(args.pin, bool(args.profile_step))
     meta = base_meta()
     print(meta)
     if args.profile_step:  # for ncu --profile-from-start off: warm-up (compilation, autotuning), then
@@ -242,7 +246,7 @@ def main() -> None:
         w = self_workload(256, 1000)
         q, k, v, qo, ko, _, _, grad = make_inputs(w)
         m = int(w.q_lengths.max())
-        profile_step(lambda: ops.jagged_attention(q, k, v, qo, ko, m, m, backend="triton").backward(grad))
+        profile_step(lambda: ops.jagged_attention(q, k, v, qo, ko, m, m, backend="triton").backward(grad), pins=pins)
         return
     if args.sweep:
         Path(args.out).write_text(json.dumps({"meta": meta, "sweep": sweep(args.sweep)}, indent=1))
@@ -300,6 +304,7 @@ def main() -> None:
                             "full_causal_fwd_ms": full_f, "full_causal_bwd_ms": full_b})
             print(f"{w.name:>18} window={win:<5} fwd {ms_f:.3f} ms ({full_f / ms_f:.2f}x vs causal full) | "
                   f"bwd {ms_b:.3f} ms ({full_b / ms_b:.2f}x)", flush=True)
+    meta["configs"] = picked_configs(("fwd", "dkdv", "dq"))
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results, "windows": windows}, indent=1))
 
 

@@ -20,7 +20,9 @@
 #   bench-mx  scripts/bench_mx.py: MX quantize kernels, Python call and CUDA-graph time, vs copy
 #   sweep     scripts/bench_jagged_attention.py --sweep fwd/dkdv/dq: every candidate of each pass timed
 #   ncu       Nsight Compute counters of one autotuned forward+backward: jagged attention self-1000,
-#             GDPA cross-128, block attention (64, RoPE) self-1000
+#             GDPA cross-128, block attention (64, RoPE) self-1000. Autotuning under ncu can pick other
+#             configs than the benchmark (the GDPA forward did, 2026-11-30): the log names the configs it
+#             profiled, and NCU_PIN_JAGGED / NCU_PIN_GDPA / NCU_PIN_BLOCK ("--pin KERNEL=CFG ...") pin them
 #   precision-speed  small_h200 once per precision recipe (bf16, fp8_mlp, fp8_tower, fp8), autotuned,
 #             30 steps and smaller item/user tables (the step compares recipes, not the baseline)
 #
@@ -69,11 +71,12 @@ for stage in "$@"; do
                   "gdpa:_gdpa:bench_gdpa.py --profile-step cross-128" \
                   "block:_block_attn:bench_block_attention.py --profile-step self-1000"; do
         IFS=: read -r name regex cmd <<< "$spec"
+        pins_var="NCU_PIN_${name^^}"  # e.g. NCU_PIN_GDPA="--pin gdpa_fwd=64,32,4,3,0,0": the benchmark's picks
         ncu --clock-control none --profile-from-start off --kernel-name "regex:$regex" \
           --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
           --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-          python3 scripts/$cmd > "$OUT/ncu_$name.txt" 2>&1
-        grep -E "^  $regex|Duration|Throughput|Registers Per|Achieved Occupancy|Issue Slots|Executed Ipc|Stall" \
+          python3 scripts/$cmd ${!pins_var} > "$OUT/ncu_$name.txt" 2>&1
+        grep -E "^profiled configs|^  $regex|Duration|Throughput|Registers Per|Achieved Occupancy|Issue Slots|Executed Ipc|Stall" \
           "$OUT/ncu_$name.txt" | head -40
       done ;;
     precision-speed)
