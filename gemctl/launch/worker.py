@@ -7,6 +7,7 @@ directory the launcher made (GEMCTL_RUN_DIR).
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -73,5 +74,19 @@ def _profile(cfg, console) -> int:
     return 0
 
 
+def _leave(code: int) -> None:
+    """End the rank without the interpreter's finalization. The process-group objects outlive
+    destroy_process_group: the DeviceMesh holds them, and the mesh stays referenced after train()
+    returns (by DTensor specs among others; clearing torch's sharding-propagation caches does not
+    release it), so gloo's six worker and transport threads still run (measured) and are torn
+    down during finalization, racing it; a rank then aborted now and then after a finished run
+    ("terminate called without an active exception", SIGABRT, seen once in CI). Everything the
+    run writes is written and closed by now: flush what is buffered and go."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _leave(main())
