@@ -90,8 +90,10 @@ def run_ours(w, causal, with_bias, window=None):
 
     qd, kd, vd, scale = q.detach(), k.detach(), v.detach(), w.head_dim**-0.5
     o, lse, _ = kernels._forward(qd, kd, vd, qo, ko, mq, mk, bias, causal, scale, 0)
-    gpu_f = graph_bench(lambda: kernels._forward(qd, kd, vd, qo, ko, mq, mk, bias, causal, scale, 0), nan_on_failure=True)
-    gpu_b = graph_bench(lambda: kernels._backward(grad, qd, kd, vd, o, lse, qo, ko, mq, mk, bias, causal, scale, 0), nan_on_failure=True)
+    gpu_f = graph_bench(lambda: kernels._forward(qd, kd, vd, qo, ko, mq, mk, bias, causal, scale, 0),
+                        nan_on_failure=True)
+    gpu_b = graph_bench(lambda: kernels._backward(grad, qd, kd, vd, o, lse, qo, ko, mq, mk, bias, causal, scale, 0),
+                        nan_on_failure=True)
     return ms_f, ms_b, gpu_f, gpu_b
 
 

@@ -66,13 +66,14 @@ LOG2E = 1.4426950408889634
 # (the pipeliner can then prefetch the next head's tiles while this one computes).
 # TMA = 1: the tiles of whole blocks come through tensor descriptors over [N, H * D] (q and k as
 # two (BS, D/2) halves, v, o and do as (BS, D)) in one launch; the partial last blocks get a
-# second launch with masked loads, so no row of another sequence is ever read. The descriptors' loads land in shared memory
-# asynchronously and need no address registers, which is what a memory-bound kernel at the
-# register cap lacks (docs/benchmarks.md). Timed on the H200 (2026-11-30): the forward's best TMA
-# config within 2-5% of its twin either way, every TMA backward slower (by 10% at 4 warps), so
-# none joins autotuning (_GPU_CHECKED empty); they stay configs that can be pinned. At block 128 with rope (D=128) the staged
-# tiles exceed the 227 KiB of shared memory at 3 stages forward / 2 backward: autotuning skips a
-# config that does not compile (pick_config), a pinned one raises.
+# second launch with masked loads, so no row of another sequence is ever read. The descriptors'
+# loads land in shared memory asynchronously and need no address registers, which is what a
+# memory-bound kernel at the register cap lacks (docs/benchmarks.md). Timed on the H200
+# (2026-11-30): the forward's best TMA config within 2-5% of its twin either way, every TMA
+# backward slower (by 10% at 4 warps), so none joins autotuning (_GPU_CHECKED empty); they stay
+# configs that can be pinned. At block 128 with rope (D=128) the staged tiles exceed the 227 KiB
+# of shared memory at 3 stages forward / 2 backward: autotuning skips a config that does not
+# compile (pick_config), a pinned one raises.
 _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2, 2), (2, 1, 1),
                    (4, 1, 1, 1), (4, 2, 0, 1), (4, 3, 0, 1), (8, 2, 0, 1)]
 _BWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (8, 1, 2), (4, 2, 2),

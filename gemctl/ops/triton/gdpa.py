@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from gemctl.ops.triton.common import (
-    bucket_len, config_field, gpu_checked, key_work, load_rows, num_programs, pick_config, query_work, row_descriptors, store_rows,
-    work_item, zigzag_item,
+    bucket_len, config_field, gpu_checked, key_work, load_rows, num_programs, pick_config, query_work, row_descriptors,
+    store_rows, work_item, zigzag_item,
 )
 
 ACTIVATIONS = {"gelu": 0, "silu": 1}
