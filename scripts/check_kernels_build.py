@@ -66,8 +66,10 @@ def kernels():
         for rceil in (False, True):
             consts = dict(EMAX=emax, ELEM_MAX=elem_max, E5M2=e5m2, RCEIL=rceil, BIT_CAST=False, IN_BF16=True, BLOCK=32)
             yield mx._mx_quant_kernel, mx_io, dict(consts, BLOCK_R=32, BLOCKS_C=4)
+            yield mx._mx_quant_axis0_kernel, mx_io, dict(consts, BLOCK_C=1024, CHUNK=8)
     e4m3 = dict(EMAX=8, ELEM_MAX=448.0, E5M2=False, RCEIL=True, IN_BF16=True, BLOCK=32)
     yield mx._mx_quant_kernel, mx_io, dict(e4m3, BIT_CAST=True, BLOCK_R=32, BLOCKS_C=4)  # integer rounding path
+    yield mx._mx_quant_axis0_kernel, mx_io, dict(e4m3, BIT_CAST=True, BLOCK_C=1024, CHUNK=8)
     for write_y in (False, True):  # d_model 2048 (BENCHMARKS.md mlp): 64 MX blocks per row
         yield mx._rmsnorm_mx_quant_kernel, mx_io, dict(e4m3, BIT_CAST=False, WRITE_Y=write_y, HAS_W=True,
                                                        BLOCK_R=4, BLOCKS_C=64)

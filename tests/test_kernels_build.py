@@ -22,7 +22,7 @@ def test_kernels_compile_for_sm90():
     # jagged attention (16: dK/dV in both formulations; + the windowed forward, + delta, + 5 with the unmasked
     # tiles by TMA (one with lazy rescaling), + 3 with MXFP8 probabilities) + gdpa (12, + the forward
     # with whole key tiles by TMA) + block attention (8, + forward and backward with whole blocks by
-    # TMA) + MX quantize (5) and RMSNorm->MX (2) + FP8 GEMMs (6: row-wise, silu' epilogue, promoted,
+    # TMA) + MX quantize (5 by rows, 5 down the columns) and RMSNorm->MX (2) + FP8 GEMMs (6: row-wise, silu' epilogue, promoted,
     # token chunks, 128, 32) and the FP8 casts (7: rows one sweep, with column maxima, two sweeps,
     # RMSNorm fused; columns, from column maxima, RMSNorm recomputed)
-    assert len(lines) == 16 + 2 + 5 + 3 + 13 + 10 + 7 + 6 + 7, proc.stdout
+    assert len(lines) == 16 + 2 + 5 + 3 + 13 + 10 + 12 + 6 + 7, proc.stdout

@@ -48,7 +48,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gemctl.ops.triton.common import INTERPRET, bucket_len, num_programs, pick_config
-from gemctl.ops.triton.mx_quant import _fp8_bits, _shared_exponent
+from gemctl.ops.triton.mx_quant import _quantize_elems, _shared_exponent
 
 EPILOGUES = {"none": 0, "silu_bwd": 2}
 PROMOTE_EVERY = 4096  # contraction values summed on the tensor cores before a float32 add (long K)
@@ -166,10 +166,7 @@ def _abs_bits(x, mask):
 
 @triton.jit
 def _quantize(x, inv, nan, BIT_CAST: tl.constexpr):
-    q = tl.minimum(tl.maximum(x * inv, -448.0), 448.0)
-    q = tl.where(nan, 0.0, q)
-    code = _fp8_bits(q, False, BIT_CAST)
-    return tl.where(nan, 0x7F, code).to(tl.uint8)
+    return _quantize_elems(x, inv, nan, 448.0, False, BIT_CAST)  # E4M3
 
 
 @triton.jit

@@ -1,13 +1,15 @@
 r"""MX (OCP Microscaling v1.0) quantization in Triton: FP8 elements and E8M0 scales in one pass.
 
-Two kernels, both bit-identical to the PyTorch reference ``gemctl.precision.mx.quantize_mx``
+Three kernels, all bit-identical to the PyTorch reference ``gemctl.precision.mx.quantize_mx``
 (scale rules, NaN/Inf/zero/subnormal handling and saturation are documented there):
 
 - ``mx_quantize(x, block=32, elem, axis, scale_rule)``: one read of ``x`` (fp32/bf16/fp16), one
   write of the FP8 bytes and the uint8 scales. Blocks run along ``axis``: the last axis of any
   tensor (rows of the flattened leading dimensions), or axis 0 of a 2-D tensor (the token axis
-  of a weight-gradient GEMM operand; same kernel, swapped strides). Partial last blocks are
-  masked (the same as zero padding).
+  of a weight-gradient GEMM operand). Axis 0 of a tensor with contiguous rows has its own kernel
+  (``_mx_quant_axis0_kernel``: each thread walks its columns down the block, so the block maxima
+  need no cross-thread reduction); any other layout runs the row kernel on swapped strides.
+  Partial last blocks are masked (the same as zero padding).
 - ``rmsnorm_mx_quantize(x, weight, eps, ...)``: RMSNorm of each row of a 2-D ``x`` followed by MX
   quantization of the normalized row along the feature axis (the contraction axis of the QKV and
   MLP up-projections that consume it), the producer of a GEMM operand writing it directly in FP8:
@@ -26,9 +28,9 @@ GPU tier checks that they agree.
 Scales: amax is taken on the integer bit patterns of |x| (a float32 NaN pattern orders above the
 infinity pattern, so NaN and Inf reach the exponent test without a separate isnan pass).
 
-Tile configs: (rows per program, MX blocks per program, warps); the GPU picks the fastest per
-shape bucket on first use (gemctl.ops.triton.common.pick_config). Not yet measured on the H200:
-scripts/bench_mx.py reports GB/s against the copy bandwidth of the same run.
+Tile configs: per kernel a candidate list (below); the GPU picks the fastest per shape bucket on
+first use (gemctl.ops.triton.common.pick_config). scripts/bench_mx.py reports GB/s against the
+copy bandwidth of the same run (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -51,8 +53,14 @@ _QUANT_CANDIDATES = [
     (32, 4, 4), (64, 4, 4), (16, 8, 4), (64, 2, 4), (128, 1, 4), (32, 8, 8), (8, 16, 4), (128, 2, 8), (256, 1, 8),
 ]
 _QUANT_INTERPRET = (4, 2, 1)
+# Axis-0 kernel: (columns per program, rows per slice, warps). Each thread reads 16 contiguous
+# bf16 columns of a row (two 16-B loads), so columns per program >= 512 x warps keeps each
+# column's maximum inside one thread (fewer would put warps on the rows and reduce across them).
+_AXIS0_CANDIDATES = [(2048, 8, 4), (1024, 8, 2), (512, 8, 1), (4096, 8, 8), (2048, 4, 4), (1024, 16, 2), (4096, 4, 8)]
+_AXIS0_INTERPRET = (64, 8, 1)
 # (rows per program, warps): every program holds whole rows (the norm needs the full row).
-_NORM_CANDIDATES = [(4, 4), (1, 4), (2, 4), (4, 8), (8, 8), (16, 8), (2, 8)]
+# One-warp programs reduce a row by shuffles alone (more warps per row meet in shared memory).
+_NORM_CANDIDATES = [(4, 4), (1, 4), (2, 4), (4, 8), (8, 8), (16, 8), (2, 8), (1, 1), (1, 2)]
 _NORM_INTERPRET = (2, 1)
 
 
@@ -109,19 +117,73 @@ def _load_f32(ptrs, mask, IN_BF16: tl.constexpr):
 
 
 @triton.jit
-def _quantize_tile(x, EMAX: tl.constexpr, ELEM_MAX: tl.constexpr, E5M2: tl.constexpr, RCEIL: tl.constexpr,
-                   BIT_CAST: tl.constexpr):
-    """x: float32 (rows, blocks, BLOCK) -> (FP8 bytes of the same shape, E8M0 bytes (rows, blocks))."""
-    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
+def _block_scales(amax_bits, EMAX: tl.constexpr, RCEIL: tl.constexpr):
+    """Per-block (E8M0 byte, 2^-shared as float32, NaN/Inf flag) from |x|'s largest float32 bits."""
     shared = _shared_exponent(amax_bits, EMAX, RCEIL)
     nan = (amax_bits >> 23) == 255  # a NaN or an infinity in the block
     scale = tl.where(nan, 255, shared + 127).to(tl.uint8)
     inv = ((127 - shared) << 23).to(tl.float32, bitcast=True)  # 2^-shared, exact
-    q = tl.where(nan[:, :, None], 0.0, x * inv[:, :, None])
-    q = tl.minimum(tl.maximum(q, -ELEM_MAX), ELEM_MAX)
+    return scale, inv, nan
+
+
+@triton.jit
+def _quantize_elems(x, inv, nan, ELEM_MAX: tl.constexpr, E5M2: tl.constexpr, BIT_CAST: tl.constexpr):
+    """FP8 bytes of float32 ``x`` scaled by ``inv``; ``inv`` and ``nan`` broadcast against x."""
+    q = x * inv
+    if BIT_CAST:  # the integer rounding needs finite values in the element range
+        q = tl.where(nan, 0.0, q)
+        q = tl.minimum(tl.maximum(q, -ELEM_MAX), ELEM_MAX)
+    # else: cvt.rn.satfinite saturates by itself (the same as clamping first), and a NaN block's
+    # bytes are replaced below whatever the conversion made of them
     code = _fp8_bits(q, E5M2, BIT_CAST)
-    code = tl.where(nan[:, :, None], 0x7F, code).to(tl.uint8)  # the spec: a NaN scale makes the block NaN
-    return code, scale
+    return tl.where(nan, 0x7F, code).to(tl.uint8)  # the spec: a NaN scale makes the block NaN
+
+
+@triton.jit
+def _quantize_tile(x, EMAX: tl.constexpr, ELEM_MAX: tl.constexpr, E5M2: tl.constexpr, RCEIL: tl.constexpr,
+                   BIT_CAST: tl.constexpr):
+    """x: float32 (rows, blocks, BLOCK) -> (FP8 bytes of the same shape, E8M0 bytes (rows, blocks))."""
+    scale, inv, nan = _block_scales(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2), EMAX, RCEIL)
+    return _quantize_elems(x, inv[:, :, None], nan[:, :, None], ELEM_MAX, E5M2, BIT_CAST), scale
+
+
+@triton.jit
+def _mx_quant_axis0_kernel(
+    X,  # [rows, cols] input with unit stride along cols (stride_x between rows; bf16 as int16)
+    DATA,  # [rows, cols] uint8 FP8 bytes (stride_d)
+    SCALE,  # [ceil(rows / BLOCK), cols] uint8 E8M0 bytes (stride_s)
+    rows, cols, stride_x, stride_d, stride_s,
+    EMAX: tl.constexpr, ELEM_MAX: tl.constexpr, E5M2: tl.constexpr, RCEIL: tl.constexpr, BIT_CAST: tl.constexpr,
+    IN_BF16: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr,
+):
+    # program (pid_b, pid_c) -> the MX blocks of rows [pid_b*BLOCK, +BLOCK) x cols [pid_c*BLOCK_C, +BLOCK_C).
+    # Blocks run down the columns; the tile is walked twice in CHUNK-row slices (column maxima,
+    # then the quantization; the second read comes from cache), so each thread keeps its columns'
+    # maxima in registers: no reduction crosses threads and every access is a contiguous row run.
+    # Every vector is kept 2-D (1, BLOCK_C) in the tile's own layout, so no value changes layout.
+    pid_b = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    c = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
+    r0 = pid_b * BLOCK
+    amax = tl.zeros([1, BLOCK_C], dtype=tl.int32)
+    for i in tl.range(0, BLOCK, CHUNK):
+        r = (r0 + i + tl.arange(0, CHUNK))[:, None]
+        mask = (r < rows) & (c < cols)
+        if IN_BF16:  # bf16 magnitudes order like their bit patterns; widen once per column at the end
+            raw = tl.load(X + r.to(tl.int64) * stride_x + c, mask=mask, other=0)
+            amax = tl.maximum(amax, tl.max(raw.to(tl.int32) & 0x7FFF, axis=0, keep_dims=True))
+        else:
+            xf = tl.load(X + r.to(tl.int64) * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0, keep_dims=True))
+    if IN_BF16:
+        amax = amax << 16
+    scale, inv, nan = _block_scales(amax, EMAX, RCEIL)
+    for i in tl.range(0, BLOCK, CHUNK):
+        r = (r0 + i + tl.arange(0, CHUNK))[:, None]
+        mask = (r < rows) & (c < cols)
+        x = _load_f32(X + r.to(tl.int64) * stride_x + c, mask, IN_BF16)
+        tl.store(DATA + r.to(tl.int64) * stride_d + c, _quantize_elems(x, inv, nan, ELEM_MAX, E5M2, BIT_CAST), mask=mask)
+    tl.store(SCALE + pid_b.to(tl.int64) * stride_s + c, scale, mask=c < cols)
 
 
 @triton.jit
@@ -220,7 +282,9 @@ def mx_quantize(x: torch.Tensor, block: int = 32, elem: torch.dtype = torch.floa
         scale = torch.empty((*x.shape[:-1], triton.cdiv(cols, block)), dtype=torch.uint8, device=x.device)
         s2 = scale.view(rows, -1)
         strides = (x2.stride(0), x2.stride(1), d2.stride(0), d2.stride(1), s2.stride(0), s2.stride(1))
-    elif axis == 0 and x.dim() == 2:
+    elif axis == 0 and x.dim() == 2 and (x.stride(1) == 1 or x.shape[1] == 1) and x.numel():
+        return _mx_quantize_axis0(x, consts, elem)
+    elif axis == 0 and x.dim() == 2:  # columns not contiguous: the row kernel on swapped strides
         cols, rows = x.shape  # kernel rows = x's columns; blocks run down x's rows
         scale = torch.empty((triton.cdiv(cols, block), rows), dtype=torch.uint8, device=x.device)
         strides = (x.stride(1), x.stride(0), data.stride(1), data.stride(0), scale.stride(1), scale.stride(0))
@@ -241,6 +305,26 @@ def mx_quantize(x: torch.Tensor, block: int = 32, elem: torch.dtype = torch.floa
 
     key = ("mx_quant", bucket_len(rows), bucket_len(cols), axis == 0, x.dtype, consts["E5M2"], consts["BIT_CAST"])
     run(pick_config(key, _QUANT_CANDIDATES, run, _QUANT_INTERPRET))
+    return data.view(elem), scale
+
+
+def _mx_quantize_axis0(x: torch.Tensor, consts: dict, elem: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks down the columns of a 2-D ``x`` whose rows are contiguous (the wgrad operands)."""
+    rows, cols = x.shape
+    block = consts["BLOCK"]
+    data = torch.empty((rows, cols), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((triton.cdiv(rows, block), cols), dtype=torch.uint8, device=x.device)
+    in_bf16 = x.dtype == torch.bfloat16
+
+    def run(cfg):
+        block_c, chunk, warps = cfg
+        grid = (triton.cdiv(rows, block), triton.cdiv(cols, block_c))
+        _mx_quant_axis0_kernel[grid](x.view(torch.int16) if in_bf16 else x, data, scale, rows, cols, x.stride(0),
+                                     data.stride(0), scale.stride(0), BLOCK_C=block_c, CHUNK=min(chunk, block),
+                                     IN_BF16=in_bf16, num_warps=warps, **consts)
+
+    key = ("mx_quant_axis0", bucket_len(rows), bucket_len(cols), x.dtype, consts["E5M2"], consts["BIT_CAST"])
+    run(pick_config(key, _AXIS0_CANDIDATES, run, _AXIS0_INTERPRET))
     return data.view(elem), scale
 
 
