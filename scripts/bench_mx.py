@@ -64,25 +64,12 @@ def check_quant(x, axis: int) -> None:
 def rows(tokens: int, copy: float) -> list[dict]:
     out = []
 
-    same_size: dict[int, float] = {}
-
-    def copy_same_bytes(nbytes: int) -> float:
-        """CUDA-graph time of a bf16 copy moving ``nbytes`` (read + write): the bar for operands too
-        small to reach the 1 GiB copy's bandwidth (launch ramp and tail of a few-microsecond kernel)."""
-        if nbytes not in same_size:
-            src = torch.randn(max(nbytes // 4, 1), device="cuda", dtype=torch.bfloat16)
-            dst = torch.empty_like(src)
-            same_size[nbytes] = graph_bench(lambda: dst.copy_(src))
-        return same_size[nbytes]
-
     def add(name, shape, nbytes, fn):
         """Time ``fn`` as a Python call (launch included) and by CUDA-graph replay (GPU time)."""
         ms, graph_ms = bench(fn), graph_bench(fn, nan_on_failure=True)
         tbps, graph_tbps = nbytes / (ms * 1e-3) / 1e12, nbytes / (graph_ms * 1e-3) / 1e12
-        copy_ms = copy_same_bytes(nbytes)
         out.append({"kernel": name, "shape": list(shape), "ms": ms, "gbps": tbps * 1e3, "pct_copy": 100 * tbps / copy,
-                    "graph_ms": graph_ms, "graph_gbps": graph_tbps * 1e3, "graph_pct_copy": 100 * graph_tbps / copy,
-                    "copy_same_bytes_ms": copy_ms, "graph_pct_copy_same_bytes": 100 * copy_ms / graph_ms})
+                    "graph_ms": graph_ms, "graph_gbps": graph_tbps * 1e3, "graph_pct_copy": 100 * graph_tbps / copy})
         print(out[-1], flush=True)
 
     for d, hidden in MLP_WIDTHS:
@@ -123,13 +110,11 @@ def table(rows_: list[dict], meta: dict):
     from rich.table import Table
 
     t = Table(title=f"MX quantize on {meta['gpu']} (copy {meta['copy_tbps'] * 1e3:,.0f} GB/s, target >= 80% of copy)")
-    for col in ("kernel", "shape", "call ms", "GB/s", "% of copy", "graph ms", "GB/s (graph)", "% of copy (graph)",
-                "% of same-bytes copy (graph)"):
+    for col in ("kernel", "shape", "call ms", "GB/s", "% of copy", "graph ms", "GB/s (graph)", "% of copy (graph)"):
         t.add_column(col, justify="left" if col == "kernel" else "right")
     for r in rows_:
         t.add_row(r["kernel"], "x".join(map(str, r["shape"])), f"{r['ms']:.3f}", f"{r['gbps']:,.0f}", f"{r['pct_copy']:.1f}%",
-                  f"{r['graph_ms']:.3f}", f"{r['graph_gbps']:,.0f}", f"{r['graph_pct_copy']:.1f}%",
-                  f"{r['graph_pct_copy_same_bytes']:.1f}%")
+                  f"{r['graph_ms']:.3f}", f"{r['graph_gbps']:,.0f}", f"{r['graph_pct_copy']:.1f}%")
     return t
 
 

@@ -316,14 +316,18 @@ def test_triton_quantize_axis0_layouts():
     partial last block) and of a transposed view (the row kernel on swapped strides) agree with
     the reference."""
     mx_quant = _triton()
+    from gemctl.ops.triton import common
+
     base = hostile("random", shape=(150, 70)).to(_device())
-    for x in (base, base.t(), base[:, 5:69]):
-        for dtype in (torch.float32, torch.bfloat16):
-            xd = x.to(dtype) if dtype != x.dtype else x
-            d, s = mx_quant.mx_quantize(xd, axis=0, scale_rule="rceil")
-            rd, rs = quantize_mx(xd, axis=0, scale_rule="rceil")
-            where = f"{tuple(xd.shape)} stride {xd.stride()} {dtype}"
-            assert torch.equal(s, rs) and torch.equal(d.view(torch.uint8), rd.view(torch.uint8)), where
+    for cfg in ((64, 8, 1), (64, 32, 1)):  # the block read in slices twice; the whole block read once
+        with common.forced_config({"mx_quant_axis0": cfg}):
+            for x in (base, base.t(), base[:, 5:69]):
+                for dtype in (torch.float32, torch.bfloat16):
+                    xd = x.to(dtype) if dtype != x.dtype else x
+                    d, s = mx_quant.mx_quantize(xd, axis=0, scale_rule="rceil")
+                    rd, rs = quantize_mx(xd, axis=0, scale_rule="rceil")
+                    where = f"{cfg} {tuple(xd.shape)} stride {xd.stride()} {dtype}"
+                    assert torch.equal(s, rs) and torch.equal(d.view(torch.uint8), rd.view(torch.uint8)), where
 
 
 def check_triton_rmsnorm(device, rows_cols, dtypes, bit_casts):

@@ -54,9 +54,13 @@ _QUANT_CANDIDATES = [
 ]
 _QUANT_INTERPRET = (4, 2, 1)
 # Axis-0 kernel: (columns per program, rows per slice, warps). Each thread reads 16 contiguous
-# bf16 columns of a row (two 16-B loads), so columns per program >= 512 x warps keeps each
-# column's maximum inside one thread (fewer would put warps on the rows and reduce across them).
-_AXIS0_CANDIDATES = [(2048, 8, 4), (1024, 8, 2), (512, 8, 1), (4096, 8, 8), (2048, 4, 4), (1024, 16, 2), (4096, 4, 8)]
+# bf16 columns of a row (two 16-B loads). Slices shorter than the MX block: the block is read
+# twice (maxima, then quantization; the second read hits cache), and columns per program >= 512 x
+# warps keep each column's maximum inside one thread. A slice of the whole block: one read, the
+# block in registers, reduced in-thread and by shuffles within a warp (one warp: 4 x 8 threads
+# over 32 rows x 128 columns; more warps meet in shared memory).
+_AXIS0_CANDIDATES = [(1024, 8, 2), (512, 8, 1), (4096, 8, 8), (2048, 8, 4), (1024, 2, 2), (2048, 2, 4),
+                     (128, 32, 1), (256, 32, 2), (256, 32, 1)]
 _AXIS0_INTERPRET = (64, 8, 1)
 # (rows per program, warps): every program holds whole rows (the norm needs the full row).
 # One-warp programs reduce a row by shuffles alone (more warps per row meet in shared memory).
@@ -165,24 +169,33 @@ def _mx_quant_axis0_kernel(
     pid_c = tl.program_id(1)
     c = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
     r0 = pid_b * BLOCK
-    amax = tl.zeros([1, BLOCK_C], dtype=tl.int32)
-    for i in tl.range(0, BLOCK, CHUNK):
-        r = (r0 + i + tl.arange(0, CHUNK))[:, None]
-        mask = (r < rows) & (c < cols)
-        if IN_BF16:  # bf16 magnitudes order like their bit patterns; widen once per column at the end
-            raw = tl.load(X + r.to(tl.int64) * stride_x + c, mask=mask, other=0)
-            amax = tl.maximum(amax, tl.max(raw.to(tl.int32) & 0x7FFF, axis=0, keep_dims=True))
-        else:
-            xf = tl.load(X + r.to(tl.int64) * stride_x + c, mask=mask, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0, keep_dims=True))
-    if IN_BF16:
-        amax = amax << 16
-    scale, inv, nan = _block_scales(amax, EMAX, RCEIL)
-    for i in tl.range(0, BLOCK, CHUNK):
-        r = (r0 + i + tl.arange(0, CHUNK))[:, None]
+    if CHUNK >= BLOCK:  # the whole block held in registers: one read
+        r = (r0 + tl.arange(0, BLOCK))[:, None]
         mask = (r < rows) & (c < cols)
         x = _load_f32(X + r.to(tl.int64) * stride_x + c, mask, IN_BF16)
+        scale, inv, nan = _block_scales(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0, keep_dims=True),
+                                        EMAX, RCEIL)
         tl.store(DATA + r.to(tl.int64) * stride_d + c, _quantize_elems(x, inv, nan, ELEM_MAX, E5M2, BIT_CAST), mask=mask)
+    else:
+        amax = tl.zeros([1, BLOCK_C], dtype=tl.int32)
+        for i in tl.static_range(0, BLOCK, CHUNK):
+            r = (r0 + i + tl.arange(0, CHUNK))[:, None]
+            mask = (r < rows) & (c < cols)
+            if IN_BF16:  # bf16 magnitudes order like their bit patterns; widen once per column at the end
+                raw = tl.load(X + r.to(tl.int64) * stride_x + c, mask=mask, other=0)
+                amax = tl.maximum(amax, tl.max(raw.to(tl.int32) & 0x7FFF, axis=0, keep_dims=True))
+            else:
+                xf = tl.load(X + r.to(tl.int64) * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.max(xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0, keep_dims=True))
+        if IN_BF16:
+            amax = amax << 16
+        scale, inv, nan = _block_scales(amax, EMAX, RCEIL)
+        for i in tl.static_range(0, BLOCK, CHUNK):
+            r = (r0 + i + tl.arange(0, CHUNK))[:, None]
+            mask = (r < rows) & (c < cols)
+            x = _load_f32(X + r.to(tl.int64) * stride_x + c, mask, IN_BF16)
+            tl.store(DATA + r.to(tl.int64) * stride_d + c, _quantize_elems(x, inv, nan, ELEM_MAX, E5M2, BIT_CAST),
+                     mask=mask)
     tl.store(SCALE + pid_b.to(tl.int64) * stride_s + c, scale, mask=c < cols)
 
 
