@@ -379,6 +379,17 @@ def test_triton_quantize_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [(128, 32, 1), (256, 32, 2)], ids=lambda c: "_".join(map(str, c)))
+def test_triton_quantize_axis0_configs_gpu(cfg):
+    """The axis-0 kernel's one-read variants (one warp, and two warps meeting in shared memory),
+    which the untimed default never runs, on the hostile inputs."""
+    from gemctl.ops.triton import common
+
+    with common.forced_config({"mx_quant_axis0": cfg}):
+        check_triton_quantize("cuda", [(6, 96), (5, 45), (257, 1000)], [False, True])
+
+
+@pytest.mark.gpu
 def test_triton_rmsnorm_quantize_gpu():
     check_triton_rmsnorm("cuda", [(5, 64), (3, 100), (300, 1024), (64, 2048)], (torch.float32, torch.bfloat16),
                          [False, True])

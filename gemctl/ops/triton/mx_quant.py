@@ -59,8 +59,7 @@ _QUANT_INTERPRET = (4, 2, 1)
 # warps keep each column's maximum inside one thread. A slice of the whole block: one read, the
 # block in registers, reduced in-thread and by shuffles within a warp (one warp: 4 x 8 threads
 # over 32 rows x 128 columns; more warps meet in shared memory).
-_AXIS0_CANDIDATES = [(1024, 8, 2), (512, 8, 1), (4096, 8, 8), (2048, 8, 4), (1024, 2, 2), (2048, 2, 4),
-                     (128, 32, 1), (256, 32, 2), (256, 32, 1)]
+_AXIS0_CANDIDATES = [(1024, 8, 2), (512, 8, 1), (4096, 8, 8), (2048, 8, 4), (128, 32, 1), (256, 32, 2), (256, 32, 1)]
 _AXIS0_INTERPRET = (64, 8, 1)
 # (rows per program, warps): every program holds whole rows (the norm needs the full row).
 # One-warp programs reduce a row by shuffles alone (more warps per row meet in shared memory).
