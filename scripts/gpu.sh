@@ -52,7 +52,7 @@ for stage in "$@"; do
         cp "$(ls -d runs/small_h200-gdpa-$impl/* | tail -1)/summary.json" "$OUT/small_h200_gdpa_${impl}_summary.json"
       done ;;
     every)
-      sel=${EVERY_K:-every or tma}
+      sel=${EVERY_K:-test_every or test_tma}  # whole test-name prefixes: bare words also match the node's path and keywords
       if python3 -c "import xdist" 2>/dev/null; then
         python3 -m pytest -q -m gpu -n 14 tests/test_{jagged_attention,block_attention,gdpa}_triton.py -k "$sel" \
           -p no:cacheprovider -p no:benchmark -rf 2>&1 | grep -v '^ *$\|Warning\|warner' | tail -30 | tee "$OUT/every.log"

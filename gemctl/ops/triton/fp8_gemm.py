@@ -48,7 +48,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gemctl.ops.triton.common import INTERPRET, bucket_len, num_programs, pick_config
-from gemctl.ops.triton.mx_quant import _quantize_elems, _shared_exponent
+from gemctl.ops.triton.mx_quant import _block_scales, _quantize_elems
 
 EPILOGUES = {"none": 0, "silu_bwd": 2}
 PROMOTE_EVERY = 4096  # contraction values summed on the tensor cores before a float32 add (long K)
@@ -114,11 +114,7 @@ def _pow2_bits(s_byte):
 @triton.jit
 def _scale_from_amax(amax_bits):
     """(E8M0 byte, 2^-shared, NaN flag) from |amax|'s float32 bits under RCEIL for E4M3."""
-    shared = _shared_exponent(amax_bits, 8, True)
-    nan = (amax_bits >> 23) == 255
-    byte = tl.where(nan, 255, shared + 127)
-    inv = ((127 - shared) << 23).to(tl.float32, bitcast=True)
-    return byte, inv, nan
+    return _block_scales(amax_bits, 8, True)
 
 
 @triton.jit
