@@ -399,6 +399,43 @@ def test_fused_norm_mlp_matches_norm_then_mlp(wgrad, dgrad):
         assert _rel(a, b) < 1e-5, (name, _rel(a, b))
 
 
+@pytest.mark.parametrize("wgrad,dgrad", [("fp8", "fp8"), ("bf16", "fp8"), ("fp8", "bf16")])
+def test_fused_norm_linear_matches_norm_then_linear(wgrad, dgrad):
+    # The QKV projection's pre-norm fused into its cast, against F.rms_norm then the same linear:
+    # the same quantized operands, so only float32 summation order differs; x, the norm weight
+    # and the weight gradients included.
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(70, 32, generator=g) * 3).requires_grad_()
+    norm_w = (1 + 0.1 * torch.randn(32, generator=g)).requires_grad_()
+    w = (torch.randn(48, 32, generator=g) / 6).requires_grad_()
+    gy = torch.randn(70, 48, generator=g)
+    recipe = Fp8Recipe(wgrad=wgrad, dgrad=dgrad, token_chunk=64)
+    tensors = [x, norm_w, w]
+    fused = _grads(lambda: fp8_linear(x, w, None, recipe, norm_weight=norm_w, eps=1e-6), tensors, gy)
+    apart = _grads(lambda: fp8_linear(F.rms_norm(x, (32,), norm_w, 1e-6), w, None, recipe), tensors, gy)
+    for name, a, b in zip(("y", "dx", "dnorm_w", "dw"), fused, apart):
+        assert _rel(a, b) < 1e-5, (name, _rel(a, b))
+    # a frozen norm weight and a frozen input: the gradients that are asked for, nothing else
+    norm_w.requires_grad_(False)
+    x.grad = w.grad = norm_w.grad = None
+    fp8_linear(x, w, None, recipe, norm_weight=norm_w, eps=1e-6).backward(gy)
+    assert x.grad is not None and w.grad is not None and norm_w.grad is None
+    xd = x.detach()
+    w.grad = None
+    fp8_linear(xd, w, None, recipe, norm_weight=norm_w, eps=1e-6).backward(gy)
+    assert _rel(w.grad.double(), fused[3]) < 1e-5
+
+
+def test_fused_norm_linear_falls_back_for_other_granularities():
+    # block-128 scales (or a Hadamard rotation) take the norm first, then the plain linear
+    g = torch.Generator().manual_seed(6)
+    x, norm_w, w = torch.randn(16, 128, generator=g), 1 + 0.1 * torch.randn(128, generator=g), torch.randn(128, 128, generator=g)
+    for recipe in (Fp8Recipe(granularity="block128"), Fp8Recipe(hadamard=32)):
+        fused = fp8_linear(x, w, None, recipe, norm_weight=norm_w, eps=1e-6)
+        apart = fp8_linear(F.rms_norm(x, (128,), norm_w, 1e-6), w, None, recipe)
+        assert torch.equal(fused, apart)
+
+
 def test_rms_norm_backward_matches_autograd():
     from gemctl.precision.fp8_linear import _rms_norm_backward
 
@@ -414,8 +451,8 @@ def test_rms_norm_backward_matches_autograd():
 
 
 def test_model_fuses_the_mlp_pre_norm(monkeypatch):
-    # fp8 rules hand each sequence layer's MLP its pre-norm; on the emulated path the block runs the
-    # same RMSNorm itself, so the model's output is unchanged by the fusion (the fused kernels'
+    # fp8 rules hand each sequence layer's MLP and QKV projection their pre-norms; on the emulated
+    # path they run the same RMSNorm themselves, so the model's output is unchanged by the fusion (the fused kernels'
     # numerics: test_fused_norm_mlp_matches_norm_then_mlp).
     from gemctl.precision import fp8_linear as mod
 
@@ -435,11 +472,14 @@ def test_model_fuses_the_mlp_pre_norm(monkeypatch):
         model = build_model(cfg.model, source.spec, device=torch.device("cpu"))
         apply_precision(model, cfg.precision, cfg.model.num_layers, "cpu")
         assert all(getattr(layer.mlp, "norm_fused", False) for layer in model.tower.layers)
+        assert all(getattr(layer.attn.qkv, "norm_fused", False) for layer in model.tower.layers)
         if not fuse:
             for layer in model.tower.layers:
                 layer.mlp.norm_fused = False
                 w_up, w_down, recipe = layer.mlp.up.weight, layer.mlp.down.weight, layer.mlp.fp8_recipe
                 layer.mlp.forward = lambda h, u=w_up, d=w_down, r=recipe: fp8_mlp(h, u, d, r)
+                layer.attn.qkv.norm_fused = False
+                layer.attn.qkv.forward = lambda h, w=layer.attn.qkv.weight, r=recipe: fp8_linear(h, w, None, r)
         with torch.no_grad():
             outs.append(model(batch))
     assert torch.equal(outs[0], outs[1])
@@ -608,6 +648,20 @@ def test_fused_norm_mlp_gpu():
     fused = _grads(lambda: fp8_mlp(x, w_up, w_down, recipe, norm_weight=norm_w, eps=1e-6), tensors, gy)
     apart = _grads(lambda: fp8_mlp(F.rms_norm(x, (1024,), norm_w.to(x.dtype), 1e-6), w_up, w_down, recipe), tensors, gy)
     for name, a, b in zip(("y", "dx", "dnorm_w", "dw_up", "dw_down"), fused, apart):
+        assert _rel(a, b) < 2e-2, (name, _rel(a, b))
+
+
+@pytest.mark.gpu
+def test_fused_norm_linear_gpu():
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(8192, 1024, generator=g) * 3).to("cuda", torch.bfloat16).requires_grad_()
+    norm_w = (1 + 0.1 * torch.randn(1024, generator=g)).cuda().requires_grad_()
+    w = (torch.randn(3072, 1024, generator=g) / 32).cuda().requires_grad_()
+    gy = torch.randn(8192, 3072, generator=g).to("cuda", torch.bfloat16)
+    tensors, recipe = [x, norm_w, w], Fp8Recipe()
+    fused = _grads(lambda: fp8_linear(x, w, None, recipe, norm_weight=norm_w, eps=1e-6), tensors, gy)
+    apart = _grads(lambda: fp8_linear(F.rms_norm(x, (1024,), norm_w.to(x.dtype), 1e-6), w, None, recipe), tensors, gy)
+    for name, a, b in zip(("y", "dx", "dnorm_w", "dw"), fused, apart):
         assert _rel(a, b) < 2e-2, (name, _rel(a, b))
 
 

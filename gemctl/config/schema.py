@@ -100,6 +100,7 @@ class Fp8Config:
     wgrad: str = "fp8"  # weight-gradient GEMM: fp8 | bf16 (unquantized)
     dgrad: str = "fp8"  # input-gradient GEMM: fp8 | bf16 (unquantized; with wgrad bf16: FP8 forward only)
     fused_mlp: bool = True  # row-wise MLP blocks (up -> SiLU -> down) with fused producers
+    fused_qkv_norm: bool = True  # row: the attention's pre-norm fused into the QKV projection's FP8 casts
     token_chunk: int = 4096  # row: tokens per scale of the weight-gradient operands (a multiple of 128)
     hadamard: int = 0  # rotate both forward operands along K by a random Hadamard per this many features (0: off; a power of two)
     hadamard_seed: int = 0  # seed of that rotation's fixed sign vector

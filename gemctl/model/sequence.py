@@ -42,8 +42,10 @@ class SequenceLayer(nn.Module):
             self.mlp = MLP(d, cfg.mlp_ratio * d)
 
     def forward(self, x, offsets, max_len, backend):
-        x = x + self.attn(self.attn_norm(x), offsets, max_len, backend)
-        # An FP8 MLP may run the pre-norm itself, fused into its first cast (gemctl.precision.fp8_linear).
+        # An FP8 QKV projection or MLP may run its pre-norm itself, fused into its first cast
+        # (gemctl.precision.fp8_linear); it then takes the un-normalized input.
+        x = x + self.attn(x if getattr(self.attn.qkv, "norm_fused", False) else self.attn_norm(x), offsets, max_len,
+                          backend)
         return x + self.mlp(x if getattr(self.mlp, "norm_fused", False) else self.mlp_norm(x))
 
 

@@ -76,6 +76,7 @@ class Fp8Recipe:
     wgrad: str = "fp8"  # fp8 | bf16 (the weight-gradient GEMM unquantized, in the compute dtype)
     dgrad: str = "fp8"  # fp8 | bf16 (the input-gradient GEMM unquantized, in the compute dtype)
     fused_mlp: bool = True  # row-wise MLP blocks through fp8_mlp (the fused producers)
+    fused_qkv_norm: bool = True  # row-wise: the attention's pre-norm fused into the QKV projection's cast
     token_chunk: int = 4096  # row-wise: tokens per scale of the weight-gradient operands
     hadamard: int = 0  # features per block of the forward operands' Hadamard rotation (0: none)
     hadamard_seed: int = 0  # seed of the rotation's fixed sign vector
@@ -94,7 +95,8 @@ class Fp8Recipe:
         if cfg is None:
             return cls()
         return cls(granularity=str(cfg.granularity), wgrad=str(cfg.wgrad), dgrad=str(cfg.dgrad),
-                   fused_mlp=bool(cfg.fused_mlp), token_chunk=int(cfg.token_chunk),
+                   fused_mlp=bool(cfg.fused_mlp), fused_qkv_norm=bool(cfg.fused_qkv_norm),
+                   token_chunk=int(cfg.token_chunk),
                    hadamard=int(cfg.hadamard), hadamard_seed=int(cfg.hadamard_seed))
 
 
@@ -252,36 +254,52 @@ def _transposed(w: torch.Tensor):
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
+    """y = x W^T, or with ``norm_w`` (row-wise only) y = RMSNorm(x) W^T with the norm fused into the
+    operand's cast: RMSNorm(x) is quantized where it is computed and recomputed from x and the
+    rows' rstd by the weight-gradient operand's column cast, never stored in bf16 (as fp8_mlp does
+    for the MLP's pre-norm); the backward ends in the norm's backward."""
+
     @staticmethod
-    def forward(ctx, x2d, weight, recipe: Fp8Recipe):
+    def forward(ctx, x2d, weight, recipe: Fp8Recipe, norm_w=None, eps: float = 0.0):
         g = recipe.group
         out_dtype = compute_dtype(x2d, weight)
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_x = ctx.needs_input_grad[0] or (norm_w is not None and ctx.needs_input_grad[3])  # grad through the norm
+        need_dx, need_dw = need_x, ctx.needs_input_grad[1]
         wgrad_fp8 = need_dw and recipe.wgrad == "fp8"
         dgrad_fp8 = need_dx and recipe.dgrad == "fp8"
         saved = (None, None, None, None)
+        rstd = None
         if g == 0:
-            xr, xs, xp = _rows(x2d, chunk=wgrad_fp8 and recipe.token_chunk)
+            chunk = wgrad_fp8 and recipe.token_chunk
+            if norm_w is not None:
+                xr, xs, rstd, xp = _norm_rows(x2d, norm_w, eps, chunk=chunk)
+            else:
+                xr, xs, xp = _rows(x2d, chunk=chunk)
             wr, ws, _ = _rows(weight)
             y = _gemm(xr, wr, xs, ws, 0, out_dtype)
-            saved = (*(_cols(x2d, recipe.token_chunk, part=xp) if wgrad_fp8 else (None, None)),
+            norm = (rstd, norm_w) if norm_w is not None else None
+            saved = (*(_cols(x2d, recipe.token_chunk, part=xp, norm=norm) if wgrad_fp8 else (None, None)),
                      *(_transposed(weight) if dgrad_fp8 else (None, None)))  # x^T for the wgrad, W^T for the dgrad
         else:
+            if norm_w is not None:
+                raise ValueError("fp8_linear: a fused pre-norm needs the row-wise granularity")
             a, sa = _k_major(x2d, g)
             b, sb = _k_major(weight, g)
             y = _gemm(a, b, sa, sb, g, out_dtype)
         ctx.recipe = recipe
         ctx.x_dtype, ctx.w_dtype, ctx.out_dtype = x2d.dtype, weight.dtype, out_dtype
-        ctx.save_for_backward(x2d if (g or not wgrad_fp8) and need_dw else None,
-                              weight if need_dx and (g or not dgrad_fp8) else None, *saved)
+        keep_x = ((g or not wgrad_fp8) and need_dw) or (norm_w is not None and need_x)  # the norm's backward reads x
+        ctx.save_for_backward(x2d if keep_x else None, weight if need_dx and (g or not dgrad_fp8) else None, *saved,
+                              rstd, norm_w)
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        x2d, weight, xt, xcs, wt, wcs = ctx.saved_tensors
+        x2d, weight, xt, xcs, wt, wcs, rstd, norm_w = ctx.saved_tensors
         recipe = ctx.recipe
         g = recipe.group
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_dx = ctx.needs_input_grad[0] or (norm_w is not None and ctx.needs_input_grad[3])
+        need_dw = ctx.needs_input_grad[1]
         wgrad_fp8 = need_dw and recipe.wgrad == "fp8"
         dgrad_fp8 = need_dx and recipe.dgrad == "fp8"
         dx = dw = None
@@ -307,8 +325,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if need_dx and not dgrad_fp8:
             dx = (gy.to(ctx.out_dtype) @ weight.to(ctx.out_dtype)).to(ctx.x_dtype)
         if need_dw and not wgrad_fp8:
-            dw = (gy.to(ctx.out_dtype).t() @ x2d.to(ctx.out_dtype)).to(ctx.w_dtype)
-        return dx, dw, None
+            xn = x2d if norm_w is None else _rms_normed(x2d, rstd, norm_w)
+            dw = (gy.to(ctx.out_dtype).t() @ xn.to(ctx.out_dtype)).to(ctx.w_dtype)
+        dnorm = None
+        if norm_w is not None and need_dx:  # dx is the gradient of the norm's output so far
+            dx, dnorm = _rms_norm_backward(dx, x2d, rstd, norm_w, ctx.needs_input_grad[3])
+        return (dx, dw, None) if norm_w is None else (dx, dw, None, dnorm, None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -342,8 +364,22 @@ def _rotated(x2d: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe):
     return hadamard_features(x2d, size, recipe.hadamard_seed), hadamard_features(weight, size, recipe.hadamard_seed)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Fp8Recipe) -> torch.Tensor:
-    """F.linear with FP8 GEMMs (forward and backward); x [..., K], weight [N, K]."""
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Fp8Recipe,
+               norm_weight: torch.Tensor | None = None, eps: float | None = None) -> torch.Tensor:
+    """F.linear with FP8 GEMMs (forward and backward); x [..., K], weight [N, K]. ``norm_weight``
+    [K]: ``F.linear(RMSNorm(x), ...)`` (gemctl.model.norm's RMSNorm; eps None is x's dtype's
+    machine epsilon), the norm fused into the operand's casts where the kernels allow it (row-wise,
+    Triton, no rotation, rows of at most 8192 values), else applied first."""
+    from gemctl.ops.triton.fp8_gemm import _ROWS_IN_REGISTERS
+
+    if norm_weight is not None:
+        eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
+        x2d = x.reshape(-1, x.shape[-1])
+        if (recipe.group == 0 and not recipe.hadamard and x.shape[-1] <= _ROWS_IN_REGISTERS
+                and triton_ready(x2d, weight)):
+            y = _Fp8LinearFunction.apply(x2d, weight, recipe, norm_weight, eps).reshape(*x.shape[:-1], weight.shape[0])
+            return y if bias is None else y + bias.to(y.dtype)
+        x = F.rms_norm(x, (x.shape[-1],), norm_weight.to(x.dtype), eps)
     x2d, weight = _rotated(x.reshape(-1, x.shape[-1]), weight, recipe)
     if triton_ready(x2d, weight) and _group_fits(recipe.group, x2d.shape[1], weight.shape[0]):
         y = _Fp8LinearFunction.apply(x2d, weight, recipe)
@@ -460,15 +496,19 @@ def fp8_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, recipe: F
     return fp8_linear(F.silu(fp8_linear(x, w_up, None, recipe)), w_down, None, recipe)
 
 
-def use_fp8_linear(module: nn.Linear, recipe: Fp8Recipe) -> None:
+def use_fp8_linear(module: nn.Linear, recipe: Fp8Recipe, norm: nn.Module | None = None) -> None:
     """Route an nn.Linear's forward through fp8_linear (parameters, state dicts and FSDP units
-    unchanged)."""
+    unchanged). ``norm``: the RMSNorm (with a weight) in front of it, fused: the Linear then takes
+    the norm's input, and the caller passes it un-normalized."""
 
     def forward(x):
-        return fp8_linear(x, module.weight, module.bias, recipe)
+        if norm is None:
+            return fp8_linear(x, module.weight, module.bias, recipe)
+        return fp8_linear(x, module.weight, module.bias, recipe, norm_weight=norm.weight, eps=norm.eps)
 
     module.forward = forward
     module.fp8_recipe = recipe
+    module.norm_fused = norm is not None
 
 
 def use_fp8_mlp(mlp: nn.Module, recipe: Fp8Recipe, norm: nn.Module | None = None) -> None:

@@ -66,6 +66,10 @@ def _apply_fp8(model: nn.Module, formats: dict[str, str], fp8_cfg) -> None:
     # A sequence layer's MLP pre-norm (RMSNorm with a weight) fuses into the FP8 MLP's first cast.
     pre_norms = {id(m.mlp): m.mlp_norm for m in model.modules()
                  if isinstance(m, SequenceLayer) and isinstance(m.mlp_norm, RMSNorm) and m.mlp_norm.weight is not None}
+    # Its attention pre-norm fuses into the QKV projection's first cast the same way.
+    qkv_norms = {id(m.attn.qkv): m.attn_norm for m in model.modules()
+                 if isinstance(m, SequenceLayer) and isinstance(m.attn_norm, RMSNorm) and m.attn_norm.weight is not None
+                 and getattr(m.attn, "operand_quant", None) is None}
     fused: set[str] = set()
     for path, module in model.named_modules():
         if isinstance(module, MLP) and isinstance(module.act, nn.SiLU):
@@ -75,7 +79,8 @@ def _apply_fp8(model: nn.Module, formats: dict[str, str], fp8_cfg) -> None:
                 fused.update((up, down))
     for path, module in model.named_modules():
         if formats[path] == "fp8" and isinstance(module, nn.Linear) and path not in fused:
-            use_fp8_linear(module, recipe)
+            norm = qkv_norms.get(id(module)) if recipe.fused_qkv_norm and recipe.group == 0 else None
+            use_fp8_linear(module, recipe, norm=norm)
 
 
 def apply_precision(model: nn.Module, precision_cfg, num_layers: int, device_type: str) -> dict[str, str]:
