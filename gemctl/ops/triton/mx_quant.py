@@ -160,10 +160,11 @@ def _mx_quant_axis0_kernel(
     IN_BF16: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr,
 ):
     # program (pid_b, pid_c) -> the MX blocks of rows [pid_b*BLOCK, +BLOCK) x cols [pid_c*BLOCK_C, +BLOCK_C).
-    # Blocks run down the columns; the tile is walked twice in CHUNK-row slices (column maxima,
-    # then the quantization; the second read comes from cache), so each thread keeps its columns'
-    # maxima in registers: no reduction crosses threads and every access is a contiguous row run.
-    # Every vector is kept 2-D (1, BLOCK_C) in the tile's own layout, so no value changes layout.
+    # Blocks run down the columns. CHUNK >= BLOCK: the whole block is read once and held in
+    # registers. CHUNK < BLOCK: the tile is walked twice in CHUNK-row slices (column maxima, then
+    # the quantization; the second read comes from cache), each thread keeping its columns' maxima
+    # in registers. Every access is a contiguous row run, and every vector is kept 2-D (1, BLOCK_C)
+    # in the tile's own layout, so no value changes layout.
     pid_b = tl.program_id(0)
     pid_c = tl.program_id(1)
     c = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
