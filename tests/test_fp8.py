@@ -485,6 +485,41 @@ def test_model_fuses_the_mlp_pre_norm(monkeypatch):
     assert torch.equal(outs[0], outs[1])
 
 
+def test_model_fused_norms_through_the_kernels():
+    # The whole model through the fused FP8 kernels (interpreter on CPU): the QKV projection with
+    # its pre-norm fused gives the same output and weight gradients as the norm followed by the
+    # plain FP8 linear; the norm weight's gradient up to float32 summation order.
+    from gemctl.config.compose import compose
+    from gemctl.data.source import build_source
+    from gemctl.model import build_model
+    from gemctl.precision.rules import apply_precision
+
+    if not INTERPRET:
+        pytest.skip("the CPU tier's check (the GPU tier runs test_fused_norm_linear_gpu)")
+    cfg = compose(["model=tiny", "model.num_layers=1", "precision=fp8_tower", "train.device=cpu", "data.batch_size=8",
+                   "data.max_len=16"])
+    source = build_source(cfg.data, cfg.shuffle, 1, 0)
+    batch = source.train_batch(0)
+    runs = []
+    for fuse in (True, False):
+        torch.manual_seed(0)
+        model = build_model(cfg.model, source.spec, device=torch.device("cpu"))
+        apply_precision(model, cfg.precision, cfg.model.num_layers, "cpu")
+        qkv = model.tower.layers[0].attn.qkv
+        assert qkv.norm_fused
+        if not fuse:
+            qkv.norm_fused = False
+            qkv.forward = lambda h, w=qkv.weight, r=qkv.fp8_recipe: fp8_linear(h, w, None, r)
+        out = model(batch)
+        out.float().square().mean().backward()
+        runs.append((out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (out_f, grads_f), (out_u, grads_u) = runs
+    assert torch.equal(out_f, out_u)
+    assert grads_f.keys() == grads_u.keys()
+    for name in grads_f:
+        assert _rel(grads_f[name].double(), grads_u[name].double()) < 1e-6, name
+
+
 def test_emulated_off_gpu_is_said_once(monkeypatch, capsys):
     from gemctl.precision import fp8_linear as mod
 
