@@ -18,6 +18,8 @@
 #   sweep-block scripts/bench_block_attention.py --sweep: every block-attention candidate (TMA too)
 #             timed against the memory roofline
 #   bench-mx  scripts/bench_mx.py: MX quantize kernels, Python call and CUDA-graph time, vs copy
+#   tests-precision  the GPU tier of the FP8, MX and MX-attention tests alone (~1-2 minutes)
+#   bench-fp8 scripts/bench_fp8.py --only cast,mlp: the FP8 casts vs copy, the MLP block vs BF16
 #   sweep     scripts/bench_jagged_attention.py --sweep fwd/dkdv/dq: every candidate of each pass timed
 #   ncu       Nsight Compute counters of one autotuned forward+backward: jagged attention self-1000,
 #             GDPA cross-128, block attention (64, RoPE) self-1000. Autotuning under ncu can pick other
@@ -64,6 +66,10 @@ for stage in "$@"; do
       fi ;;
     sweep-block) python3 scripts/bench_block_attention.py --sweep --out "$OUT/sweep_block.json" 2>&1 | quiet | tee "$OUT/sweep_block.log" ;;
     bench-mx) python3 scripts/bench_mx.py --out "$OUT/bench_mx.json" 2>&1 | quiet | tee "$OUT/bench_mx.log" ;;
+    tests-precision)
+      python3 -m pytest -v -m gpu tests/test_fp8.py tests/test_mx.py tests/test_mx_attention.py -p no:cacheprovider -rf 2>&1 \
+        | grep -E "PASSED|FAILED|ERROR|passed|failed" | tee "$OUT/gpu_tests_precision.log" ;;
+    bench-fp8) python3 scripts/bench_fp8.py --only cast,mlp --out "$OUT/bench_fp8.json" 2>&1 | quiet | tee "$OUT/bench_fp8.log" ;;
     sweep) python3 scripts/bench_jagged_attention.py --sweep fwd --sweep dkdv --sweep dq --out "$OUT/sweep_jagged.json" 2>&1 | quiet | tee "$OUT/sweep_jagged.log" ;;
     ncu)
       # one autotuned forward+backward each: jagged attention self-1000, GDPA cross-128, block attention self-1000
@@ -89,6 +95,6 @@ for stage in "$@"; do
       python3 -m gemctl profile --recipe small_h200 2>&1 | quiet | tee "$OUT/profile.log"
       d=$(ls -d runs/small_h200-profile/* | tail -1)
       cp "$d/profile.json" "$d/breakdown.png" "$d/waterfall.png" "$OUT/" ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, sweep-block, bench-mx, ncu, precision-speed, profile)" >&2; exit 2 ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, sweep-block, bench-mx, tests-precision, bench-fp8, ncu, precision-speed, profile)" >&2; exit 2 ;;
   esac
 done
