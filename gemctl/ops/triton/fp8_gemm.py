@@ -124,10 +124,12 @@ def _load_act(ptrs, mask, ACT: tl.constexpr, IN_BF16: tl.constexpr):
 
 
 @triton.jit
-def _normed(X, x, rstd, nw, IN_BF16: tl.constexpr):
+def _normed(X, x, rstd, nw, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr):
     """RMSNorm's output (x * rstd) * nw (rows x columns, float32) rounded to X's element type (bf16
     when IN_BF16: X then holds int16 bit patterns), as the unfused norm would have stored it."""
     y = (x * rstd[:, None]) * nw[None, :]
+    if IN_BF16 and not BIT_CAST:  # the hardware conversion rounds to nearest even (cvt.rn.bf16x2.f32)
+        return y.to(tl.bfloat16).to(tl.float32)
     if IN_BF16:  # round to nearest even on the bits (the interpreter's bf16 conversion does not)
         bits = y.to(tl.int32, bitcast=True)
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
@@ -323,7 +325,7 @@ def _cast_rows_kernel(
             if NORM:
                 rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / Cn + eps)
                 tl.store(RSTD + rr, rstd, mask=rmask)
-                x = _normed(X, x, rstd, nw, IN_BF16)
+                x = _normed(X, x, rstd, nw, IN_BF16, BIT_CAST)
             bits = _abs_bits(x, mask)
             byte, inv, nan = _scale_from_amax(tl.max(bits, axis=1))
             tl.store(DATA + rr.to(tl.int64)[:, None] * stride_dr + cc[None, :],
@@ -365,19 +367,19 @@ def _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, amax, cc, cmask, g, e
     for r0 in range(g * CHUNK, end, BLOCK_R):
         rr = r0 + tl.arange(0, BLOCK_R)
         mask = (rr[:, None] < end) & cmask[None, :]
-        x = _load_cols(X, RSTD, nw, rr, cc, mask, end, stride_xr, ACT, IN_BF16, NORM)
+        x = _load_cols(X, RSTD, nw, rr, cc, mask, end, stride_xr, ACT, IN_BF16, NORM, BIT_CAST)
         code = _quantize(x, inv[None, :], nan[None, :], BIT_CAST)
         tl.store(DATA_T + cc.to(tl.int64)[:, None] * stride_dt + rr[None, :], tl.trans(code), mask=tl.trans(mask))
 
 
 @triton.jit
 def _load_cols(X, RSTD, nw, rr, cc, mask, end, stride_xr, ACT: tl.constexpr, IN_BF16: tl.constexpr,
-               NORM: tl.constexpr):
+               NORM: tl.constexpr, BIT_CAST: tl.constexpr):
     """A (rows, columns) tile of act(x), or with NORM of RMSNorm(x) recomputed from the rows' rstd
     and the columns' weights nw (bit-identical to what the row cast quantized)."""
     x = _load_act(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], mask, ACT, IN_BF16)
     if NORM:
-        x = _normed(X, x, tl.load(RSTD + rr, mask=rr < end, other=0.0), nw, IN_BF16)
+        x = _normed(X, x, tl.load(RSTD + rr, mask=rr < end, other=0.0), nw, IN_BF16, BIT_CAST)
     return x
 
 
@@ -398,7 +400,7 @@ def _cast_cols_kernel(
     for r0 in range(g * CHUNK, end, BLOCK_R):
         rr = r0 + tl.arange(0, BLOCK_R)
         mask = (rr[:, None] < end) & cmask[None, :]
-        x = _load_cols(X, RSTD, nw, rr, cc, mask, end, stride_xr, ACT, IN_BF16, NORM)
+        x = _load_cols(X, RSTD, nw, rr, cc, mask, end, stride_xr, ACT, IN_BF16, NORM, BIT_CAST)
         amax = tl.maximum(amax, tl.max(_abs_bits(x, mask), axis=0))
     _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, amax, cc, cmask, g, end, stride_xr, stride_dt, stride_sc,
                                ACT, IN_BF16, BIT_CAST, CHUNK, BLOCK_R, NORM)
