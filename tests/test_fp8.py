@@ -380,41 +380,41 @@ def test_fused_mlp_and_unfused_agree(wgrad, dgrad):
         assert _rel(a, b) < 0.05  # same format; the unfused path keeps pre in float32
 
 
-@pytest.mark.parametrize("wgrad,dgrad", [("fp8", "fp8"), ("bf16", "fp8"), ("fp8", "bf16")])
-def test_fused_norm_mlp_matches_norm_then_mlp(wgrad, dgrad):
-    # The pre-norm fused into the block's first cast against F.rms_norm followed by the same block:
-    # the same quantized operands (the bytes test above), so only float32 summation order differs;
-    # the norm weight's gradient included.
-    g = torch.Generator().manual_seed(3)
+def _fused_norm_case(seed: int, shapes: list[tuple[int, int]]):
+    """x [70, 32] (x3), a norm weight near 1, weights of ``shapes``, and an output gradient."""
+    g = torch.Generator().manual_seed(seed)
     x = (torch.randn(70, 32, generator=g) * 3).requires_grad_()
     norm_w = (1 + 0.1 * torch.randn(32, generator=g)).requires_grad_()
-    w_up = (torch.randn(64, 32, generator=g) / 6).requires_grad_()
-    w_down = (torch.randn(32, 64, generator=g) / 8).requires_grad_()
-    gy = torch.randn(70, 32, generator=g)
-    recipe = Fp8Recipe(wgrad=wgrad, dgrad=dgrad, token_chunk=64)
-    tensors = [x, norm_w, w_up, w_down]
-    fused = _grads(lambda: fp8_mlp(x, w_up, w_down, recipe, norm_weight=norm_w, eps=1e-6), tensors, gy)
-    apart = _grads(lambda: fp8_mlp(F.rms_norm(x, (32,), norm_w, 1e-6), w_up, w_down, recipe), tensors, gy)
-    for name, a, b in zip(("y", "dx", "dnorm_w", "dw_up", "dw_down"), fused, apart):
+    ws = [(torch.randn(*shape, generator=g) / (shape[1] ** 0.5 / 1.4)).requires_grad_() for shape in shapes]
+    return x, norm_w, ws, torch.randn(70, shapes[-1][0], generator=g)
+
+
+def _check_fused_norm(block, x, norm_w, gy, tensors, names):
+    """``block(h, norm_weight)`` with the norm fused against F.rms_norm then ``block(h, None)``: the
+    same quantized operands, so only float32 summation order differs (gradients of ``tensors``)."""
+    fused = _grads(lambda: block(x, norm_w), tensors, gy)
+    apart = _grads(lambda: block(F.rms_norm(x, (x.shape[1],), norm_w, 1e-6), None), tensors, gy)
+    for name, a, b in zip(names, fused, apart):
         assert _rel(a, b) < 1e-5, (name, _rel(a, b))
+    return fused
+
+
+@pytest.mark.parametrize("wgrad,dgrad", [("fp8", "fp8"), ("bf16", "fp8"), ("fp8", "bf16")])
+def test_fused_norm_mlp_matches_norm_then_mlp(wgrad, dgrad):
+    # The MLP's pre-norm fused into the block's first cast (the bytes: test_rmsnorm_cast_bit_exact).
+    x, norm_w, (w_up, w_down), gy = _fused_norm_case(3, [(64, 32), (32, 64)])
+    recipe = Fp8Recipe(wgrad=wgrad, dgrad=dgrad, token_chunk=64)
+    _check_fused_norm(lambda h, nw: fp8_mlp(h, w_up, w_down, recipe, norm_weight=nw, eps=1e-6), x, norm_w, gy,
+                      [x, norm_w, w_up, w_down], ("y", "dx", "dnorm_w", "dw_up", "dw_down"))
 
 
 @pytest.mark.parametrize("wgrad,dgrad", [("fp8", "fp8"), ("bf16", "fp8"), ("fp8", "bf16")])
 def test_fused_norm_linear_matches_norm_then_linear(wgrad, dgrad):
-    # The QKV projection's pre-norm fused into its cast, against F.rms_norm then the same linear:
-    # the same quantized operands, so only float32 summation order differs; x, the norm weight
-    # and the weight gradients included.
-    g = torch.Generator().manual_seed(5)
-    x = (torch.randn(70, 32, generator=g) * 3).requires_grad_()
-    norm_w = (1 + 0.1 * torch.randn(32, generator=g)).requires_grad_()
-    w = (torch.randn(48, 32, generator=g) / 6).requires_grad_()
-    gy = torch.randn(70, 48, generator=g)
+    # The QKV projection's pre-norm fused into its cast, the same way.
+    x, norm_w, (w,), gy = _fused_norm_case(5, [(48, 32)])
     recipe = Fp8Recipe(wgrad=wgrad, dgrad=dgrad, token_chunk=64)
-    tensors = [x, norm_w, w]
-    fused = _grads(lambda: fp8_linear(x, w, None, recipe, norm_weight=norm_w, eps=1e-6), tensors, gy)
-    apart = _grads(lambda: fp8_linear(F.rms_norm(x, (32,), norm_w, 1e-6), w, None, recipe), tensors, gy)
-    for name, a, b in zip(("y", "dx", "dnorm_w", "dw"), fused, apart):
-        assert _rel(a, b) < 1e-5, (name, _rel(a, b))
+    fused = _check_fused_norm(lambda h, nw: fp8_linear(h, w, None, recipe, norm_weight=nw, eps=1e-6), x, norm_w, gy,
+                              [x, norm_w, w], ("y", "dx", "dnorm_w", "dw"))
     # a frozen norm weight and a frozen input: the gradients that are asked for, nothing else
     norm_w.requires_grad_(False)
     x.grad = w.grad = norm_w.grad = None
@@ -450,66 +450,66 @@ def test_rms_norm_backward_matches_autograd():
     assert torch.allclose(dx, x.grad, rtol=1e-5, atol=1e-6) and torch.allclose(dw, w.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_model_fuses_the_mlp_pre_norm(monkeypatch):
-    # fp8 rules hand each sequence layer's MLP and QKV projection their pre-norms; on the emulated
-    # path they run the same RMSNorm themselves, so the model's output is unchanged by the fusion (the fused kernels'
-    # numerics: test_fused_norm_mlp_matches_norm_then_mlp).
-    from gemctl.precision import fp8_linear as mod
-
-    monkeypatch.setattr(mod, "triton_ready", lambda *t: False)
-    monkeypatch.setattr(mod, "_said", {"emulated"})
+def _fp8_models(overrides: list[str], unfuse):
+    """The same model twice under the fp8 rules (seed 0), the second with ``unfuse(layer)`` applied
+    to each sequence layer (it takes the fused pre-norms back out), and a training batch."""
     from gemctl.config.compose import compose
     from gemctl.data.source import build_source
     from gemctl.model import build_model
     from gemctl.precision.rules import apply_precision
 
-    cfg = compose(["model=tiny", "precision=fp8", "train.device=cpu"])
+    cfg = compose(["model=tiny", "train.device=cpu", *overrides])
     source = build_source(cfg.data, cfg.shuffle, 1, 0)
-    batch = source.train_batch(0)
-    outs = []
+    models = []
     for fuse in (True, False):
         torch.manual_seed(0)
         model = build_model(cfg.model, source.spec, device=torch.device("cpu"))
         apply_precision(model, cfg.precision, cfg.model.num_layers, "cpu")
-        assert all(getattr(layer.mlp, "norm_fused", False) for layer in model.tower.layers)
         assert all(getattr(layer.attn.qkv, "norm_fused", False) for layer in model.tower.layers)
         if not fuse:
             for layer in model.tower.layers:
-                layer.mlp.norm_fused = False
-                w_up, w_down, recipe = layer.mlp.up.weight, layer.mlp.down.weight, layer.mlp.fp8_recipe
-                layer.mlp.forward = lambda h, u=w_up, d=w_down, r=recipe: fp8_mlp(h, u, d, r)
-                layer.attn.qkv.norm_fused = False
-                layer.attn.qkv.forward = lambda h, w=layer.attn.qkv.weight, r=recipe: fp8_linear(h, w, None, r)
-        with torch.no_grad():
-            outs.append(model(batch))
-    assert torch.equal(outs[0], outs[1])
+                unfuse(layer)
+        models.append(model)
+    return models, source.train_batch(0)
+
+
+def _unfuse_qkv(layer):
+    qkv = layer.attn.qkv
+    qkv.norm_fused = False
+    qkv.forward = lambda h, w=qkv.weight, r=qkv.fp8_recipe: fp8_linear(h, w, None, r)
+
+
+def test_model_fuses_the_mlp_pre_norm(monkeypatch):
+    # fp8 rules hand each sequence layer's MLP and QKV projection their pre-norms; on the emulated
+    # path they run the same RMSNorm themselves, so the model's output is unchanged by the fusion
+    # (the fused kernels' numerics: the tests above and below).
+    from gemctl.precision import fp8_linear as mod
+
+    monkeypatch.setattr(mod, "triton_ready", lambda *t: False)
+    monkeypatch.setattr(mod, "_said", {"emulated"})
+
+    def unfuse(layer):
+        assert layer.mlp.norm_fused
+        layer.mlp.norm_fused = False
+        w_up, w_down, recipe = layer.mlp.up.weight, layer.mlp.down.weight, layer.mlp.fp8_recipe
+        layer.mlp.forward = lambda h, u=w_up, d=w_down, r=recipe: fp8_mlp(h, u, d, r)
+        _unfuse_qkv(layer)
+
+    models, batch = _fp8_models(["precision=fp8"], unfuse)
+    with torch.no_grad():
+        assert torch.equal(models[0](batch), models[1](batch))
 
 
 def test_model_fused_norms_through_the_kernels():
     # The whole model through the fused FP8 kernels (interpreter on CPU): the QKV projection with
     # its pre-norm fused gives the same output and weight gradients as the norm followed by the
     # plain FP8 linear; the norm weight's gradient up to float32 summation order.
-    from gemctl.config.compose import compose
-    from gemctl.data.source import build_source
-    from gemctl.model import build_model
-    from gemctl.precision.rules import apply_precision
-
     if not INTERPRET:
-        pytest.skip("the CPU tier's check (the GPU tier runs test_fused_norm_linear_gpu)")
-    cfg = compose(["model=tiny", "model.num_layers=1", "precision=fp8_tower", "train.device=cpu", "data.batch_size=8",
-                   "data.max_len=16"])
-    source = build_source(cfg.data, cfg.shuffle, 1, 0)
-    batch = source.train_batch(0)
+        pytest.skip("the CPU tier's check (the GPU tier runs test_fused_norm_gpu)")
+    models, batch = _fp8_models(["model.num_layers=1", "precision=fp8_tower", "data.batch_size=8", "data.max_len=16"],
+                                _unfuse_qkv)
     runs = []
-    for fuse in (True, False):
-        torch.manual_seed(0)
-        model = build_model(cfg.model, source.spec, device=torch.device("cpu"))
-        apply_precision(model, cfg.precision, cfg.model.num_layers, "cpu")
-        qkv = model.tower.layers[0].attn.qkv
-        assert qkv.norm_fused
-        if not fuse:
-            qkv.norm_fused = False
-            qkv.forward = lambda h, w=qkv.weight, r=qkv.fp8_recipe: fp8_linear(h, w, None, r)
+    for model in models:
         out = model(batch)
         out.float().square().mean().backward()
         runs.append((out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
@@ -672,31 +672,32 @@ def test_rmsnorm_cast_bit_exact_gpu():
 
 
 @pytest.mark.gpu
-def test_fused_norm_mlp_gpu():
+@pytest.mark.parametrize("block", ["mlp", "linear"])
+def test_fused_norm_gpu(block):
+    """The MLP's and the QKV projection's pre-norms fused into their casts, against F.rms_norm
+    then the same block, bf16 at 8192 tokens x 1024 features."""
     g = torch.Generator().manual_seed(6)
     x = (torch.randn(8192, 1024, generator=g) * 3).to("cuda", torch.bfloat16).requires_grad_()
     norm_w = (1 + 0.1 * torch.randn(1024, generator=g)).cuda().requires_grad_()
-    w_up = (torch.randn(4096, 1024, generator=g) / 32).cuda().requires_grad_()
-    w_down = (torch.randn(1024, 4096, generator=g) / 64).cuda().requires_grad_()
-    gy = torch.randn(8192, 1024, generator=g).to("cuda", torch.bfloat16)
-    tensors, recipe = [x, norm_w, w_up, w_down], Fp8Recipe()
-    fused = _grads(lambda: fp8_mlp(x, w_up, w_down, recipe, norm_weight=norm_w, eps=1e-6), tensors, gy)
-    apart = _grads(lambda: fp8_mlp(F.rms_norm(x, (1024,), norm_w.to(x.dtype), 1e-6), w_up, w_down, recipe), tensors, gy)
-    for name, a, b in zip(("y", "dx", "dnorm_w", "dw_up", "dw_down"), fused, apart):
-        assert _rel(a, b) < 2e-2, (name, _rel(a, b))
+    recipe = Fp8Recipe()
+    if block == "mlp":
+        w_up = (torch.randn(4096, 1024, generator=g) / 32).cuda().requires_grad_()
+        w_down = (torch.randn(1024, 4096, generator=g) / 64).cuda().requires_grad_()
+        weights, names = [w_up, w_down], ("y", "dx", "dnorm_w", "dw_up", "dw_down")
 
+        def run(h, nw):
+            return fp8_mlp(h, w_up, w_down, recipe, norm_weight=nw, eps=1e-6)
+    else:
+        w = (torch.randn(3072, 1024, generator=g) / 32).cuda().requires_grad_()
+        weights, names = [w], ("y", "dx", "dnorm_w", "dw")
 
-@pytest.mark.gpu
-def test_fused_norm_linear_gpu():
-    g = torch.Generator().manual_seed(7)
-    x = (torch.randn(8192, 1024, generator=g) * 3).to("cuda", torch.bfloat16).requires_grad_()
-    norm_w = (1 + 0.1 * torch.randn(1024, generator=g)).cuda().requires_grad_()
-    w = (torch.randn(3072, 1024, generator=g) / 32).cuda().requires_grad_()
-    gy = torch.randn(8192, 3072, generator=g).to("cuda", torch.bfloat16)
-    tensors, recipe = [x, norm_w, w], Fp8Recipe()
-    fused = _grads(lambda: fp8_linear(x, w, None, recipe, norm_weight=norm_w, eps=1e-6), tensors, gy)
-    apart = _grads(lambda: fp8_linear(F.rms_norm(x, (1024,), norm_w.to(x.dtype), 1e-6), w, None, recipe), tensors, gy)
-    for name, a, b in zip(("y", "dx", "dnorm_w", "dw"), fused, apart):
+        def run(h, nw):
+            return fp8_linear(h, w, None, recipe, norm_weight=nw, eps=1e-6)
+    gy = torch.randn(8192, weights[-1].shape[0], generator=g).to("cuda", torch.bfloat16)
+    tensors = [x, norm_w, *weights]
+    fused = _grads(lambda: run(x, norm_w), tensors, gy)
+    apart = _grads(lambda: run(F.rms_norm(x, (1024,), norm_w.to(x.dtype), 1e-6), None), tensors, gy)
+    for name, a, b in zip(names, fused, apart):
         assert _rel(a, b) < 2e-2, (name, _rel(a, b))
 
 
