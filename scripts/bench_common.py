@@ -87,7 +87,7 @@ def profile_step(fn, warmup: int = 3, pins: dict | None = None) -> None:
         for _ in range(warmup):
             fn()
         torch.cuda.synchronize()
-        used = {str(key[0]): tuple(cfg) for key, cfg in common._config_cache.items() if key[0] in PINNABLE}
+        used = {name.split("/")[0]: tuple(cfg) for name, cfg in picked_configs(PINNABLE).items()}
         used.update(pins or {})
         print("profiled configs:", " ".join(f"{name}={','.join(map(str, cfg))}" for name, cfg in sorted(used.items())),
               flush=True)

@@ -367,29 +367,36 @@ def _rotated(x2d: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe):
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Fp8Recipe,
                norm_weight: torch.Tensor | None = None, eps: float | None = None) -> torch.Tensor:
     """F.linear with FP8 GEMMs (forward and backward); x [..., K], weight [N, K]. ``norm_weight``
-    [K]: ``F.linear(RMSNorm(x), ...)`` (gemctl.model.norm's RMSNorm; eps None is x's dtype's
-    machine epsilon), the norm fused into the operand's casts where the kernels allow it (row-wise,
-    Triton, no rotation, rows of at most 8192 values), else applied first."""
-    from gemctl.ops.triton.fp8_gemm import _ROWS_IN_REGISTERS
-
+    [K]: ``F.linear(RMSNorm(x), ...)`` (see _pre_norm), the norm fused into the operand's casts
+    where the kernels allow it (row-wise, Triton, no rotation), else applied first."""
+    fusable = norm_weight is not None and recipe.group == 0 and not recipe.hadamard and triton_ready(x, weight)
+    x, norm_weight, eps = _pre_norm(x, norm_weight, eps, fusable)
     if norm_weight is not None:
-        eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
-        x2d = x.reshape(-1, x.shape[-1])
-        if (recipe.group == 0 and not recipe.hadamard and x.shape[-1] <= _ROWS_IN_REGISTERS
-                and triton_ready(x2d, weight)):
-            y = _Fp8LinearFunction.apply(x2d, weight, recipe, norm_weight, eps).reshape(*x.shape[:-1], weight.shape[0])
-            return y if bias is None else y + bias.to(y.dtype)
-        x = F.rms_norm(x, (x.shape[-1],), norm_weight.to(x.dtype), eps)
-    x2d, weight = _rotated(x.reshape(-1, x.shape[-1]), weight, recipe)
-    if triton_ready(x2d, weight) and _group_fits(recipe.group, x2d.shape[1], weight.shape[0]):
-        y = _Fp8LinearFunction.apply(x2d, weight, recipe)
+        y = _Fp8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, recipe, norm_weight, eps)
     else:
-        _say_once("emulated", "fp8 GEMMs emulated (quantize-dequantize + float32 GEMM): the Triton FP8 kernels "
-                  "need a CUDA GPU with FP8 tensor cores (sm_89+)" + (
-                      f" and dimensions divisible by {recipe.group}" if recipe.group else ""))
-        y = _EmulatedFunction.apply(x2d, weight, recipe)
+        x2d, w = _rotated(x.reshape(-1, x.shape[-1]), weight, recipe)
+        if triton_ready(x2d, w) and _group_fits(recipe.group, x2d.shape[1], w.shape[0]):
+            y = _Fp8LinearFunction.apply(x2d, w, recipe)
+        else:
+            _say_once("emulated", "fp8 GEMMs emulated (quantize-dequantize + float32 GEMM): the Triton FP8 kernels "
+                      "need a CUDA GPU with FP8 tensor cores (sm_89+)" + (
+                          f" and dimensions divisible by {recipe.group}" if recipe.group else ""))
+            y = _EmulatedFunction.apply(x2d, w, recipe)
     y = y.reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias.to(y.dtype)
+
+
+def _pre_norm(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float | None, fusable: bool):
+    """``(x, norm_weight, eps)`` for a block whose pre-norm (gemctl.model.norm's RMSNorm: weight in
+    x's dtype; eps None is x's dtype's machine epsilon, as torch's rms_norm takes it) may fuse into
+    its first cast: unchanged where ``fusable`` and the rows fit the fused cast (8192 values), else
+    x normalized here and no norm left to fuse."""
+    from gemctl.ops.triton.fp8_gemm import _ROWS_IN_REGISTERS
+
+    eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
+    if norm_weight is not None and not (fusable and x.shape[-1] <= _ROWS_IN_REGISTERS):
+        x, norm_weight = F.rms_norm(x, (x.shape[-1],), norm_weight.to(x.dtype), eps), None
+    return x, norm_weight, eps
 
 
 def _group_fits(group: int, k: int, n: int) -> bool:
@@ -477,21 +484,15 @@ def fp8_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, recipe: F
     ``down(silu(up(RMSNorm(x))))`` (gemctl.model.norm's RMSNorm: weight applied in x's dtype; eps
     None is x's dtype's machine epsilon, as torch's rms_norm takes it). Other granularities (or
     no Triton) run the norm, then the two linears of ``fp8_linear`` with silu between them."""
-    from gemctl.ops.triton.fp8_gemm import _ROWS_IN_REGISTERS
-
-    x2d = x.reshape(-1, x.shape[-1])
-    eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
     # The fused producers apply the norm and silu inside the casts, before a rotation could: with
     # a Hadamard rotation the block runs as two fp8_linear calls (said once).
-    fused = recipe.group == 0 and recipe.fused_mlp and triton_ready(x2d, w_up, w_down)
+    fused = recipe.group == 0 and recipe.fused_mlp and triton_ready(x, w_up, w_down)
     if fused and recipe.hadamard:
         _say_once("hadamard_mlp", "fp8 MLP blocks with a Hadamard rotation run unfused (two fp8 linears)")
         fused = False
-    if norm_weight is not None and not (fused and x.shape[-1] <= _ROWS_IN_REGISTERS):
-        x = F.rms_norm(x, (x.shape[-1],), norm_weight.to(x.dtype), eps)
-        x2d, norm_weight = x.reshape(-1, x.shape[-1]), None
+    x, norm_weight, eps = _pre_norm(x, norm_weight, eps, fused)
     if fused:
-        y = _Fp8MLPFunction.apply(x2d, w_up, w_down, recipe, norm_weight, eps)
+        y = _Fp8MLPFunction.apply(x.reshape(-1, x.shape[-1]), w_up, w_down, recipe, norm_weight, eps)
         return y.reshape(*x.shape[:-1], w_down.shape[0])
     return fp8_linear(F.silu(fp8_linear(x, w_up, None, recipe)), w_down, None, recipe)
 

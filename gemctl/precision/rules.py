@@ -63,13 +63,16 @@ def _apply_fp8(model: nn.Module, formats: dict[str, str], fp8_cfg) -> None:
     from gemctl.precision.fp8_linear import Fp8Recipe, use_fp8_linear, use_fp8_mlp
 
     recipe = Fp8Recipe.from_config(fp8_cfg)
-    # A sequence layer's MLP pre-norm (RMSNorm with a weight) fuses into the FP8 MLP's first cast.
-    pre_norms = {id(m.mlp): m.mlp_norm for m in model.modules()
-                 if isinstance(m, SequenceLayer) and isinstance(m.mlp_norm, RMSNorm) and m.mlp_norm.weight is not None}
-    # Its attention pre-norm fuses into the QKV projection's first cast the same way.
-    qkv_norms = {id(m.attn.qkv): m.attn_norm for m in model.modules()
-                 if isinstance(m, SequenceLayer) and isinstance(m.attn_norm, RMSNorm) and m.attn_norm.weight is not None
-                 and getattr(m.attn, "operand_quant", None) is None}
+    # A sequence layer's pre-norms (RMSNorm with a weight) fuse into the first cast of what follows
+    # them: the FP8 MLP, and the QKV projection (unless MX attention quantizes its operands).
+    pre_norms = {}
+    for m in model.modules():
+        if isinstance(m, SequenceLayer):
+            pairs = [(m.mlp, m.mlp_norm)]
+            if getattr(m.attn, "operand_quant", None) is None:
+                pairs.append((m.attn.qkv, m.attn_norm))
+            pre_norms.update({id(target): norm for target, norm in pairs
+                              if isinstance(norm, RMSNorm) and norm.weight is not None})
     fused: set[str] = set()
     for path, module in model.named_modules():
         if isinstance(module, MLP) and isinstance(module.act, nn.SiLU):
@@ -79,8 +82,7 @@ def _apply_fp8(model: nn.Module, formats: dict[str, str], fp8_cfg) -> None:
                 fused.update((up, down))
     for path, module in model.named_modules():
         if formats[path] == "fp8" and isinstance(module, nn.Linear) and path not in fused:
-            norm = qkv_norms.get(id(module)) if recipe.fused_qkv_norm and recipe.group == 0 else None
-            use_fp8_linear(module, recipe, norm=norm)
+            use_fp8_linear(module, recipe, norm=pre_norms.get(id(module)) if recipe.fused_qkv_norm else None)
 
 
 def apply_precision(model: nn.Module, precision_cfg, num_layers: int, device_type: str) -> dict[str, str]:
