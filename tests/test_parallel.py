@@ -111,6 +111,35 @@ def test_layout_matches_single_process(tmp_path, nproc, layout, global_batch):
     assert perf["qps"] * perf["step_time_ms"] / 1e3 == pytest.approx(global_batch, rel=1e-6)
 
 
+# The same layouts over NCCL on two GPUs. fp32 compute (TF32 matmuls, as every run sets) and the
+# untimed default kernel configs (GEMCTL_AUTOTUNE=0), so the single process and the ranks run the
+# same kernels and only the order of reductions differs.
+GPU_FP32 = ["train.device=cuda", "precision.compute_dtype=fp32"]
+GPU_RTOL = 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", [
+    ["parallel=fsdp", "parallel.topology.gpus_per_node=2"],
+    ["parallel=hsdp", "parallel.dp_shard=1", "parallel.topology.gpus_per_node=2"],
+    ["parallel=fsdp", "parallel.ep=2", "parallel.topology.gpus_per_node=2", "model.moe.n_experts=4",
+     "model.moe.top_k=2", "model.moe.aux_loss_weight=0"],
+], ids=["fsdp-2", "hsdp-2x1", "ep-2-moe"])
+def test_layout_matches_single_process_on_two_gpus(tmp_path, monkeypatch, layout):
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    monkeypatch.setenv("GEMCTL_AUTOTUNE", "0")
+    dist = _torchrun(tmp_path, 2, layout + GPU_FP32 + ["data.batch_size=8"])
+    model = [o for o in layout if o.startswith("model.")]
+    single = _single(tmp_path, model + GPU_FP32 + ["data.batch_size=16"])
+    worst = max(abs(a - b) / abs(b) for a, b in zip(dist["losses"], single["losses"]))
+    print(f"{'/'.join(layout)}: max relative loss difference {worst:.3e} over {len(single['losses'])} steps")
+    assert len(dist["losses"]) == len(single["losses"]) and worst <= GPU_RTOL
+    assert dist["perf"]["world_size"] == 2
+
+
 def test_torchrun_run_directory(tmp_path):
     summary = _torchrun(tmp_path, 2, ["parallel=fsdp", "data.batch_size=8"])
     (run,) = glob.glob(str(tmp_path / "default" / "*"))
