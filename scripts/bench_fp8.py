@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import base_meta, bench, graph_bench, run_meta  # noqa: E402
 
 from gemctl.ops.triton.fp8_gemm import (  # noqa: E402
-    AMAX_ROWS, TOKEN_CHUNK, fp8_cast_cols, fp8_cast_rows, fp8_gemm, fp8_rmsnorm_cast_rows,
+    TOKEN_CHUNK, amax_rows_for, fp8_cast_cols, fp8_cast_rows, fp8_gemm, fp8_rmsnorm_cast_rows,
 )
 from gemctl.ops.triton.mx_quant import mx_quantize  # noqa: E402
 from gemctl.precision.fp8_linear import GRANULARITIES, Fp8Recipe, fp8_mlp, qdq  # noqa: E402
@@ -182,15 +182,19 @@ def mlp_rows(tokens: int, only=None, widths=None) -> list[dict]:
     return out
 
 
-def cast_rows(tokens: int, copy: float) -> list[dict]:
-    """Bytes: read 2 B (bf16), write 1 B per element, 1 B per scale; the column maxima a row cast
-    leaves for the column cast (int32 per column and AMAX_ROWS rows) are written by one and read
-    by the other."""
+AMAX_SWEEP = (16, 32, 64, 128)  # rows per column scale byte, timed for the plain row cast
+
+
+def cast_rows(tokens: int, copy: float, widths=(1024, 4096, 8192)) -> list[dict]:
+    """Bytes: read 2 B (bf16), write 1 B per element, 1 B per scale; the column scale bytes a row
+    cast leaves for the column cast (1 B per column and run of amax_rows_for rows, the run length
+    the linears use) are written by one and read by the other."""
     out = []
-    for cols in (1024, 4096, 8192):
+    runs = amax_rows_for(TOKEN_CHUNK, tokens)
+    for cols in widths:
         x = torch.randn(tokens, cols, device="cuda", dtype=BF16)
         n = x.numel()
-        part_bytes = 4 * cols * -(-tokens // AMAX_ROWS)
+        part_bytes = cols * -(-tokens // runs)
         col_scales = cols * -(-tokens // TOKEN_CHUNK)
         cases = {}
         for act in (None, "silu"):
@@ -198,8 +202,12 @@ def cast_rows(tokens: int, copy: float) -> list[dict]:
             part = fp8_cast_rows(x, act=act, col_amax=True)[2]
             cases[f"rows{on}"] = (lambda act=act: fp8_cast_rows(x, act=act), 3 * n + tokens)
             if part is not None:
-                cases[f"rows + column maxima{on}"] = (lambda act=act: fp8_cast_rows(x, act=act, col_amax=True),
-                                                      3 * n + tokens + part_bytes)
+                cases[f"rows + column maxima{on}, {runs}-row runs"] = (
+                    lambda act=act: fp8_cast_rows(x, act=act, col_amax=True), 3 * n + tokens + part_bytes)
+            if part is not None and act is None:
+                for ar in (a for a in AMAX_SWEEP if a != runs):
+                    cases[f"rows + column maxima, {ar}-row runs"] = (
+                        lambda ar=ar: fp8_cast_rows(x, col_amax=True, amax_rows=ar), 3 * n + tokens + cols * -(-tokens // ar))
             cases[f"cols transposed{on}, {TOKEN_CHUNK}-token chunks, 2 reads"] = (
                 lambda act=act: fp8_cast_cols(x, act=act), 3 * n + col_scales)
             if part is not None:
@@ -211,7 +219,7 @@ def cast_rows(tokens: int, copy: float) -> list[dict]:
         _, _, rstd, npart = fp8_rmsnorm_cast_rows(x, nw, 1e-6, col_amax=True)
         cases["torch rms_norm (bf16 out)"] = (lambda: F.rms_norm(x, (cols,), nw, 1e-6), 4 * n)
         cases["rows, RMSNorm fused"] = (lambda: fp8_rmsnorm_cast_rows(x, nw, 1e-6), 3 * n + 5 * tokens)
-        cases["rows + column maxima, RMSNorm fused"] = (lambda: fp8_rmsnorm_cast_rows(x, nw, 1e-6, col_amax=True),
+        cases[f"rows + column maxima, RMSNorm fused, {runs}-row runs"] = (lambda: fp8_rmsnorm_cast_rows(x, nw, 1e-6, col_amax=True),
                                                         3 * n + 5 * tokens + part_bytes)
         cases[f"cols transposed, RMSNorm recomputed, {TOKEN_CHUNK}-token chunks, from column maxima"] = (
             lambda: fp8_cast_cols(x, norm=(rstd, nw), part=npart), 3 * n + col_scales + part_bytes + 4 * tokens)
@@ -354,6 +362,7 @@ def main() -> None:
     ap.add_argument("--grans", default=",".join(GRANULARITIES), help="granularities timed in the gemm section")
     ap.add_argument("--mlp", default="", help="comma-separated MLP variants to time (default: all)")
     ap.add_argument("--widths", default="", help="comma-separated model widths d of the MLP section (default: all)")
+    ap.add_argument("--cast-widths", default="1024,4096,8192", help="comma-separated row widths of the cast section")
     args = ap.parse_args()
     parts = args.only.split(",")
     if not torch.cuda.is_available():
@@ -365,7 +374,7 @@ def main() -> None:
     result = {"meta": meta}
     path = Path(args.out)
     sections = {"accuracy": accuracy_rows, "outliers": outlier_rows, "accumulation": accumulation_rows,
-                "cast": lambda: cast_rows(args.tokens, meta["copy_tbps"]),
+                "cast": lambda: cast_rows(args.tokens, meta["copy_tbps"], [int(w) for w in args.cast_widths.split(",")]),
                 "gemm": lambda: gemm_rows(args.tokens, args.grans.split(",")),
                 "mlp": lambda: mlp_rows(args.tokens, [v for v in args.mlp.split(",") if v],
                                         [int(w) for w in args.widths.split(",") if w]),

@@ -25,9 +25,10 @@
 #             GDPA cross-128, block attention (64, RoPE) self-1000. Autotuning under ncu can pick other
 #             configs than the benchmark (the GDPA forward did, 2026-11-30): the log names the configs it
 #             profiled, and NCU_PIN_JAGGED / NCU_PIN_GDPA / NCU_PIN_BLOCK ("--pin KERNEL=CFG ...") pin them
-#   multi-gpu the two-GPU checks (2+ GPUs): FSDP, HSDP and EP+MoE over NCCL against one process
-#             (pytest -m gpu -k two_gpus), then small_h200 with FSDP over every GPU and the Scaling
-#             Ratio against rank 0's single-GPU baseline (metrics.scaling_baseline_steps)
+#   tests-multi-gpu  the two-GPU checks (2+ GPUs): FSDP, HSDP and EP+MoE over NCCL against one
+#             process (pytest -m gpu -k two_gpus)
+#   scaling   small_h200 with FSDP over every GPU and its Scaling Ratio against rank 0's
+#             single-GPU baseline (metrics.scaling_baseline_steps)
 #   precision-speed  small_h200 once per precision recipe (bf16, fp8_mlp, fp8_tower, fp8), autotuned,
 #             30 steps and smaller item/user tables (the step compares recipes, not the baseline)
 #
@@ -73,10 +74,11 @@ for stage in "$@"; do
       python3 -m pytest -v -m gpu tests/test_fp8.py tests/test_mx.py tests/test_mx_attention.py -p no:cacheprovider -rf 2>&1 \
         | grep -E "PASSED|FAILED|ERROR|passed|failed" | tee "$OUT/gpu_tests_precision.log" ;;
     bench-fp8) python3 scripts/bench_fp8.py --only cast,mlp --out "$OUT/bench_fp8.json" 2>&1 | quiet | tee "$OUT/bench_fp8.log" ;;
-    multi-gpu)
-      ngpu=$(nvidia-smi -L | wc -l)
+    tests-multi-gpu)
       python3 -m pytest -v -s -m gpu tests/test_parallel.py -k two_gpus -p no:cacheprovider -rf 2>&1 \
-        | grep -E "PASSED|FAILED|ERROR|passed|failed|skipped|relative loss" | tee "$OUT/gpu${ngpu}_tests.log"
+        | grep -E "PASSED|FAILED|ERROR|Error|passed|failed|skipped|relative loss" | tee "$OUT/gpu_tests_multi_gpu.log" ;;
+    scaling)
+      ngpu=$(nvidia-smi -L | wc -l)
       python3 -m gemctl train --recipe small_h200 run.progress=false launcher=torchrun launcher.nproc_per_node=$ngpu \
         parallel=fsdp parallel.topology.gpus_per_node=$ngpu metrics.scaling_baseline_steps=20 \
         run.name=small_h200-fsdp$ngpu 2>&1 | quiet | tee "$OUT/small_h200_fsdp$ngpu.log"

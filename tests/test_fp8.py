@@ -60,6 +60,8 @@ def check_cast(x: torch.Tensor, chunk: int) -> None:
         assert part is None
         return
     assert part.shape == (-(-x.shape[0] // amax_rows), x.shape[1])
+    # each column's E8M0 byte over each run of amax_rows rows, the partial last run included
+    assert torch.equal(part, quantize_mx(x, block=amax_rows, axis=0, scale_rule="rceil")[1])
     dt2, sc2 = fp8_cast_cols(x, chunk, part=part, amax_rows=amax_rows)
     assert torch.equal(_bytes(dt2), _bytes(dt)) and torch.equal(sc2, sc)
 
@@ -747,7 +749,8 @@ def test_amax_rows_for():
     from gemctl.ops.triton.fp8_gemm import AMAX_ROWS, amax_rows_for
 
     assert amax_rows_for(4096, 10**6) == AMAX_ROWS  # large batches: the fewest column maxima
-    assert amax_rows_for(4096, 65536) == 64  # ~1024 row-cast programs
+    assert amax_rows_for(4096, 65536) == 16  # ~4096 row-cast programs
+    assert amax_rows_for(4096, 262144) == 64
     assert amax_rows_for(4096, 100) == 16  # never below the row cast's largest BLOCK_R
     assert amax_rows_for(384, 10**6) == 0  # 3 x 128: not a power-of-two number of runs per chunk
     assert amax_rows_for(8, 10**6) == 0  # runs shorter than 16 rows

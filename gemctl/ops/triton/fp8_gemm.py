@@ -30,8 +30,8 @@ Casts, each a local operation (no atomics, no pass over the whole tensor first):
 registers, read once) and ``fp8_cast_cols`` (the transposed operand ``[C, R]`` with one scale per
 column and chunk of rows); both can apply ``silu`` on the fly. Every column cast of the MLP and
 the linears follows a row cast of the same tensor, which also leaves the columns' maxima over
-runs of rows (``col_amax``, int32, one per column and ``amax_rows_for`` rows): the column cast
-then takes its chunk scales from those and reads its input once instead of twice (its own amax
+runs of rows (``col_amax``: each column's scale byte over every ``amax_rows_for`` rows): the
+column cast then takes its chunk scales from those and reads its input once instead of twice (its own amax
 sweep over a chunk does not stay in L2). Scale rule: RCEIL, the smallest
 power of two with amax / 2^s <= 448 (E4M3's largest value), so nothing saturates; identical to
 ``gemctl.precision.mx.quantize_mx(x, block, scale_rule="rceil")`` with the block the row or the
@@ -53,7 +53,7 @@ from gemctl.ops.triton.mx_quant import _block_scales, _quantize_elems
 EPILOGUES = {"none": 0, "silu_bwd": 2}
 PROMOTE_EVERY = 4096  # contraction values summed on the tensor cores before a float32 add (long K)
 TOKEN_CHUNK = 4096  # tokens per scale of the weight-gradient operands
-AMAX_ROWS = 128  # rows per column maximum a row cast leaves for the column cast of the same tensor
+AMAX_ROWS = 128  # the most rows per column scale byte a row cast leaves for the column cast
 IN_LOOP_GROUPS = (32, 128)
 ACTS = {None: 0, "silu": 1}
 
@@ -67,7 +67,10 @@ _GEMM_CANDIDATES = [
 ]
 _GEMM_INTERPRET = (16, 16, 32, 1, 1, False)
 # Whole-row casts: (rows per program, warps); rows up to 8192 values wide are held in registers.
-_ROWS_CANDIDATES = [(2, 4), (1, 4), (4, 4), (4, 8), (2, 8), (8, 8), (1, 8), (16, 8), (1, 16)]
+# One-warp programs reduce a row by shuffles alone: the RMSNorm-fused cast at C=1024 has 17 block
+# barriers per program at (4, 4) (two cross-warp reductions and the layout changes of its stores)
+# and none at (1, 1) (sm_90 ptxas, Triton 3.6).
+_ROWS_CANDIDATES = [(2, 4), (1, 4), (4, 4), (4, 8), (2, 8), (8, 8), (1, 8), (16, 8), (1, 16), (1, 1), (2, 1)]
 _ROWS_INTERPRET = (2, 1)
 # Chunked column casts: (BLOCK_R, BLOCK_C, warps).
 _COLS_CANDIDATES = [(64, 64, 4), (128, 32, 4), (64, 128, 8), (32, 128, 4), (128, 64, 8), (256, 32, 8), (128, 128, 8),
@@ -115,6 +118,14 @@ def _pow2_bits(s_byte):
 def _scale_from_amax(amax_bits):
     """(E8M0 byte, 2^-shared, NaN flag) from |amax|'s float32 bits under RCEIL for E4M3."""
     return _block_scales(amax_bits, 8, True)
+
+
+@triton.jit
+def _scales_from_byte(byte):
+    """_scale_from_amax's triple from the E8M0 byte alone (a NaN/Inf block's 255 gives the same
+    2^-shared as its amax does: the exponent clamps at 127)."""
+    b = byte.to(tl.int32)
+    return byte, ((254 - tl.minimum(b, 254)) << 23).to(tl.float32, bitcast=True), b == 255
 
 
 @triton.jit
@@ -297,9 +308,10 @@ def _cast_rows_kernel(
 ):
     """Whole rows, ITERS blocks of BLOCK_R rows per program. ONE_SWEEP (BLOCK_C covers the row):
     one read, the rows held in registers; otherwise (ITERS == 1) a sweep for the amax and a second
-    one (mostly L2 hits) to quantize. COL_AMAX (ONE_SWEEP only): also the |x| bits' maximum of
-    every column over the program's ITERS * BLOCK_R rows, PART [programs, Cn], from which the
-    column cast takes its chunk scales without a sweep of its own. NORM (ONE_SWEEP, ACT 0): the
+    one (mostly L2 hits) to quantize. COL_AMAX (ONE_SWEEP only): also every column's E8M0 scale
+    byte over the program's ITERS * BLOCK_R rows, PART [programs, Cn] uint8, from which the column
+    cast takes its chunk scales without a sweep of its own (RCEIL's byte grows with the amax, so
+    the byte of a chunk is the largest of its runs' bytes). NORM (ONE_SWEEP, ACT 0): the
     rows are RMS-normalized first, y = x * rstd * NW (float32 NW [Cn]), rounded to X's dtype
     (what the unfused norm would store), and rstd = 1 / sqrt(mean(x^2) + eps) goes to RSTD [R]."""
     pid = tl.program_id(0)
@@ -335,7 +347,8 @@ def _cast_rows_kernel(
                 col = tl.maximum(col, bits)
             rr, raw = nxt, raw_next
         if COL_AMAX:
-            tl.store(PART + pid.to(tl.int64) * stride_p + cc, tl.max(col, axis=0), mask=cc < Cn)
+            col_byte, _, _ = _scale_from_amax(tl.max(col, axis=0))
+            tl.store(PART + pid.to(tl.int64) * stride_p + cc, col_byte, mask=cc < Cn)
     else:
         rr = pid * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rr < R
@@ -356,12 +369,12 @@ def _cast_rows_kernel(
 
 
 @triton.jit
-def _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, amax, cc, cmask, g, end, stride_xr, stride_dt, stride_sc,
+def _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g, end, stride_xr, stride_dt, stride_sc,
                                ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr, CHUNK: tl.constexpr,
                                BLOCK_R: tl.constexpr, NORM: tl.constexpr):
-    """Chunk g of columns cc, given their amax over the chunk: the scales, and the codes written to
-    DATA_T [Cn, R] through a register transpose (each column's run of rows one contiguous store)."""
-    byte, inv, nan = _scale_from_amax(amax)
+    """Chunk g of columns cc, given their scales over the chunk (byte, 2^-shared, NaN flag): the
+    bytes, and the codes written to DATA_T [Cn, R] through a register transpose (each column's run
+    of rows one contiguous store)."""
     tl.store(SCALE + cc.to(tl.int64) * stride_sc + g, byte.to(tl.uint8), mask=cmask)
     nw = tl.load(NW + cc, mask=cmask, other=0.0) if NORM else 0.0
     for r0 in range(g * CHUNK, end, BLOCK_R):
@@ -402,8 +415,9 @@ def _cast_cols_kernel(
         mask = (rr[:, None] < end) & cmask[None, :]
         x = _load_cols(X, RSTD, nw, rr, cc, mask, end, stride_xr, ACT, IN_BF16, NORM, BIT_CAST)
         amax = tl.maximum(amax, tl.max(_abs_bits(x, mask), axis=0))
-    _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, amax, cc, cmask, g, end, stride_xr, stride_dt, stride_sc,
-                               ACT, IN_BF16, BIT_CAST, CHUNK, BLOCK_R, NORM)
+    byte, inv, nan = _scale_from_amax(amax)
+    _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g, end, stride_xr, stride_dt,
+                               stride_sc, ACT, IN_BF16, BIT_CAST, CHUNK, BLOCK_R, NORM)
 
 
 @triton.jit
@@ -412,7 +426,7 @@ def _cast_cols_amax_kernel(
     ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr,
     CHUNK: tl.constexpr, PARTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr = False,
 ):
-    """As _cast_cols_kernel, the chunk's column amax taken from the PARTS partial maxima the row
+    """As _cast_cols_kernel, the chunk's column scales taken from the PARTS scale bytes the row
     cast left in PART (CHUNK / PARTS rows each): one read of the chunk instead of two."""
     cc = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     g = tl.program_id(1)
@@ -420,7 +434,8 @@ def _cast_cols_amax_kernel(
     pp = g * PARTS + tl.arange(0, PARTS)
     part = tl.load(PART + pp.to(tl.int64)[:, None] * stride_p + cc[None, :], mask=(pp[:, None] < n_part) & cmask[None, :],
                    other=0)
-    _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, tl.max(part, axis=0), cc, cmask, g,
+    byte, inv, nan = _scales_from_byte(tl.max(part, axis=0))
+    _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g,
                                tl.minimum(g * CHUNK + CHUNK, R), stride_xr, stride_dt, stride_sc, ACT, IN_BF16, BIT_CAST,
                                CHUNK, BLOCK_R, NORM)
 
@@ -444,32 +459,35 @@ def _bit_cast(bit_cast) -> bool:
 
 
 def amax_rows_for(chunk: int, rows: int) -> int:
-    """Rows per column maximum for a row cast of ``rows`` rows whose column cast comes in chunks
-    of ``chunk`` rows: a power of two that divides ``chunk``, at most AMAX_ROWS and small enough to
-    leave the row cast ~1024 programs; 0 (no column maxima) below 16, the largest BLOCK_R of the
-    row cast, or when a chunk is not a power of two of them (the column cast combines them in
-    one power-of-two block)."""
-    fill = 1 << max(rows // 1024, 1).bit_length() - 1  # the power of two <= rows / 1024
+    """Rows per column scale byte for a row cast of ``rows`` rows whose column cast comes in chunks
+    of ``chunk`` rows: a power of two that divides ``chunk``, at most AMAX_ROWS, and small enough
+    to give the row cast ~4096 programs (its programs walk their runs of rows one block after
+    another; at ~1024 programs an H200 holds them in about one wave, and the last, partial wave ran
+    the C=1024 cast at 66% of copy). 0 (no column maxima) below 16, the largest BLOCK_R of the row
+    cast, or when a chunk is not a power of two of them (the column cast combines them in one
+    power-of-two block)."""
+    fill = 1 << max(rows // 4096, 1).bit_length() - 1  # the power of two <= rows / 4096
     amax_rows = min(chunk & -chunk, AMAX_ROWS, max(fill, 16))
     parts = chunk // amax_rows if amax_rows else 0
     return amax_rows if amax_rows >= 16 and parts & (parts - 1) == 0 else 0
 
 
-def fp8_cast_rows(x: torch.Tensor, *, act: str | None = None, col_amax: bool = False, amax_rows: int = AMAX_ROWS,
+def fp8_cast_rows(x: torch.Tensor, *, act: str | None = None, col_amax: bool = False, amax_rows: int | None = None,
                   bit_cast: bool | None = None):
     """Row-wise E4M3 operand of ``act(x)`` [R, C]: ``(data [R, C], scale [R])``, one scale per row
     over all C values (the whole contraction of the GEMM that reads it).
 
-    ``col_amax``: returns ``(data, scale, part)`` with ``part [ceil(R / amax_rows), C]`` int32, the
-    largest |act(x)| bits of every column over each run of ``amax_rows`` rows; ``fp8_cast_cols``
-    of the same tensor takes its chunk scales from it and reads the tensor once instead of twice.
-    ``part`` is None for rows wider than the registers hold (8192 values)."""
+    ``col_amax``: returns ``(data, scale, part)`` with ``part [ceil(R / amax_rows), C]`` uint8,
+    every column's E8M0 scale byte over each run of ``amax_rows`` rows (default: amax_rows_for
+    the default TOKEN_CHUNK); ``fp8_cast_cols`` of the same tensor takes its chunk scales from it
+    and reads the tensor once instead of twice. ``part`` is None for rows wider than the registers
+    hold (8192 values)."""
     data, scale, _, part = _cast_rows(x, act, col_amax, amax_rows, bit_cast, None)
     return (data, scale, part) if col_amax else (data, scale)
 
 
 def fp8_rmsnorm_cast_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, *, col_amax: bool = False,
-                          amax_rows: int = AMAX_ROWS, bit_cast: bool | None = None):
+                          amax_rows: int | None = None, bit_cast: bool | None = None):
     """The producer of an RMSNorm -> linear pair: ``y = x / sqrt(mean(x^2) + eps) * weight``
     (float32 math, y rounded to x's dtype as the unfused norm stores it) quantized as the row-wise
     E4M3 operand, y itself never written. Returns ``(data [R, C], scale [R], rstd [R] float32)``,
@@ -492,11 +510,12 @@ def _norm_weight(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
     xin = _as_kernel_input(x, act)
     r, c = x.shape
+    amax_rows = amax_rows or amax_rows_for(TOKEN_CHUNK, r)
     data = torch.empty((r, c), dtype=torch.uint8, device=x.device)
     scale = torch.empty(r, dtype=torch.uint8, device=x.device)
     one_sweep = c <= _ROWS_IN_REGISTERS
     with_part = col_amax and one_sweep
-    part = torch.empty((triton.cdiv(r, amax_rows), c), dtype=torch.int32, device=x.device) if with_part else None
+    part = torch.empty((triton.cdiv(r, amax_rows), c), dtype=torch.uint8, device=x.device) if with_part else None
     rstd = torch.empty(r, dtype=torch.float32, device=x.device) if norm else None
     nw, eps = norm if norm else (scale, 0.0)  # placeholders the kernel does not read without NORM
     if x.numel():
@@ -518,14 +537,14 @@ def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
 
 
 def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None = None,
-                  part: torch.Tensor | None = None, amax_rows: int = AMAX_ROWS, bit_cast: bool | None = None,
+                  part: torch.Tensor | None = None, amax_rows: int | None = None, bit_cast: bool | None = None,
                   norm: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Transposed column-wise E4M3 operand of ``act(x)`` [R, C]: ``(data [C, R], scale [C,
     ceil(R / chunk)])``, one scale per column and chunk of ``chunk`` rows (default TOKEN_CHUNK;
     the last chunk may be partial). The weight-gradient GEMMs read it with ``group_k=chunk``.
-    ``part``: the column maxima ``fp8_cast_rows(x, act=act, col_amax=True, amax_rows=...)``
-    returned: one read of x (used when ``chunk / amax_rows`` is a power of two; the bytes are the
-    same either way). ``norm=(rstd, weight)``: the operand is RMSNorm(x), recomputed from x with the
+    ``part``: the column scale bytes ``fp8_cast_rows(x, act=act, col_amax=True, amax_rows=...)``
+    returned (``amax_rows`` default: amax_rows_for(chunk, R)): one read of x (used when
+    ``chunk / amax_rows`` is a power of two; the bytes are the same either way). ``norm=(rstd, weight)``: the operand is RMSNorm(x), recomputed from x with the
     rstd that ``fp8_rmsnorm_cast_rows(x, weight, ...)`` returned (``act`` must then be None)."""
     chunk = chunk or TOKEN_CHUNK
     if norm is not None and (act is not None or tuple(norm[0].shape) != (x.shape[0],)):
@@ -535,8 +554,9 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
     n_chunks = max(triton.cdiv(r, chunk), 1)
     data = torch.empty((c, r), dtype=torch.uint8, device=x.device)
     scale = torch.empty((c, n_chunks), dtype=torch.uint8, device=x.device)
-    parts = chunk // amax_rows
-    use_part = part is not None and chunk % amax_rows == 0 and parts & (parts - 1) == 0
+    amax_rows = amax_rows_for(chunk, r) if amax_rows is None else amax_rows
+    parts = chunk // amax_rows if amax_rows else 0
+    use_part = part is not None and parts > 0 and chunk % amax_rows == 0 and parts & (parts - 1) == 0
     if use_part and tuple(part.shape) != (triton.cdiv(r, amax_rows), c):
         raise ValueError(f"fp8_cast_cols: part {tuple(part.shape)} does not belong to x {tuple(x.shape)} "
                          f"with amax_rows={amax_rows}")
