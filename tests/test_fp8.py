@@ -72,6 +72,16 @@ def test_cast_bit_exact(shape, chunk, dtype):
     check_cast(_hostile(*shape, dtype), chunk)
 
 
+def test_cast_cols_from_many_runs():
+    """128 runs of 2 rows per 256-row chunk: the column cast combines its runs' bytes 32 at a time
+    (the partial last chunk's missing runs too)."""
+    x = _hostile(300, 24, torch.bfloat16)
+    dr, sr, part = fp8_cast_rows(x, col_amax=True, amax_rows=2)
+    dt, sc = fp8_cast_cols(x, 256, part=part, amax_rows=2)
+    cd, cs = quantize_mx(x, block=256, axis=0, scale_rule="rceil")
+    assert torch.equal(_bytes(dt), _bytes(cd.t().contiguous())) and torch.equal(sc, cs.t())
+
+
 def test_cast_rows_two_sweeps_for_wide_rows(monkeypatch):
     from gemctl.ops.triton import fp8_gemm as mod
 
