@@ -74,7 +74,7 @@ def kernels():
         yield mx._rmsnorm_mx_quant_kernel, mx_io, dict(e4m3, BIT_CAST=False, WRITE_Y=write_y, HAS_W=True,
                                                        BLOCK_R=4, BLOCKS_C=64)
     f8_io = dict(A="*fp8e4nv", B="*fp8e4nv", C="*bf16", SA="*u8", SB="*u8", PRE="*bf16", X="*i16", DATA="*u8",
-                 SCALE="*u8", DATA_T="*u8", PART="*i32", NW="*fp32", RSTD="*fp32", eps="fp32")
+                 SCALE="*u8", DATA_T="*u8", PART="*u8", NW="*fp32", RSTD="*fp32", eps="fp32")
     for group, chunk, epi in ((0, 0, 0), (0, 0, 2), (0, 4096, 0), (4096, 4096, 0), (128, 0, 0), (32, 0, 0)):
         yield f8._fp8_gemm_kernel, f8_io, dict(GROUP_K=group, CHUNK_K=chunk, EPI=epi, BLOCK_M=128, BLOCK_N=128,
                                                BLOCK_K=group if group in (32, 128) else 128, GROUP_M=8)
@@ -86,8 +86,8 @@ def kernels():
                                             ONE_SWEEP=True, ITERS=64, COL_AMAX=True, NORM=True)  # RMSNorm fused
     cast = dict(ACT=1, IN_BF16=True, BIT_CAST=False, CHUNK=4096, BLOCK_R=64, BLOCK_C=64)
     yield f8._cast_cols_kernel, f8_io, cast
-    yield f8._cast_cols_amax_kernel, f8_io, dict(cast, PARTS=32)
-    yield f8._cast_cols_amax_kernel, f8_io, dict(cast, ACT=0, PARTS=32, NORM=True)
+    yield f8._cast_cols_amax_kernel, f8_io, dict(cast, PARTS=256, PART_BLOCK=32)  # runs of 16 rows: 8 slices
+    yield f8._cast_cols_amax_kernel, f8_io, dict(cast, ACT=0, PARTS=32, PART_BLOCK=32, NORM=True)
     for block, rope in ((64, False), (64, True), (32, True), (128, True)):  # 128 + rope: the most shared memory
         consts = dict(HEAD_DIM=128, BLOCK=block, ROPE=rope)
         yield ba._block_attn_fwd, io, consts

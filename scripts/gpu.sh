@@ -27,6 +27,8 @@
 #             profiled, and NCU_PIN_JAGGED / NCU_PIN_GDPA / NCU_PIN_BLOCK ("--pin KERNEL=CFG ...") pin them
 #   tests-multi-gpu  the two-GPU checks (2+ GPUs): FSDP, HSDP and EP+MoE over NCCL against one
 #             process (pytest -m gpu -k two_gpus)
+#   profile-multi-gpu  gemctl profile of small_h200 with FSDP over every GPU (where the step goes
+#             beyond one GPU's: communication, exposed and straggler time per rank)
 #   scaling   small_h200 with FSDP over every GPU and its Scaling Ratio against rank 0's
 #             single-GPU baseline (metrics.scaling_baseline_steps)
 #   precision-speed  small_h200 once per precision recipe (bf16, fp8_mlp, fp8_tower, fp8), autotuned,
@@ -108,6 +110,12 @@ for stage in "$@"; do
       python3 -m gemctl profile --recipe small_h200 2>&1 | quiet | tee "$OUT/profile.log"
       d=$(ls -d runs/small_h200-profile/* | tail -1)
       cp "$d/profile.json" "$d/breakdown.png" "$d/waterfall.png" "$OUT/" ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, sweep-block, bench-mx, tests-precision, bench-fp8, ncu, precision-speed, profile)" >&2; exit 2 ;;
+    profile-multi-gpu)
+      ngpu=$(nvidia-smi -L | wc -l)
+      python3 -m gemctl profile --recipe small_h200 launcher=torchrun launcher.nproc_per_node=$ngpu parallel=fsdp \
+        parallel.topology.gpus_per_node=$ngpu run.name=small_h200-fsdp$ngpu 2>&1 | quiet | tee "$OUT/profile_fsdp$ngpu.log"
+      d=$(ls -d runs/small_h200-fsdp$ngpu-profile/* | tail -1)
+      cp "$d/profile.json" "$OUT/profile_fsdp$ngpu.json"; cp "$d/breakdown.png" "$OUT/breakdown_fsdp$ngpu.png" ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, sweep-block, bench-mx, tests-precision, bench-fp8, ncu, precision-speed, profile, tests-multi-gpu, scaling, profile-multi-gpu)" >&2; exit 2 ;;
   esac
 done

@@ -433,12 +433,12 @@ def _cast_cols_amax_kernel(
     cc = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     g = tl.program_id(1)
     cmask = cc < Cn
-    col = tl.zeros((BLOCK_C,), dtype=tl.uint8)
+    col = tl.zeros((BLOCK_C,), dtype=tl.int32)  # the reduction of uint8 bytes comes back as int32
     for p0 in range(g * PARTS, g * PARTS + PARTS, PART_BLOCK):
         pp = p0 + tl.arange(0, PART_BLOCK)
         part = tl.load(PART + pp.to(tl.int64)[:, None] * stride_p + cc[None, :],
                        mask=(pp[:, None] < n_part) & cmask[None, :], other=0)
-        col = tl.maximum(col, tl.max(part, axis=0))
+        col = tl.maximum(col, tl.max(part, axis=0).to(tl.int32))
     byte, inv, nan = _scales_from_byte(col)
     _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g,
                                tl.minimum(g * CHUNK + CHUNK, R), stride_xr, stride_dt, stride_sc, ACT, IN_BF16, BIT_CAST,
