@@ -86,7 +86,7 @@ def kernels():
                                             ONE_SWEEP=True, ITERS=64, COL_AMAX=True, NORM=True)  # RMSNorm fused
     cast = dict(ACT=1, IN_BF16=True, BIT_CAST=False, CHUNK=4096, BLOCK_R=64, BLOCK_C=64)
     yield f8._cast_cols_kernel, f8_io, cast
-    yield f8._cast_cols_amax_kernel, f8_io, dict(cast, PARTS=256, PART_BLOCK=32)  # runs of 16 rows: 8 slices
+    yield f8._cast_cols_amax_kernel, f8_io, dict(cast, PARTS=256, PART_BLOCK=64)  # runs of 16 rows: 4 loads
     yield f8._cast_cols_amax_kernel, f8_io, dict(cast, ACT=0, PARTS=32, PART_BLOCK=32, NORM=True)
     for block, rope in ((64, False), (64, True), (32, True), (128, True)):  # 128 + rope: the most shared memory
         consts = dict(HEAD_DIM=128, BLOCK=block, ROPE=rope)

@@ -50,3 +50,14 @@ def test_outputs_written(report):
     for name in ("profile.json", "trace.json", "breakdown.png", "waterfall.png"):
         assert (run / name).stat().st_size > 0, name
     assert json.loads((run / "profile.json").read_text())["steps"] == 4
+
+
+def test_collective_launches_count_as_communication():
+    """NCCL kernels belong to the record_param_comms range around their launch (their innermost
+    CPU op), gloo's to c10d's ops; matrix products and the rest keep their categories."""
+    from gemctl.profile.breakdown import _by_name
+
+    for name in ("record_param_comms", "nccl:all_gather_into_tensor_coalesced", "c10d::_allgather_base_",
+                 "gloo:all_reduce"):
+        assert _by_name(name) == "communication", name
+    assert _by_name("aten::mm") == "gemm" and _by_name("aten::add_") is None

@@ -428,8 +428,8 @@ def _cast_cols_amax_kernel(
     NORM: tl.constexpr = False,
 ):
     """As _cast_cols_kernel, the chunk's column scales taken from the PARTS scale bytes the row
-    cast left in PART (CHUNK / PARTS rows each), PART_BLOCK runs at a time (256 runs of 16 rows
-    loaded at once held the C=1024 cast at 73% of copy): one read of the chunk instead of two."""
+    cast left in PART (CHUNK / PARTS rows each), PART_BLOCK runs per load (each load waits for
+    the one before: keep the runs few, see amax_rows_for): one read of the chunk instead of two."""
     cc = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     g = tl.program_id(1)
     cmask = cc < Cn
@@ -466,12 +466,13 @@ def _bit_cast(bit_cast) -> bool:
 def amax_rows_for(chunk: int, rows: int) -> int:
     """Rows per column scale byte for a row cast of ``rows`` rows whose column cast comes in chunks
     of ``chunk`` rows: a power of two that divides ``chunk``, at most AMAX_ROWS, and small enough
-    to give the row cast ~4096 programs (its programs walk their runs of rows one block after
-    another; at ~1024 programs an H200 holds them in about one wave, and the last, partial wave ran
-    the C=1024 cast at 66% of copy). 0 (no column maxima) below 16, the largest BLOCK_R of the row
-    cast, or when a chunk is not a power of two of them (the column cast combines them in one
-    power-of-two block)."""
-    fill = 1 << max(rows // 4096, 1).bit_length() - 1  # the power of two <= rows / 4096
+    to leave the row cast ~1024 programs (H200, [65536, 1024]: runs of 16, 32 and 64 rows all ran
+    the row cast at 86-87% of copy, runs of 128 rows, 512 programs, at 68%); long runs keep the
+    column cast's bytes to read few (64 runs per chunk in one load; 256 runs of 16 rows took eight
+    dependent loads and held the C=1024 column cast at 73%). 0 (no column maxima) below 16, the
+    largest BLOCK_R of the row cast, or when a chunk is not a power of two of them (the column cast
+    combines them in one power-of-two block)."""
+    fill = 1 << max(rows // 1024, 1).bit_length() - 1  # the power of two <= rows / 1024
     amax_rows = min(chunk & -chunk, AMAX_ROWS, max(fill, 16))
     parts = chunk // amax_rows if amax_rows else 0
     return amax_rows if amax_rows >= 16 and parts & (parts - 1) == 0 else 0
@@ -576,7 +577,7 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
             if use_part:
                 _cast_cols_amax_kernel[grid](xin, data, scale, part, nw, rstd, r, c, part.shape[0], xin.stride(0),
                                              data.stride(0), scale.stride(0), part.stride(0), PARTS=parts,
-                                             PART_BLOCK=min(parts, 32), **common)
+                                             PART_BLOCK=min(parts, 64), **common)
             else:
                 _cast_cols_kernel[grid](xin, data, scale, nw, rstd, r, c, xin.stride(0), data.stride(0), scale.stride(0),
                                         **common)
