@@ -82,6 +82,28 @@ def test_cast_cols_from_many_runs():
     assert torch.equal(_bytes(dt), _bytes(cd.t().contiguous())) and torch.equal(sc, cs.t())
 
 
+def _rows_outputs(x, cfg, act=None, norm=False, amax_rows=8):
+    """Every output of the row cast with column bytes (the RMSNorm-fused one with norm), cfg pinned."""
+    from gemctl.ops.triton.fp8_gemm import fp8_rmsnorm_cast_rows
+
+    with forced_config({"fp8_cast_rows": cfg}):
+        if norm:
+            w = torch.linspace(0.5, 2.0, x.shape[1], device=x.device)
+            out = fp8_rmsnorm_cast_rows(x, w, 1e-6, col_amax=True, amax_rows=amax_rows)
+        else:
+            out = fp8_cast_rows(x, act=act, col_amax=True, amax_rows=amax_rows)
+    return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in out]
+
+
+@pytest.mark.parametrize("act,norm", [(None, False), ("silu", False), (None, True)], ids=["plain", "silu", "norm"])
+def test_cast_rows_two_blocks_in_flight(act, norm):
+    """DEPTH 2 (the column-bytes loop requests two blocks of rows ahead): the same outputs as one
+    block ahead, the last program's run partial (37 rows, runs of 8, blocks of 2)."""
+    x = _hostile(37, 70, torch.bfloat16)
+    for got, want in zip(_rows_outputs(x, (2, 1, 2), act, norm), _rows_outputs(x, (2, 1, 1), act, norm)):
+        assert torch.equal(got, want)
+
+
 def test_cast_rows_two_sweeps_for_wide_rows(monkeypatch):
     from gemctl.ops.triton import fp8_gemm as mod
 
@@ -668,6 +690,18 @@ def test_cast_bit_exact_gpu():
     for shape in ((4096, 1024), (300, 4100), (7, 70), (5000, 9000)):
         for dtype in (torch.bfloat16, torch.float32):
             check_cast(_hostile(*shape, dtype, device="cuda"), 4096 if shape[0] > 4096 else 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [(br, w) for br, w in fp8_kernels._ROWS_DEEP], ids=lambda c: f"{c[0]}_{c[1]}")
+def test_cast_rows_two_blocks_in_flight_gpu(cfg):
+    """Each DEPTH-2 candidate pinned, on hostile values, runs of 64 rows and a partial last run:
+    the outputs of the same (BLOCK_R, warps) with one block in flight, plain, silu and RMSNorm."""
+    x = _hostile(8192 + 37, 1024, torch.bfloat16, device="cuda")
+    for act, norm in ((None, False), ("silu", False), (None, True)):
+        deep = _rows_outputs(x, (*cfg, 2), act, norm, amax_rows=64)
+        for got, want in zip(deep, _rows_outputs(x, (*cfg, 1), act, norm, amax_rows=64)):
+            assert torch.equal(got, want), (act, norm)
 
 
 @pytest.mark.gpu

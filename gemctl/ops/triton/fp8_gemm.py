@@ -71,7 +71,12 @@ _GEMM_INTERPRET = (16, 16, 32, 1, 1, False)
 # barriers per program at (4, 4) (two cross-warp reductions and the layout changes of its stores)
 # and none at (1, 1) (sm_90 ptxas, Triton 3.6).
 _ROWS_CANDIDATES = [(2, 4), (1, 4), (4, 4), (4, 8), (2, 8), (8, 8), (1, 8), (16, 8), (1, 16), (1, 1), (2, 1)]
-_ROWS_INTERPRET = (2, 1)
+# The casts that also leave column bytes walk ITERS blocks of rows per program, with one block in
+# flight (DEPTH 1) or two: at C=1024 the silu and RMSNorm variants run ~20 SASS instructions per
+# element in that loop (sm_90), as many as the silu row cast that reaches 95% of copy without it,
+# yet reach 65-69%: the loop's serial load -> reduce -> store chain, not issue, holds them.
+_ROWS_DEEP = [(2, 4), (1, 4), (4, 8), (2, 8), (1, 2), (1, 1)]
+_ROWS_INTERPRET = (2, 1, 1)
 # Chunked column casts: (BLOCK_R, BLOCK_C, warps).
 _COLS_CANDIDATES = [(64, 64, 4), (128, 32, 4), (64, 128, 8), (32, 128, 4), (128, 64, 8), (256, 32, 8), (128, 128, 8),
                     (256, 64, 8)]
@@ -304,7 +309,7 @@ def _cast_rows_kernel(
     X, DATA, SCALE, PART, NW, RSTD, R, Cn, stride_xr, stride_dr, stride_p, eps,
     ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ONE_SWEEP: tl.constexpr, ITERS: tl.constexpr,
-    COL_AMAX: tl.constexpr, NORM: tl.constexpr = False,
+    COL_AMAX: tl.constexpr, NORM: tl.constexpr = False, DEPTH: tl.constexpr = 1,
 ):
     """Whole rows, ITERS blocks of BLOCK_R rows per program. ONE_SWEEP (BLOCK_C covers the row):
     one read, the rows held in registers; otherwise (ITERS == 1) a sweep for the amax and a second
@@ -313,7 +318,8 @@ def _cast_rows_kernel(
     cast takes its chunk scales without a sweep of its own (RCEIL's byte grows with the amax, so
     the byte of a chunk is the largest of its runs' bytes). NORM (ONE_SWEEP, ACT 0): the
     rows are RMS-normalized first, y = x * rstd * NW (float32 NW [Cn]), rounded to X's dtype
-    (what the unfused norm would store), and rstd = 1 / sqrt(mean(x^2) + eps) goes to RSTD [R]."""
+    (what the unfused norm would store), and rstd = 1 / sqrt(mean(x^2) + eps) goes to RSTD [R].
+    DEPTH (ITERS > 1): blocks of rows in flight while one is reduced and stored."""
     pid = tl.program_id(0)
     if ONE_SWEEP:
         cc = tl.arange(0, BLOCK_C)
@@ -324,13 +330,20 @@ def _cast_rows_kernel(
         col = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.int32)
         rr = pid * ITERS * BLOCK_R + tl.arange(0, BLOCK_R)
         raw = _load_raw(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], (rr < R)[:, None] & cmask)
+        if DEPTH == 2:
+            raw2 = _load_raw(X + (rr + BLOCK_R).to(tl.int64)[:, None] * stride_xr + cc[None, :],
+                             (rr + BLOCK_R < R)[:, None] & cmask)
+        else:
+            raw2 = raw
         for i in range(ITERS):
-            if ITERS > 1:  # the next block requested before this one's reductions: one in flight
+            # the blocks DEPTH ahead requested before this one's reductions: DEPTH loads in flight
+            if ITERS > 1:
                 nxt = rr + BLOCK_R
-                raw_next = _load_raw(X + nxt.to(tl.int64)[:, None] * stride_xr + cc[None, :],
-                                     (nxt < R)[:, None] & cmask & (i + 1 < ITERS))
+                far = rr + DEPTH * BLOCK_R
+                raw_far = _load_raw(X + far.to(tl.int64)[:, None] * stride_xr + cc[None, :],
+                                    (far < R)[:, None] & cmask & (i + DEPTH < ITERS))
             else:
-                nxt, raw_next = rr, raw
+                nxt, raw_far = rr, raw
             rmask = rr < R
             mask = rmask[:, None] & cmask
             x = _widen_act(raw, ACT, IN_BF16)
@@ -345,7 +358,10 @@ def _cast_rows_kernel(
             tl.store(SCALE + rr, byte.to(tl.uint8), mask=rmask)
             if COL_AMAX:
                 col = tl.maximum(col, bits)
-            rr, raw = nxt, raw_next
+            if DEPTH == 2:
+                rr, raw, raw2 = nxt, raw2, raw_far
+            else:
+                rr, raw = nxt, raw_far
         if COL_AMAX:
             col_byte, _, _ = _scale_from_amax(tl.max(col, axis=0))
             tl.store(PART + pid.to(tl.int64) * stride_p + cc, col_byte, mask=cc < Cn)
@@ -526,7 +542,7 @@ def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
     nw, eps = norm if norm else (scale, 0.0)  # placeholders the kernel does not read without NORM
     if x.numel():
         def run(cfg):
-            br, warps = cfg
+            br, warps, depth = cfg
             iters = amax_rows // br if with_part else 1
             if with_part and amax_rows % br:
                 raise ValueError(f"fp8_cast_rows: amax_rows={amax_rows} is not a multiple of BLOCK_R={br}")
@@ -535,10 +551,13 @@ def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
                 data.stride(0), part.stride(0) if with_part else 0, eps, ACT=ACTS[act],
                 IN_BF16=x.dtype == torch.bfloat16, BIT_CAST=_bit_cast(bit_cast), BLOCK_R=br,
                 BLOCK_C=triton.next_power_of_2(c) if one_sweep else 2048, ONE_SWEEP=one_sweep, ITERS=iters,
-                COL_AMAX=with_part, NORM=norm is not None, num_warps=warps)
+                COL_AMAX=with_part, NORM=norm is not None, DEPTH=depth if iters > 1 else 1, num_warps=warps)
 
         key = ("fp8_cast_rows", bucket_len(r), bucket_len(c), x.dtype, act, with_part and amax_rows, norm is not None)
-        run(pick_config(key, _ROWS_CANDIDATES, run, _ROWS_INTERPRET))
+        candidates = [(br, w, 1) for br, w in _ROWS_CANDIDATES]
+        if with_part:
+            candidates += [(br, w, 2) for br, w in _ROWS_DEEP if amax_rows // br > 1]
+        run(pick_config(key, candidates, run, _ROWS_INTERPRET))
     return data.view(torch.float8_e4m3fn), scale, rstd, part
 
 
