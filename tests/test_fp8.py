@@ -104,6 +104,24 @@ def test_cast_rows_two_blocks_in_flight(act, norm):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("act,norm", [(None, False), ("silu", False), (None, True)], ids=["plain", "silu", "norm"])
+def test_cast_cols_split_chunks(act, norm):
+    """Several programs per chunk (SPLIT: the scales come from the row cast's bytes, so the chunk's
+    rows can be shared): the same bytes as one program per chunk, the last chunk partial."""
+    x = _hostile(45, 40, torch.bfloat16)
+    rows = _rows_outputs(x, (2, 1, 1), act, norm, amax_rows=4)
+    kwargs = dict(part=rows[-1], amax_rows=4)
+    if norm:
+        kwargs["norm"] = (rows[2], torch.linspace(0.5, 2.0, x.shape[1]))
+    outs = []
+    for split in (1, 2, 4):
+        with forced_config({"fp8_cast_cols": (4, 16, 1, split)}):
+            outs.append([t.view(torch.uint8) for t in fp8_cast_cols(x, 16, act=act, **kwargs)])
+    cd, cs = fp8_cast_cols(x, 16, act=act, norm=kwargs.get("norm"))  # two reads: scales of its own
+    for data, scale in outs:
+        assert torch.equal(data, cd.view(torch.uint8)) and torch.equal(scale, cs)
+
+
 def test_cast_rows_two_sweeps_for_wide_rows(monkeypatch):
     from gemctl.ops.triton import fp8_gemm as mod
 
@@ -702,6 +720,22 @@ def test_cast_rows_two_blocks_in_flight_gpu(cfg):
         deep = _rows_outputs(x, (*cfg, 2), act, norm, amax_rows=64)
         for got, want in zip(deep, _rows_outputs(x, (*cfg, 1), act, norm, amax_rows=64)):
             assert torch.equal(got, want), (act, norm)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", fp8_kernels._COLS_CANDIDATES, ids=lambda c: "_".join(map(str, c)))
+def test_cast_cols_split_chunks_gpu(cfg):
+    """Each column-cast candidate with 4 programs per chunk pinned, from the row cast's bytes: the
+    bytes of the two-read cast (its own scales), plain, silu and RMSNorm, a partial last chunk."""
+    x = _hostile(8192 + 37, 1024, torch.bfloat16, device="cuda")
+    for act, norm in ((None, False), ("silu", False), (None, True)):
+        rows = _rows_outputs(x, (2, 4, 1), act, norm, amax_rows=64)
+        extra = {"norm": (rows[2], torch.linspace(0.5, 2.0, x.shape[1], device="cuda"))} if norm else {}
+        want = fp8_cast_cols(x, 4096, act=act, **extra)
+        with forced_config({"fp8_cast_cols": (*cfg, 4)}):
+            got = fp8_cast_cols(x, 4096, act=act, part=rows[-1], amax_rows=64, **extra)
+        for g, w in zip(got, want):
+            assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), (act, norm)
 
 
 @pytest.mark.gpu

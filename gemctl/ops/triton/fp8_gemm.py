@@ -80,7 +80,8 @@ _ROWS_INTERPRET = (2, 1, 1)
 # Chunked column casts: (BLOCK_R, BLOCK_C, warps).
 _COLS_CANDIDATES = [(64, 64, 4), (128, 32, 4), (64, 128, 8), (32, 128, 4), (128, 64, 8), (256, 32, 8), (128, 128, 8),
                     (256, 64, 8)]
-_COLS_INTERPRET = (8, 16, 1)
+_COLS_SPLITS = (1, 4)  # programs per chunk of the column cast from the row cast's bytes
+_COLS_INTERPRET = (8, 16, 1, 1)
 _ROWS_IN_REGISTERS = 8192
 
 
@@ -385,15 +386,15 @@ def _cast_rows_kernel(
 
 
 @triton.jit
-def _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g, end, stride_xr, stride_dt, stride_sc,
-                               ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr, CHUNK: tl.constexpr,
+def _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g, start, end, split, stride_xr,
+                               stride_dt, stride_sc, ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr,
                                BLOCK_R: tl.constexpr, NORM: tl.constexpr):
-    """Chunk g of columns cc, given their scales over the chunk (byte, 2^-shared, NaN flag): the
-    bytes, and the codes written to DATA_T [Cn, R] through a register transpose (each column's run
-    of rows one contiguous store)."""
-    tl.store(SCALE + cc.to(tl.int64) * stride_sc + g, byte.to(tl.uint8), mask=cmask)
+    """Rows [start, end) of chunk g of columns cc, given the columns' scales over the chunk (byte,
+    2^-shared, NaN flag): the codes written to DATA_T [Cn, R] through a register transpose (each
+    column's run of rows one contiguous store), and the bytes by the chunk's first program (split 0)."""
+    tl.store(SCALE + cc.to(tl.int64) * stride_sc + g, byte.to(tl.uint8), mask=cmask & (cc * 0 + split == 0))
     nw = tl.load(NW + cc, mask=cmask, other=0.0) if NORM else 0.0
-    for r0 in range(g * CHUNK, end, BLOCK_R):
+    for r0 in range(start, end, BLOCK_R):
         rr = r0 + tl.arange(0, BLOCK_R)
         mask = (rr[:, None] < end) & cmask[None, :]
         x = _load_cols(X, RSTD, nw, rr, cc, mask, end, stride_xr, ACT, IN_BF16, NORM, BIT_CAST)
@@ -432,8 +433,8 @@ def _cast_cols_kernel(
         x = _load_cols(X, RSTD, nw, rr, cc, mask, end, stride_xr, ACT, IN_BF16, NORM, BIT_CAST)
         amax = tl.maximum(amax, tl.max(_abs_bits(x, mask), axis=0))
     byte, inv, nan = _scale_from_amax(amax)
-    _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g, end, stride_xr, stride_dt,
-                               stride_sc, ACT, IN_BF16, BIT_CAST, CHUNK, BLOCK_R, NORM)
+    _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g, g * CHUNK, end, 0, stride_xr,
+                               stride_dt, stride_sc, ACT, IN_BF16, BIT_CAST, BLOCK_R, NORM)
 
 
 @triton.jit
@@ -441,11 +442,13 @@ def _cast_cols_amax_kernel(
     X, DATA_T, SCALE, PART, NW, RSTD, R, Cn, n_part, stride_xr, stride_dt, stride_sc, stride_p,
     ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr,
     CHUNK: tl.constexpr, PARTS: tl.constexpr, PART_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    NORM: tl.constexpr = False,
+    NORM: tl.constexpr = False, SPLIT: tl.constexpr = 1,
 ):
     """As _cast_cols_kernel, the chunk's column scales taken from the PARTS scale bytes the row
     cast left in PART (CHUNK / PARTS rows each), PART_BLOCK runs per load (each load waits for
-    the one before: keep the runs few, see amax_rows_for): one read of the chunk instead of two."""
+    the one before: keep the runs few, see amax_rows_for): one read of the chunk instead of two.
+    The scales need no pass over the chunk, so SPLIT programs (program_id 2) share its rows: at
+    C=1024 one program per (64 columns, 4096-row chunk) is 256 programs at 65,536 rows, two per SM."""
     cc = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     g = tl.program_id(1)
     cmask = cc < Cn
@@ -456,9 +459,11 @@ def _cast_cols_amax_kernel(
                        mask=(pp[:, None] < n_part) & cmask[None, :], other=0)
         col = tl.maximum(col, tl.max(part, axis=0).to(tl.int32))
     byte, inv, nan = _scales_from_byte(col)
-    _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g,
-                               tl.minimum(g * CHUNK + CHUNK, R), stride_xr, stride_dt, stride_sc, ACT, IN_BF16, BIT_CAST,
-                               CHUNK, BLOCK_R, NORM)
+    split = tl.program_id(2)
+    start = g * CHUNK + split * (CHUNK // SPLIT)
+    _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g, start,
+                               tl.minimum(start + CHUNK // SPLIT, R), split, stride_xr, stride_dt, stride_sc, ACT,
+                               IN_BF16, BIT_CAST, BLOCK_R, NORM)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -589,20 +594,23 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
     rstd, nw = (norm[0], _norm_weight(norm[1], x)) if norm is not None else (scale, scale)
     if x.numel():
         def run(cfg):
-            br, bc, warps = cfg
+            br, bc, warps, split = cfg
             common = dict(ACT=ACTS[act], IN_BF16=x.dtype == torch.bfloat16, BIT_CAST=_bit_cast(bit_cast), CHUNK=chunk,
                           BLOCK_R=br, BLOCK_C=bc, NORM=norm is not None, num_warps=warps)
             grid = (triton.cdiv(c, bc), n_chunks)
             if use_part:
-                _cast_cols_amax_kernel[grid](xin, data, scale, part, nw, rstd, r, c, part.shape[0], xin.stride(0),
-                                             data.stride(0), scale.stride(0), part.stride(0), PARTS=parts,
-                                             PART_BLOCK=min(parts, 64), **common)
+                if chunk % split:
+                    raise ValueError(f"fp8_cast_cols: {split} programs per chunk do not divide its {chunk} rows")
+                _cast_cols_amax_kernel[(*grid, split)](
+                    xin, data, scale, part, nw, rstd, r, c, part.shape[0], xin.stride(0), data.stride(0), scale.stride(0),
+                    part.stride(0), PARTS=parts, PART_BLOCK=min(parts, 64), SPLIT=split, **common)
             else:
                 _cast_cols_kernel[grid](xin, data, scale, nw, rstd, r, c, xin.stride(0), data.stride(0), scale.stride(0),
                                         **common)
 
         key = ("fp8_cast_cols", bucket_len(r), bucket_len(c), x.dtype, act, chunk, use_part, norm is not None)
-        run(pick_config(key, _COLS_CANDIDATES, run, _COLS_INTERPRET))
+        splits = _COLS_SPLITS if use_part else (1,)
+        run(pick_config(key, [(*cfg, sp) for sp in splits for cfg in _COLS_CANDIDATES], run, _COLS_INTERPRET))
     return data.view(torch.float8_e4m3fn), scale
 
 
