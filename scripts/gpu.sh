@@ -73,7 +73,9 @@ for stage in "$@"; do
     sweep-block) python3 scripts/bench_block_attention.py --sweep --out "$OUT/sweep_block.json" 2>&1 | quiet | tee "$OUT/sweep_block.log" ;;
     bench-mx) python3 scripts/bench_mx.py --out "$OUT/bench_mx.json" 2>&1 | quiet | tee "$OUT/bench_mx.log" ;;
     tests-precision)
-      python3 -m pytest -v -m gpu tests/test_fp8.py tests/test_mx.py tests/test_mx_attention.py -p no:cacheprovider -rf 2>&1 \
+      # compile-bound (447 s in one process on 2026-11-30): with pytest-xdist (a wheel in .whl/) 12 workers
+      par=""; python3 -c "import xdist" 2>/dev/null && par="-n 12"
+      python3 -m pytest -v -m gpu $par tests/test_fp8.py tests/test_mx.py tests/test_mx_attention.py -p no:cacheprovider -rf 2>&1 \
         | grep -E "PASSED|FAILED|ERROR|passed|failed" | tee "$OUT/gpu_tests_precision.log" ;;
     bench-fp8) python3 scripts/bench_fp8.py --only cast,mlp --out "$OUT/bench_fp8.json" 2>&1 | quiet | tee "$OUT/bench_fp8.log" ;;
     tests-multi-gpu)
