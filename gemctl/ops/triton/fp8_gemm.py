@@ -31,8 +31,8 @@ registers, read once) and ``fp8_cast_cols`` (the transposed operand ``[C, R]`` w
 column and chunk of rows); both can apply ``silu`` on the fly. Every column cast of the MLP and
 the linears follows a row cast of the same tensor, which also leaves the columns' maxima over
 runs of rows (``col_amax``: each column's scale byte over every ``amax_rows_for`` rows): the
-column cast then takes its chunk scales from those and reads its input once instead of twice (its own amax
-sweep over a chunk does not stay in L2). Scale rule: RCEIL, the smallest
+column cast then takes its chunk scales from those and reads its input once instead of twice
+(its own amax sweep over a chunk does not stay in L2). Scale rule: RCEIL, the smallest
 power of two with amax / 2^s <= 448 (E4M3's largest value), so nothing saturates; identical to
 ``gemctl.precision.mx.quantize_mx(x, block, scale_rule="rceil")`` with the block the row or the
 chunk. A NaN/Inf in a block gives it the NaN scale (0xFF) and NaN codes, as in MX. Rounding to
@@ -574,8 +574,9 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
     the last chunk may be partial). The weight-gradient GEMMs read it with ``group_k=chunk``.
     ``part``: the column scale bytes ``fp8_cast_rows(x, act=act, col_amax=True, amax_rows=...)``
     returned (``amax_rows`` default: amax_rows_for(chunk, R)): one read of x (used when
-    ``chunk / amax_rows`` is a power of two; the bytes are the same either way). ``norm=(rstd, weight)``: the operand is RMSNorm(x), recomputed from x with the
-    rstd that ``fp8_rmsnorm_cast_rows(x, weight, ...)`` returned (``act`` must then be None)."""
+    ``chunk / amax_rows`` is a power of two; the bytes are the same either way).
+    ``norm=(rstd, weight)``: the operand is RMSNorm(x), recomputed from x with the rstd that
+    ``fp8_rmsnorm_cast_rows(x, weight, ...)`` returned (``act`` must then be None)."""
     chunk = chunk or TOKEN_CHUNK
     if norm is not None and (act is not None or tuple(norm[0].shape) != (x.shape[0],)):
         raise ValueError("fp8_cast_cols: norm=(rstd [R], weight [C]) takes no act and one rstd per row of x")
