@@ -30,7 +30,7 @@
 #   profile-multi-gpu  gemctl profile of small_h200 with FSDP over every GPU (where the step goes
 #             beyond one GPU's: communication, exposed and straggler time per rank)
 #   scaling   small_h200 with FSDP over every GPU and its Scaling Ratio against rank 0's
-#             single-GPU baseline (metrics.scaling_baseline_steps)
+#             single-GPU baseline (metrics.scaling_baseline_steps), plain batches then BBS
 #   precision-speed  small_h200 once per precision recipe (bf16, fp8_mlp, fp8_tower, fp8), autotuned,
 #             30 steps and smaller item/user tables (the step compares recipes, not the baseline)
 #
@@ -82,11 +82,16 @@ for stage in "$@"; do
       python3 -m pytest -v -s -m gpu tests/test_parallel.py -k two_gpus -p no:cacheprovider -rf 2>&1 \
         | grep -E "PASSED|FAILED|ERROR|Error|passed|failed|skipped|relative loss" | tee "$OUT/gpu_tests_multi_gpu.log" ;;
     scaling)
+      # plain batches, then Base Batch Shuffling (every rank's batch about the same work: the ranks
+      # wait for the slowest at every collective, and GEM-like lengths make per-rank work uneven)
       ngpu=$(nvidia-smi -L | wc -l)
-      python3 -m gemctl train --recipe small_h200 run.progress=false launcher=torchrun launcher.nproc_per_node=$ngpu \
-        parallel=fsdp parallel.topology.gpus_per_node=$ngpu metrics.scaling_baseline_steps=20 \
-        run.name=small_h200-fsdp$ngpu 2>&1 | quiet | tee "$OUT/small_h200_fsdp$ngpu.log"
-      cp "$(ls -d runs/small_h200-fsdp$ngpu/* | tail -1)/summary.json" "$OUT/small_h200_fsdp${ngpu}_summary.json" ;;
+      for shuf in none bbs; do
+        name=small_h200-fsdp$ngpu-$shuf
+        python3 -m gemctl train --recipe small_h200 run.progress=false launcher=torchrun launcher.nproc_per_node=$ngpu \
+          parallel=fsdp parallel.topology.gpus_per_node=$ngpu metrics.scaling_baseline_steps=20 shuffle=$shuf \
+          shuffle.sub_batch_size=8 run.name=$name 2>&1 | quiet | tee "$OUT/$name.log"
+        cp "$(ls -d runs/$name/* | tail -1)/summary.json" "$OUT/${name}_summary.json"
+      done ;;
     sweep) python3 scripts/bench_jagged_attention.py --sweep fwd --sweep dkdv --sweep dq --out "$OUT/sweep_jagged.json" 2>&1 | quiet | tee "$OUT/sweep_jagged.log" ;;
     ncu)
       # one autotuned forward+backward each: jagged attention self-1000, GDPA cross-128, block attention self-1000
