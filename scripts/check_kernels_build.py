@@ -95,6 +95,7 @@ def kernels():
         consts = dict(HEAD_DIM=128, BLOCK=block, ROPE=rope)
         yield ba._block_attn_fwd, io, consts
         yield ba._block_attn_bwd, io, consts
+    yield ba._block_attn_bwd, io, dict(HEAD_DIM=128, BLOCK=64, ROPE=True, HALVES=True)  # (BS, D/2) halves
     halves, whole = "tensordesc<bf16[64, 64]>", "tensordesc<bf16[64, 128]>"  # whole blocks by TMA
     ba_tiles = dict(io, Q_DESC=halves, K_DESC=halves, V_DESC=whole, O_DESC=whole, DO_DESC=whole)
     yield ba._block_attn_fwd, ba_tiles, dict(HEAD_DIM=128, BLOCK=64, ROPE=True, TMA=True)
@@ -121,7 +122,7 @@ def main() -> int:
         consts.update({n: None for n in fn.arg_names if n.endswith("_DESC") and n not in types and n not in consts})
         src = ASTSource(fn=fn, signature=_signature(fn, types, consts), constexprs=consts)
         compiled = triton.compile(src, target=target, options={"num_warps": 4, "num_stages": 3})
-        flags = ",".join(f"{k}={int(v)}" for k, v in consts.items() if k in ("CAUSAL", "HAS_BIAS", "ACT", "ROPE", "E5M2", "RCEIL", "BIT_CAST", "WRITE_Y", "WINDOWED", "GROUP_K", "EPI", "CHUNK_K", "ONE_SWEEP", "COL_AMAX", "NORM", "DEPTH", "SPLIT", "TRANSPOSED", "MX_P", "TMA", "LAZY"))
+        flags = ",".join(f"{k}={int(v)}" for k, v in consts.items() if k in ("CAUSAL", "HAS_BIAS", "ACT", "ROPE", "E5M2", "RCEIL", "BIT_CAST", "WRITE_Y", "WINDOWED", "GROUP_K", "EPI", "CHUNK_K", "ONE_SWEEP", "COL_AMAX", "NORM", "DEPTH", "SPLIT", "TRANSPOSED", "MX_P", "TMA", "LAZY", "HALVES"))
         if "BLOCK" in consts:
             flags = f"BLOCK={consts['BLOCK']},{flags}"
         print(f"{fn.__name__:<24} {flags:<30} sm_{args.arch}: ok ({time.time() - t0:.1f} s, {compiled.metadata.shared} B shared)")

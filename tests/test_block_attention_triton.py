@@ -84,6 +84,15 @@ def test_head_dim_64_one_program_per_head_cpu():
         _check([65, 1, 0, 20], 32, "tables", "cpu", torch.float32, heads=2, dim=64, tol=2e-5)
 
 
+@pytest.mark.parametrize("rope_kind", [None, "tables"])
+def test_half_width_backward_cpu(rope_kind):
+    """The backward with o, do, v and dv in (BS, D/2) halves (config field 4), against float64:
+    partial and empty blocks, the head loop and one head per program."""
+    for per_program in (0, 1):
+        with common.forced_config({"block_attention_bwd": (1, 1, per_program, 0, 1)}):
+            _check(LENGTHS_CPU[0], 32, rope_kind, "cpu", torch.float32, heads=2, dim=32, tol=2e-5)
+
+
 def test_reference_takes_tables_of_max_len_rows_cpu():
     """The PyTorch reference with tables of exactly max_len rows (max_len not a multiple of the block
     size; it used to slice them to the padded length and fail), fwd and bwd, against the loop."""

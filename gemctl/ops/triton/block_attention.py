@@ -42,7 +42,8 @@ Shared memory per program (sm_90 compile, bf16, D = 128, 4 warps; scripts/check_
 forward 32 / 48 KB at block 64 without / with rope, backward 65 KB either way; block 128 with rope:
 forward 96 KB, backward 129 KB (one program per SM). Registers, not shared memory, bound the
 programs per SM at D = 128: both kernels sit at the 255-register cap (docs/benchmarks.md).
-TMA: configs with a fourth field 1 load whole blocks through tensor descriptors (see the configs).
+TMA: configs with a fourth field 1 load whole blocks through tensor descriptors (see the configs);
+HALVES: backward configs with a fifth field 1 hold o, do, v and dv as (BS, D/2) halves.
 Known limits: no warp specialization, no persistent grid (Triton 3.x); the tables get no gradient.
 """
 
@@ -76,8 +77,12 @@ LOG2E = 1.4426950408889634
 # compile (pick_config), a pinned one raises.
 _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2, 2), (2, 1, 1),
                    (4, 1, 1, 1), (4, 2, 0, 1), (4, 3, 0, 1), (8, 2, 0, 1)]
+# HALVES = 1 (backward, fifth field): o, do, v and dv in (BS, D/2) halves, so the dv accumulator is
+# half as wide; sm_90 ptxas (Triton 3.6), D=128, block 64 with RoPE: spill stores 576 -> 376 B per
+# thread at 4 warps, 88 -> 0 at 8 warps (254 registers). Not yet timed: pinned-only, like TMA.
 _BWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (8, 1, 2), (4, 2, 2),
-                   (4, 1, 1, 1), (4, 2, 0, 1), (8, 1, 1, 1)]
+                   (4, 1, 1, 1), (4, 2, 0, 1), (8, 1, 1, 1),
+                   (4, 1, 1, 0, 1), (8, 1, 1, 0, 1), (4, 2, 0, 0, 1), (8, 2, 0, 0, 1)]
 _GPU_CHECKED: set = set()
 _PENDING_AUTOTUNE = False  # True: autotuning times every candidate (benchmarks of unchecked ones)
 _INTERPRET_CONFIG = (1, 1, 0)  # all heads in one program: the CPU tier exercises the head loop
@@ -198,7 +203,8 @@ def _bwd_head(Q, K, V, O, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC,
               h, start, first, rows, length, c, s, num_heads,
               stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
               stride_don, stride_doh, stride_dqn, stride_dqh, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-              stride_rope, qk_scale, scale, HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, BY_DESC: tl.constexpr):
+              stride_rope, qk_scale, scale, HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, BY_DESC: tl.constexpr,
+              HALVES: tl.constexpr):
     # The order keeps the live set small (at D = 128 one fp32 (BS, D) accumulator is 64 registers
     # per thread of a 4-warp program): o dies with delta, dv is stored before v is loaded and dS
     # formed, dq before dk is computed, and c, s are re-read (L1/L2) for each gradient's rotation
@@ -210,19 +216,37 @@ def _bwd_head(Q, K, V, O, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC,
     row_ok = rows < length
     offs_half = tl.arange(0, HALF)
     offs_d = tl.arange(0, HEAD_DIM)
-    o = load_tile(O, O_DESC, start, first, rows, length, stride_on, h * stride_oh, offs_d, BY_DESC)
-    do = load_tile(DO, DO_DESC, start, first, rows, length, stride_don, h * stride_doh, offs_d, BY_DESC)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # (BS,)
+    if HALVES:  # o, do, v and dv in (BS, D/2) halves: one fp32 accumulator half as wide (masked loads)
+        do1 = load_tile(DO, DO_DESC, start, first, rows, length, stride_don, h * stride_doh, offs_half, False)
+        do2 = load_tile(DO, DO_DESC, start, first, rows, length, stride_don, h * stride_doh + HALF, offs_half, False)
+        o1 = load_tile(O, O_DESC, start, first, rows, length, stride_on, h * stride_oh, offs_half, False)
+        delta = tl.sum(do1.to(tl.float32) * o1.to(tl.float32), 1)  # (BS,)
+        o2 = load_tile(O, O_DESC, start, first, rows, length, stride_on, h * stride_oh + HALF, offs_half, False)
+        delta += tl.sum(do2.to(tl.float32) * o2.to(tl.float32), 1)
+    else:
+        o = load_tile(O, O_DESC, start, first, rows, length, stride_on, h * stride_oh, offs_d, BY_DESC)
+        do = load_tile(DO, DO_DESC, start, first, rows, length, stride_don, h * stride_doh, offs_d, BY_DESC)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # (BS,)
     lse = tl.load(LSE + (start + rows) * num_heads + h, mask=row_ok, other=float("inf"))  # inf: p = 0
     q1, q2, k1, k2, scores = _scores(Q, K, Q_DESC, K_DESC, start, first, rows, length, stride_qn, stride_qh, stride_kn,
                                      stride_kh, h, c, s, qk_scale, HALF, ROPE, BY_DESC)
     p = tl.math.exp2(scores - lse[:, None])
     if not BY_DESC:
         p = tl.where(row_ok[None, :], p, 0.0)  # keys beyond L: 0
-    dv = tl.dot(tl.trans(p.to(do.dtype)), do)
-    store_rows(DV, dv, start, rows, length, stride_dvn, h * stride_dvh, offs_d)
-    v = load_tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh, offs_d, BY_DESC)
-    ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])  # gradient of the natural-units score
+    if HALVES:
+        pt = tl.trans(p.to(do1.dtype))
+        store_rows(DV, tl.dot(pt, do1), start, rows, length, stride_dvn, h * stride_dvh, offs_half)
+        store_rows(DV, tl.dot(pt, do2), start, rows, length, stride_dvn, h * stride_dvh + HALF, offs_half)
+        v1 = load_tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh, offs_half, False)
+        dp = tl.dot(do1, tl.trans(v1))
+        v2 = load_tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh + HALF, offs_half, False)
+        dp = tl.dot(do2, tl.trans(v2), dp)
+    else:
+        dv = tl.dot(tl.trans(p.to(do.dtype)), do)
+        store_rows(DV, dv, start, rows, length, stride_dvn, h * stride_dvh, offs_d)
+        v = load_tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh, offs_d, BY_DESC)
+        dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])  # gradient of the natural-units score
     ds = ds.to(q1.dtype)
     dq1, dq2 = tl.dot(ds, k1) * scale, tl.dot(ds, k2) * scale
     if ROPE:  # the rotation's backward: rotate the gradients by -theta
@@ -248,6 +272,7 @@ def _block_attn_bwd(
     stride_don, stride_doh, stride_dqn, stride_dqh, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
     stride_rope, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr, TMA: tl.constexpr = False,
+    HALVES: tl.constexpr = False,
 ):
     # Same work items as the forward. Each program reads q, k, v, o, do and lse of its block once
     # and writes dq, dk, dv once: delta = rowsum(do * o) is computed here, not in a pre-pass.
@@ -260,7 +285,7 @@ def _block_attn_bwd(
                          h, start, first, rows, length, c, s, num_heads,
                          stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
                          stride_don, stride_doh, stride_dqn, stride_dqh, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-                         stride_rope, qk_scale, scale, HEAD_DIM, ROPE, TMA)
+                         stride_rope, qk_scale, scale, HEAD_DIM, ROPE, TMA, HALVES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -306,9 +331,10 @@ def _descriptors(cfg, block_size, halves, wholes) -> tuple:
     return off if a is None or b is None else (*a, *b)
 
 
-def _launch(kernel, offsets, heads, block_size, cfg, args, descs, dim, rope, device):
+def _launch(kernel, offsets, heads, block_size, cfg, args, descs, dim, rope, device, **flags):
     """One launch over every block, or with descriptors two: whole blocks by TMA, then the partial
-    last blocks by masked loads (same values either way; the rows are disjoint)."""
+    last blocks by masked loads (same values either way; the rows are disjoint). ``flags``: the
+    kernel's constexpr variants for its masked-load launch (the TMA launch runs without them)."""
     warps, stages, per_program = cfg[:3]
     per_program = heads if per_program <= 0 else min(per_program, heads)
     if descs[0] is None:
@@ -321,7 +347,8 @@ def _launch(kernel, offsets, heads, block_size, cfg, args, descs, dim, rope, dev
         if n_programs:
             kernel[(n_programs,)](*args[:-1], *tiles, offsets, work, heads, per_program, *args[-1],
                                   HEAD_DIM=dim, BLOCK=block_size, ROPE=rope, TMA=tiles[0] is not None,
-                                  num_warps=warps, num_stages=stages)
+                                  num_warps=warps, num_stages=stages,
+                                  **({} if tiles[0] is not None else flags))
 
 
 def _forward(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
@@ -354,7 +381,8 @@ def _backward(do, q, k, v, out, lse, cos, sin, offsets, max_len, block_size, rop
     def run(cfg):
         args = (q, k, v, out, do, lse, dq, dk, dv, cos, sin, strides)
         descs = _descriptors(cfg, block_size, (q, k), (v, out, do))
-        _launch(_block_attn_bwd, offsets, heads, block_size, cfg, args, descs, dim, rope, q.device)
+        _launch(_block_attn_bwd, offsets, heads, block_size, cfg, args, descs, dim, rope, q.device,
+                HALVES=bool(config_field(cfg, 4)))
 
     key = ("block_attention_bwd", dim, q.dtype, block_size, rope, heads, bucket_len(n))
     run(pick_config(key, _tuned(_BWD_CANDIDATES), run, _INTERPRET_CONFIG))
