@@ -75,7 +75,7 @@ _ROWS_CANDIDATES = [(2, 4), (1, 4), (4, 4), (4, 8), (2, 8), (8, 8), (1, 8), (16,
 # flight (DEPTH 1) or two: at C=1024 the silu and RMSNorm variants run ~20 SASS instructions per
 # element in that loop (sm_90), as many as the silu row cast that reaches 95% of copy without it,
 # yet reach 65-69%: the loop's serial load -> reduce -> store chain, not issue, holds them.
-_ROWS_DEEP = [(2, 4), (1, 4), (4, 8), (2, 8), (1, 2), (1, 1)]
+_ROWS_DEEP = [(2, 4), (1, 4), (4, 8), (2, 8), (1, 8), (1, 2), (1, 1)]  # (1, 8): 91 registers at C=4096 with silu
 _ROWS_INTERPRET = (2, 1, 1)
 # Chunked column casts: (BLOCK_R, BLOCK_C, warps).
 _COLS_CANDIDATES = [(64, 64, 4), (128, 32, 4), (64, 128, 8), (32, 128, 4), (128, 64, 8), (256, 32, 8), (128, 128, 8),
