@@ -46,7 +46,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import base_meta, bench, graph_bench, run_meta  # noqa: E402
+from bench_common import base_meta, bench, graph_bench, picked_configs, run_meta  # noqa: E402
 
 from gemctl.ops.triton.fp8_gemm import (  # noqa: E402
     TOKEN_CHUNK, amax_rows_for, fp8_cast_cols, fp8_cast_rows, fp8_gemm, fp8_rmsnorm_cast_rows,
@@ -363,6 +363,8 @@ def main() -> None:
     ap.add_argument("--mlp", default="", help="comma-separated MLP variants to time (default: all)")
     ap.add_argument("--widths", default="", help="comma-separated model widths d of the MLP section (default: all)")
     ap.add_argument("--cast-widths", default="1024,4096,8192", help="comma-separated row widths of the cast section")
+    ap.add_argument("--pending", action="store_true",
+                    help="autotune the cast configs the GPU tier has not passed yet too (fp8_gemm._GPU_CHECKED)")
     args = ap.parse_args()
     parts = args.only.split(",")
     if not torch.cuda.is_available():
@@ -371,6 +373,11 @@ def main() -> None:
         meta = {**base_meta(), "device": "cpu"}
     else:
         meta = run_meta(tokens=args.tokens)
+    if args.pending:
+        from gemctl.ops.triton import fp8_gemm
+
+        fp8_gemm._PENDING_AUTOTUNE = True
+    meta["pending_autotune"] = args.pending
     result = {"meta": meta}
     path = Path(args.out)
     sections = {"accuracy": accuracy_rows, "outliers": outlier_rows, "accumulation": accumulation_rows,
@@ -384,6 +391,7 @@ def main() -> None:
         raise SystemExit(f"bench_fp8: --only {','.join(unknown)}: unknown; allowed: {', '.join(sections)}")
     for part in parts:  # in the order given, so a run cut by its time limit keeps the first ones
         result[part] = sections[part]()
+        result["configs"] = picked_configs(("fp8_cast_rows", "fp8_cast_cols", "fp8_gemm"))  # what was timed
         path.write_text(json.dumps(result, indent=1))  # partial results survive a timeout
     print(json.dumps(result, indent=1))
 

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from gemctl.ops.triton.common import INTERPRET, bucket_len, num_programs, pick_config
+from gemctl.ops.triton.common import INTERPRET, bucket_len, gpu_checked, num_programs, pick_config
 from gemctl.ops.triton.mx_quant import _block_scales, _quantize_elems
 
 EPILOGUES = {"none": 0, "silu_bwd": 2}
@@ -75,13 +75,19 @@ _ROWS_CANDIDATES = [(2, 4), (1, 4), (4, 4), (4, 8), (2, 8), (8, 8), (1, 8), (16,
 # flight (DEPTH 1) or two: at C=1024 the silu and RMSNorm variants run ~20 SASS instructions per
 # element in that loop (sm_90), as many as the silu row cast that reaches 95% of copy without it,
 # yet reach 65-69%: the loop's serial load -> reduce -> store chain, not issue, holds them.
+# Row-cast configs are (rows, warps, deep): deep = 1 runs DEPTH 2 (these shapes only).
 _ROWS_DEEP = [(2, 4), (1, 4), (4, 8), (2, 8), (1, 8), (1, 2), (1, 1)]  # (1, 8): 91 registers at C=4096 with silu
-_ROWS_INTERPRET = (2, 1, 1)
+_ROWS_INTERPRET = (2, 1, 0)
 # Chunked column casts: (BLOCK_R, BLOCK_C, warps).
 _COLS_CANDIDATES = [(64, 64, 4), (128, 32, 4), (64, 128, 8), (32, 128, 4), (128, 64, 8), (256, 32, 8), (128, 128, 8),
                     (256, 64, 8)]
-_COLS_SPLITS = (1, 4)  # programs per chunk of the column cast from the row cast's bytes
-_COLS_INTERPRET = (8, 16, 1, 1)
+_COLS_SPLIT = 4  # programs per chunk of the column cast from the row cast's bytes: (BLOCK_R, BLOCK_C, warps, split)
+_COLS_INTERPRET = (8, 16, 1, 0)
+# Configs with a nonzero last field (two blocks in flight, split chunks) run the same code on the
+# CPU tier; they join autotuning once the GPU tier's pinned tests have passed them (_GPU_CHECKED),
+# as the attention kernels' TMA configs do; _PENDING_AUTOTUNE times them all (benchmarks).
+_GPU_CHECKED: set = set()
+_PENDING_AUTOTUNE = False
 _ROWS_IN_REGISTERS = 8192
 
 
@@ -547,7 +553,7 @@ def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
     nw, eps = norm if norm else (scale, 0.0)  # placeholders the kernel does not read without NORM
     if x.numel():
         def run(cfg):
-            br, warps, depth = cfg
+            br, warps, deep = cfg
             iters = amax_rows // br if with_part else 1
             if with_part and amax_rows % br:
                 raise ValueError(f"fp8_cast_rows: amax_rows={amax_rows} is not a multiple of BLOCK_R={br}")
@@ -556,13 +562,13 @@ def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
                 data.stride(0), part.stride(0) if with_part else 0, eps, ACT=ACTS[act],
                 IN_BF16=x.dtype == torch.bfloat16, BIT_CAST=_bit_cast(bit_cast), BLOCK_R=br,
                 BLOCK_C=triton.next_power_of_2(c) if one_sweep else 2048, ONE_SWEEP=one_sweep, ITERS=iters,
-                COL_AMAX=with_part, NORM=norm is not None, DEPTH=depth if iters > 1 else 1, num_warps=warps)
+                COL_AMAX=with_part, NORM=norm is not None, DEPTH=2 if deep and iters > 1 else 1, num_warps=warps)
 
         key = ("fp8_cast_rows", bucket_len(r), bucket_len(c), x.dtype, act, with_part and amax_rows, norm is not None)
-        candidates = [(br, w, 1) for br, w in _ROWS_CANDIDATES]
+        candidates = [(br, w, 0) for br, w in _ROWS_CANDIDATES]
         if with_part:
-            candidates += [(br, w, 2) for br, w in _ROWS_DEEP if amax_rows // br > 1]
-        run(pick_config(key, candidates, run, _ROWS_INTERPRET))
+            candidates += [(br, w, 1) for br, w in _ROWS_DEEP if amax_rows // br > 1]
+        run(pick_config(key, gpu_checked(candidates, 2, _GPU_CHECKED, _PENDING_AUTOTUNE), run, _ROWS_INTERPRET))
     return data.view(torch.float8_e4m3fn), scale, rstd, part
 
 
@@ -596,6 +602,7 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
     if x.numel():
         def run(cfg):
             br, bc, warps, split = cfg
+            split = split or 1
             common = dict(ACT=ACTS[act], IN_BF16=x.dtype == torch.bfloat16, BIT_CAST=_bit_cast(bit_cast), CHUNK=chunk,
                           BLOCK_R=br, BLOCK_C=bc, NORM=norm is not None, num_warps=warps)
             grid = (triton.cdiv(c, bc), n_chunks)
@@ -610,8 +617,9 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
                                         **common)
 
         key = ("fp8_cast_cols", bucket_len(r), bucket_len(c), x.dtype, act, chunk, use_part, norm is not None)
-        splits = _COLS_SPLITS if use_part else (1,)
-        run(pick_config(key, [(*cfg, sp) for sp in splits for cfg in _COLS_CANDIDATES], run, _COLS_INTERPRET))
+        candidates = [(*cfg, 0) for cfg in _COLS_CANDIDATES] + ([(*cfg, _COLS_SPLIT) for cfg in _COLS_CANDIDATES]
+                                                               if use_part else [])
+        run(pick_config(key, gpu_checked(candidates, 3, _GPU_CHECKED, _PENDING_AUTOTUNE), run, _COLS_INTERPRET))
     return data.view(torch.float8_e4m3fn), scale
 
 
