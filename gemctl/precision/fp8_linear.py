@@ -213,12 +213,11 @@ def _column_maxima(t: torch.Tensor, chunk: int) -> dict:
 
 def _cols(t: torch.Tensor, chunk: int, act=None, part=None, norm=None):
     """Transposed operand with scales per column and chunk of ``chunk`` rows (``part``: the column
-    maxima from ``_rows(t, act, chunk)``; ``norm=(rstd, weight)``: of RMSNorm(t), see _norm_rows)."""
-    from gemctl.ops.triton.fp8_gemm import amax_rows_for, fp8_cast_cols
+    bytes from ``_rows(t, act, chunk)``, whose run length fp8_cast_cols derives from chunk and the
+    rows; ``norm=(rstd, weight)``: of RMSNorm(t), see _norm_rows)."""
+    from gemctl.ops.triton.fp8_gemm import fp8_cast_cols
 
-    if part is None:
-        return fp8_cast_cols(t, chunk, act=act, norm=norm)
-    return fp8_cast_cols(t, chunk, act=act, part=part, amax_rows=amax_rows_for(chunk, t.shape[0]), norm=norm)
+    return fp8_cast_cols(t, chunk, act=act, part=part, norm=norm)
 
 
 def _rms_normed(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -263,8 +262,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def forward(ctx, x2d, weight, recipe: Fp8Recipe, norm_w=None, eps: float = 0.0):
         g = recipe.group
         out_dtype = compute_dtype(x2d, weight)
-        need_x = ctx.needs_input_grad[0] or (norm_w is not None and ctx.needs_input_grad[3])  # grad through the norm
-        need_dx, need_dw = need_x, ctx.needs_input_grad[1]
+        # dx also when only the fused norm's weight needs a gradient (it flows through the norm)
+        need_dx = ctx.needs_input_grad[0] or (norm_w is not None and ctx.needs_input_grad[3])
+        need_dw = ctx.needs_input_grad[1]
         wgrad_fp8 = need_dw and recipe.wgrad == "fp8"
         dgrad_fp8 = need_dx and recipe.dgrad == "fp8"
         saved = (None, None, None, None)
@@ -286,9 +286,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
             a, sa = _k_major(x2d, g)
             b, sb = _k_major(weight, g)
             y = _gemm(a, b, sa, sb, g, out_dtype)
-        ctx.recipe = recipe
+        ctx.recipe, ctx.need_dx = recipe, need_dx
         ctx.x_dtype, ctx.w_dtype, ctx.out_dtype = x2d.dtype, weight.dtype, out_dtype
-        keep_x = ((g or not wgrad_fp8) and need_dw) or (norm_w is not None and need_x)  # the norm's backward reads x
+        keep_x = ((g or not wgrad_fp8) and need_dw) or (norm_w is not None and need_dx)  # the norm's backward reads x
         ctx.save_for_backward(x2d if keep_x else None, weight if need_dx and (g or not dgrad_fp8) else None, *saved,
                               rstd, norm_w)
         return y
@@ -298,8 +298,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x2d, weight, xt, xcs, wt, wcs, rstd, norm_w = ctx.saved_tensors
         recipe = ctx.recipe
         g = recipe.group
-        need_dx = ctx.needs_input_grad[0] or (norm_w is not None and ctx.needs_input_grad[3])
-        need_dw = ctx.needs_input_grad[1]
+        need_dx, need_dw = ctx.need_dx, ctx.needs_input_grad[1]
         wgrad_fp8 = need_dw and recipe.wgrad == "fp8"
         dgrad_fp8 = need_dx and recipe.dgrad == "fp8"
         dx = dw = None

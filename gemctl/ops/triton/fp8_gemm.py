@@ -543,7 +543,7 @@ def _norm_weight(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
     xin = _as_kernel_input(x, act)
     r, c = x.shape
-    amax_rows = amax_rows or amax_rows_for(TOKEN_CHUNK, r)
+    amax_rows = amax_rows_for(TOKEN_CHUNK, r) if amax_rows is None else amax_rows
     data = torch.empty((r, c), dtype=torch.uint8, device=x.device)
     scale = torch.empty(r, dtype=torch.uint8, device=x.device)
     one_sweep = c <= _ROWS_IN_REGISTERS
