@@ -42,6 +42,8 @@ integer path under TRITON_INTERPRET=1, whose FP8 casts do not round to nearest e
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -89,6 +91,16 @@ _COLS_INTERPRET = (8, 16, 1, 0)
 _GPU_CHECKED: set = set()
 _PENDING_AUTOTUNE = False
 _ROWS_IN_REGISTERS = 8192
+
+
+class ScaleBytes(NamedTuple):
+    """E8M0 bytes a GEMM epilogue leaves for quantizing its output C [M, N] both ways (RCEIL, E4M3):
+    ``rows [M, tiles along N]``, each row's byte over a tile's columns, and ``cols [runs, N]``, each
+    column's byte over a run of ``run_rows`` rows (a tile's BLOCK_M). RCEIL's byte grows with the
+    amax, so the largest of a row's bytes is the byte of the whole row."""
+    rows: torch.Tensor
+    cols: torch.Tensor
+    run_rows: int
 
 
 _GPU_ASM = tl.constexpr(not INTERPRET)  # inline PTX (the interpreter runs no PTX)
@@ -209,8 +221,9 @@ def _chunk_scales(SA, SB, am, bn, stride_sam, stride_sbn, g):
 
 
 @triton.jit
-def _epilogue(acc, pid_m, pid_n, M, N, C, SA, SB, PRE, stride_cm, stride_pm, ROW_SCALES: tl.constexpr,
-              EPI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _epilogue(acc, pid_m, pid_n, M, N, C, SA, SB, PRE, ROWB, COLB, stride_cm, stride_pm, stride_rb, stride_cb,
+              ROW_SCALES: tl.constexpr, EPI: tl.constexpr, BYTES: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if ROW_SCALES:
@@ -222,15 +235,22 @@ def _epilogue(acc, pid_m, pid_n, M, N, C, SA, SB, PRE, stride_cm, stride_pm, ROW
     if EPI == 2:  # dpre = d(silu(pre)) * silu'(pre)
         pre = tl.load(PRE + rm64[:, None] * stride_pm + rn[None, :], mask=cmask, other=0.0).to(tl.float32)
         acc = acc * _silu_grad(pre)
-    tl.store(C + rm64[:, None] * stride_cm + rn[None, :], acc.to(C.dtype.element_ty), mask=cmask)
+    out = acc.to(C.dtype.element_ty)
+    if BYTES:  # E8M0 bytes of the stored values: each row's over this tile's columns, each column's over its rows
+        bits = _abs_bits(out.to(tl.float32), cmask)
+        row_byte, _, _ = _scale_from_amax(tl.max(bits, axis=1))
+        tl.store(ROWB + rm64 * stride_rb + pid_n, row_byte, mask=rm < M)
+        col_byte, _, _ = _scale_from_amax(tl.max(bits, axis=0))
+        tl.store(COLB + pid_m.to(tl.int64) * stride_cb + rn, col_byte, mask=rn < N)
+    tl.store(C + rm64[:, None] * stride_cm + rn[None, :], out, mask=cmask)
 
 
 @triton.jit
 def _fp8_gemm_kernel(
-    A, B, C, SA, SB, PRE,
+    A, B, C, SA, SB, PRE, ROWB, COLB,
     M, N, K,
-    stride_am, stride_bn, stride_cm, stride_pm, stride_sam, stride_sbn,
-    GROUP_K: tl.constexpr, CHUNK_K: tl.constexpr, EPI: tl.constexpr,
+    stride_am, stride_bn, stride_cm, stride_pm, stride_sam, stride_sbn, stride_rb, stride_cb,
+    GROUP_K: tl.constexpr, CHUNK_K: tl.constexpr, EPI: tl.constexpr, BYTES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One program per output tile, pointer loads (any alignment; every granularity)."""
@@ -266,15 +286,17 @@ def _fp8_gemm_kernel(
                 acc += part
             else:
                 acc += part * _chunk_scales(SA, SB, am, bn, stride_sam, stride_sbn, c0 // GROUP_K)
-    _epilogue(acc, pid_m, pid_n, M, N, C, SA, SB, PRE, stride_cm, stride_pm, GROUP_K == 0, EPI, BLOCK_M, BLOCK_N)
+    _epilogue(acc, pid_m, pid_n, M, N, C, SA, SB, PRE, ROWB, COLB, stride_cm, stride_pm, stride_rb, stride_cb,
+              GROUP_K == 0, EPI, BYTES, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
 def _fp8_gemm_tma_kernel(
-    a_desc, b_desc, C, SA, SB, PRE,
+    a_desc, b_desc, C, SA, SB, PRE, ROWB, COLB,
     M, N, K,
-    stride_cm, stride_pm, stride_sam, stride_sbn,
-    GROUP_K: tl.constexpr, CHUNK_K: tl.constexpr, EPI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_cm, stride_pm, stride_sam, stride_sbn, stride_rb, stride_cb,
+    GROUP_K: tl.constexpr, CHUNK_K: tl.constexpr, EPI: tl.constexpr, BYTES: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
 ):
     """Row-wise or chunk scales; persistent: NUM_PROGRAMS programs walk the output tiles, A and B
@@ -307,8 +329,8 @@ def _fp8_gemm_tma_kernel(
                     acc += part
                 else:
                     acc += part * _chunk_scales(SA, SB, am, bn, stride_sam, stride_sbn, c0 // per_chunk)
-        _epilogue(acc, pid_m, pid_n, M, N, C, SA, SB, PRE, stride_cm, stride_pm, GROUP_K == 0, EPI, BLOCK_M,
-                  BLOCK_N)
+        _epilogue(acc, pid_m, pid_n, M, N, C, SA, SB, PRE, ROWB, COLB, stride_cm, stride_pm, stride_rb, stride_cb,
+                  GROUP_K == 0, EPI, BYTES, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -444,6 +466,20 @@ def _cast_cols_kernel(
 
 
 @triton.jit
+def _chunk_byte(PART, cc, cmask, g, n_part, stride_p, PARTS: tl.constexpr, PART_BLOCK: tl.constexpr):
+    """Columns cc's E8M0 byte over chunk g: the largest of its PARTS runs' bytes in PART [runs, Cn]
+    (RCEIL's byte grows with the amax), PART_BLOCK runs per load (int32: the reduction of uint8
+    bytes comes back as int32, and a loop-carried value must keep its type)."""
+    col = tl.zeros(cc.shape, dtype=tl.int32)
+    for p0 in range(g * PARTS, g * PARTS + PARTS, PART_BLOCK):
+        pp = p0 + tl.arange(0, PART_BLOCK)
+        part = tl.load(PART + pp.to(tl.int64)[:, None] * stride_p + cc[None, :],
+                       mask=(pp[:, None] < n_part) & cmask[None, :], other=0)
+        col = tl.maximum(col, tl.max(part, axis=0).to(tl.int32))
+    return col
+
+
+@triton.jit
 def _cast_cols_amax_kernel(
     X, DATA_T, SCALE, PART, NW, RSTD, R, Cn, n_part, stride_xr, stride_dt, stride_sc, stride_p,
     ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr,
@@ -458,18 +494,49 @@ def _cast_cols_amax_kernel(
     cc = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     g = tl.program_id(1)
     cmask = cc < Cn
-    col = tl.zeros((BLOCK_C,), dtype=tl.int32)  # the reduction of uint8 bytes comes back as int32
-    for p0 in range(g * PARTS, g * PARTS + PARTS, PART_BLOCK):
-        pp = p0 + tl.arange(0, PART_BLOCK)
-        part = tl.load(PART + pp.to(tl.int64)[:, None] * stride_p + cc[None, :],
-                       mask=(pp[:, None] < n_part) & cmask[None, :], other=0)
-        col = tl.maximum(col, tl.max(part, axis=0).to(tl.int32))
-    byte, inv, nan = _scales_from_byte(col)
+    byte, inv, nan = _scales_from_byte(_chunk_byte(PART, cc, cmask, g, n_part, stride_p, PARTS, PART_BLOCK))
     split = tl.program_id(2)
     start = g * CHUNK + split * (CHUNK // SPLIT)
     _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g, start,
                                tl.minimum(start + CHUNK // SPLIT, R), split, stride_xr, stride_dt, stride_sc, ACT,
                                IN_BF16, BIT_CAST, BLOCK_R, NORM)
+
+
+@triton.jit
+def _cast_dual_kernel(
+    X, DATA, SCALE, ROWB, DATA_T, SCALE_T, PART, R, Cn, n_rowb, n_part, stride_xr, stride_dr, stride_rb, stride_dt,
+    stride_sc, stride_p, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr, CHUNK: tl.constexpr, PARTS: tl.constexpr,
+    PART_BLOCK: tl.constexpr, ROWB_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """Both operands of x from one read, its scales known beforehand (the E8M0 bytes its producer's
+    epilogue left): the row-wise one (DATA [R, Cn], SCALE [R]; each row's byte the largest of its
+    n_rowb bytes in ROWB [R, n_rowb]) and the column-wise one transposed (DATA_T [Cn, R],
+    SCALE_T [Cn, chunks]; as _cast_cols_amax_kernel, from the runs' bytes in PART). Program (j, g,
+    split): columns [j*BLOCK_C, +BLOCK_C) of the split-th 1/SPLIT of chunk g's rows."""
+    pid_c = tl.program_id(0)
+    cc = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    g = tl.program_id(1)
+    cmask = cc < Cn
+    byte, inv, nan = _scales_from_byte(_chunk_byte(PART, cc, cmask, g, n_part, stride_p, PARTS, PART_BLOCK))
+    split = tl.program_id(2)
+    tl.store(SCALE_T + cc.to(tl.int64) * stride_sc + g, byte.to(tl.uint8), mask=cmask & (cc * 0 + split == 0))
+    start = g * CHUNK + split * (CHUNK // SPLIT)
+    end = tl.minimum(start + CHUNK // SPLIT, R)
+    kb = tl.arange(0, ROWB_BLOCK)
+    for r0 in range(start, end, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        rmask = rr < end
+        mask = rmask[:, None] & cmask[None, :]
+        x = _load_act(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], mask, 0, IN_BF16)
+        rowb = tl.load(ROWB + rr.to(tl.int64)[:, None] * stride_rb + kb[None, :],
+                       mask=rmask[:, None] & (kb < n_rowb)[None, :], other=0)
+        rbyte, rinv, rnan = _scales_from_byte(tl.max(rowb, axis=1).to(tl.int32))
+        tl.store(SCALE + rr, rbyte.to(tl.uint8), mask=rmask & (rr * 0 + pid_c == 0))
+        tl.store(DATA + rr.to(tl.int64)[:, None] * stride_dr + cc[None, :],
+                 _quantize(x, rinv[:, None], rnan[:, None], BIT_CAST), mask=mask)
+        code = _quantize(x, inv[None, :], nan[None, :], BIT_CAST)
+        tl.store(DATA_T + cc.to(tl.int64)[:, None] * stride_dt + rr[None, :], tl.trans(code), mask=tl.trans(mask))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -623,9 +690,63 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
     return data.view(torch.float8_e4m3fn), scale
 
 
+def scale_bytes_fit(chunk: int) -> bool:
+    """Whether every GEMM tile height (BLOCK_M) divides ``chunk`` into a power of two of runs, so
+    that fp8_cast_dual can use the bytes whichever tile autotuning picks."""
+    tallest = _GEMM_INTERPRET[0] if INTERPRET else max(cfg[0] for cfg in _GEMM_CANDIDATES)
+    return chunk >= tallest and chunk & (chunk - 1) == 0
+
+
+def dual_cast_fits(sbytes: ScaleBytes, chunk: int) -> bool:
+    """Whether fp8_cast_dual can take chunk scales from these bytes: whole runs per chunk, a power of
+    two of them (one block of loads)."""
+    parts = chunk // sbytes.run_rows
+    return chunk % sbytes.run_rows == 0 and parts > 0 and parts & (parts - 1) == 0
+
+
+def fp8_cast_dual(x: torch.Tensor, sbytes: ScaleBytes, chunk: int | None = None, *, bit_cast: bool | None = None):
+    """``fp8_cast_rows(x)`` and ``fp8_cast_cols(x, chunk)`` from one read of x [R, C] (bf16/fp16/fp32),
+    given the scale bytes that x's producer left (``fp8_gemm(..., scale_bytes=True)``): returns
+    ``(data [R, C], scale [R], data_t [C, R], scale_t [C, chunks])``, the same bytes as the two
+    casts. ``chunk`` (default TOKEN_CHUNK) must hold whole runs of ``sbytes.run_rows`` rows, a
+    power of two of them (dual_cast_fits)."""
+    chunk = chunk or TOKEN_CHUNK
+    r, c = x.shape
+    if tuple(sbytes.rows.shape[:1]) != (r,) or sbytes.cols.shape != (triton.cdiv(r, sbytes.run_rows), c):
+        raise ValueError(f"fp8_cast_dual: scale bytes rows {tuple(sbytes.rows.shape)} / cols {tuple(sbytes.cols.shape)} "
+                         f"(runs of {sbytes.run_rows}) do not belong to x {tuple(x.shape)}")
+    if not dual_cast_fits(sbytes, chunk):
+        raise ValueError(f"fp8_cast_dual: chunk {chunk} must hold a power of two of whole runs of {sbytes.run_rows} rows")
+    xin = _as_kernel_input(x, None)
+    n_chunks = max(triton.cdiv(r, chunk), 1)
+    data = torch.empty((r, c), dtype=torch.uint8, device=x.device)
+    scale = torch.empty(r, dtype=torch.uint8, device=x.device)
+    data_t = torch.empty((c, r), dtype=torch.uint8, device=x.device)
+    scale_t = torch.empty((c, n_chunks), dtype=torch.uint8, device=x.device)
+    parts = chunk // sbytes.run_rows
+    rowb, colb = sbytes.rows, sbytes.cols
+    if x.numel():
+        def run(cfg):
+            br, bc, warps, split = cfg
+            split = split or 1
+            if chunk % split:
+                raise ValueError(f"fp8_cast_dual: {split} programs per chunk do not divide its {chunk} rows")
+            _cast_dual_kernel[(triton.cdiv(c, bc), n_chunks, split)](
+                xin, data, scale, rowb, data_t, scale_t, colb, r, c, rowb.shape[1], colb.shape[0], xin.stride(0),
+                data.stride(0), rowb.stride(0), data_t.stride(0), scale_t.stride(0), colb.stride(0),
+                IN_BF16=x.dtype == torch.bfloat16, BIT_CAST=_bit_cast(bit_cast), CHUNK=chunk, PARTS=parts,
+                PART_BLOCK=min(parts, 64), ROWB_BLOCK=triton.next_power_of_2(max(rowb.shape[1], 1)), BLOCK_R=br,
+                BLOCK_C=bc, SPLIT=split, num_warps=warps)
+
+        key = ("fp8_cast_dual", bucket_len(r), bucket_len(c), x.dtype, chunk, sbytes.run_rows, rowb.shape[1])
+        candidates = [(*cfg, split) for split in (0, _COLS_SPLIT) for cfg in _COLS_CANDIDATES]
+        run(pick_config(key, candidates, run, _COLS_INTERPRET))
+    return data.view(torch.float8_e4m3fn), scale, data_t.view(torch.float8_e4m3fn), scale_t
+
+
 def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, *, group_k: int = 0,
              epilogue: str = "none", pre: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-             promote_every: int | None = -1):
+             promote_every: int | None = -1, scale_bytes: bool = False):
     """``C [M, N] = A [M, K] B [N, K]^T`` on E4M3 operands with E8M0 scales.
 
     ``group_k=0``: ``sa [M]``, ``sb [N]`` (row-wise); otherwise ``sa [M, ceil(K/g)]``,
@@ -633,6 +754,9 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
     32 (chunk scales, applied at float32 promotion; a multiple of the tile depth). ``epilogue="silu_bwd"`` (row-wise, needs
     ``pre [M, N]``) returns ``(A B^T) * silu'(pre)`` in bf16. ``promote_every`` (row-wise): -1
     promotes every PROMOTE_EVERY values when K > 2 * PROMOTE_EVERY, None never.
+    ``scale_bytes`` (row-wise): returns ``(C, ScaleBytes)``, the E8M0 bytes of C's stored values
+    per row and output tile, and per column and run of a tile's rows, from which fp8_cast_dual
+    quantizes C both ways in one read.
     """
     if epilogue not in EPILOGUES:
         raise ValueError(f"fp8_gemm: epilogue {epilogue!r} is not allowed; allowed: {', '.join(EPILOGUES)}")
@@ -654,6 +778,8 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
         raise ValueError(f"fp8_gemm: scales {tuple(sa.shape)}, {tuple(sb.shape)} expected {want_a}, {want_b}")
     if epilogue != "none" and (group_k or pre is None or tuple(pre.shape) != (m, n) or pre.stride(1) != 1):
         raise ValueError("fp8_gemm: epilogue 'silu_bwd' is row-wise (group_k=0) and needs a contiguous pre [M, N]")
+    if scale_bytes and group_k:
+        raise ValueError("fp8_gemm: scale_bytes is row-wise (group_k=0)")
     if chunked:
         chunk = group_k
     elif group_k:
@@ -668,6 +794,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
     sb = sb.view(torch.uint8)
     pre_t = pre if pre is not None else c
     s_strides = (sa.stride(0) if group_k else 1, sb.stride(0) if group_k else 1)
+    made = {}
     if m and n:
         tma_ok = group_k not in IN_LOOP_GROUPS and k % 16 == 0 and a.stride(0) % 16 == 0 and b.stride(0) % 16 == 0
 
@@ -677,20 +804,29 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
                 bk = group_k
             if chunk % bk:
                 raise ValueError(f"fp8_gemm: a chunk of {chunk} is not a multiple of BLOCK_K={bk}")
+            if scale_bytes:  # their layout follows the tile: made again for each config
+                made["bytes"] = ScaleBytes(torch.empty((m, triton.cdiv(n, bn)), dtype=torch.uint8, device=a.device),
+                                           torch.empty((triton.cdiv(m, bm), n), dtype=torch.uint8, device=a.device), bm)
+            rowb, colb, _ = made.get("bytes", (c, c, 0))  # placeholders the kernel does not read without BYTES
+            bytes_args = (rowb, colb)
+            bytes_strides = (rowb.stride(0), colb.stride(0))
             if tma and tma_ok:
                 n_prog = num_programs(triton.cdiv(m, bm) * triton.cdiv(n, bn), 1, a.device)
                 _fp8_gemm_tma_kernel[(n_prog,)](
                     TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b, [bn, bk]),
-                    c, sa, sb, pre_t, m, n, k, c.stride(0), pre_t.stride(0), *s_strides,
-                    GROUP_K=group_k, CHUNK_K=chunk, EPI=epi, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                    NUM_PROGRAMS=n_prog, num_warps=warps, num_stages=stages)
+                    c, sa, sb, pre_t, *bytes_args, m, n, k, c.stride(0), pre_t.stride(0), *s_strides, *bytes_strides,
+                    GROUP_K=group_k, CHUNK_K=chunk, EPI=epi, BYTES=scale_bytes, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                    GROUP_M=8, NUM_PROGRAMS=n_prog, num_warps=warps, num_stages=stages)
                 return
             _fp8_gemm_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
-                a, b, c, sa, sb, pre_t, m, n, k, a.stride(0), b.stride(0), c.stride(0), pre_t.stride(0), *s_strides,
-                GROUP_K=group_k, CHUNK_K=chunk, EPI=epi, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                num_warps=warps, num_stages=stages)
+                a, b, c, sa, sb, pre_t, *bytes_args, m, n, k, a.stride(0), b.stride(0), c.stride(0), pre_t.stride(0),
+                *s_strides, *bytes_strides, GROUP_K=group_k, CHUNK_K=chunk, EPI=epi, BYTES=scale_bytes, BLOCK_M=bm,
+                BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
 
         candidates = _GEMM_CANDIDATES if tma_ok else [cfg for cfg in _GEMM_CANDIDATES if not cfg[5]]
-        key = ("fp8_gemm", bucket_len(m), bucket_len(n), bucket_len(k), group_k, epi, chunk, tma_ok)
+        key = ("fp8_gemm", bucket_len(m), bucket_len(n), bucket_len(k), group_k, epi, chunk, tma_ok, scale_bytes)
         run(pick_config(key, candidates, run, _GEMM_INTERPRET))
+    if scale_bytes:
+        return c, made.get("bytes", ScaleBytes(torch.empty((m, 0), dtype=torch.uint8, device=a.device),
+                                               torch.empty((0, n), dtype=torch.uint8, device=a.device), 1))
     return c
