@@ -380,12 +380,17 @@ def profile_rows(tokens: int) -> list[dict]:
         fn = variants["fp8 row fused+norm"]
         x = torch.randn(tokens, d, device="cuda", dtype=BF16, requires_grad=True)
         gy = torch.randn(tokens, d, device="cuda", dtype=BF16)
-        for _ in range(3):
+        def step():  # as the timed step: gradients set to None first, so no accumulation kernels
+            for t in (x, *params):
+                t.grad = None
             fn(x).backward(gy)
+
+        for _ in range(3):
+            step()
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
-                fn(x).backward(gy)
+                step()
             torch.cuda.synchronize()
         for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]:
             out.append({"d": d, "kernel": e.key[:80], "calls_per_step": e.count / 5,

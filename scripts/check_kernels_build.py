@@ -80,10 +80,13 @@ def kernels():
                                            (4096, 4096, 0, False), (128, 0, 0, False), (32, 0, 0, False)):
         yield f8._fp8_gemm_kernel, f8_io, dict(GROUP_K=group, CHUNK_K=chunk, EPI=epi, BYTES=scale_bytes, BLOCK_M=128,
                                                BLOCK_N=128, BLOCK_K=group if group in (32, 128) else 128, GROUP_M=8)
-    gemm_tiles = dict(f8_io, a_desc="tensordesc<fp8e4nv[128, 128]>", b_desc="tensordesc<fp8e4nv[128, 128]>")
-    for epi, scale_bytes in ((0, False), (2, True)):  # persistent TMA GEMM; dpre's scale bytes in the epilogue
+    gemm_tiles = dict(f8_io, a_desc="tensordesc<fp8e4nv[128, 128]>", b_desc="tensordesc<fp8e4nv[256, 128]>",
+                      c_desc="tensordesc<bf16[128, 64]>", pre_desc="tensordesc<bf16[128, 64]>")
+    # persistent TMA GEMM; silu' and dpre's scale bytes in an epilogue of 64-column slices by TMA
+    for epi, scale_bytes, tma_epi in ((0, False, False), (2, False, True), (2, True, True), (2, True, False)):
         yield f8._fp8_gemm_tma_kernel, gemm_tiles, dict(GROUP_K=0, CHUNK_K=0, EPI=epi, BYTES=scale_bytes, BLOCK_M=128,
-                                                        BLOCK_N=128, BLOCK_K=128, GROUP_M=8, NUM_PROGRAMS=132)
+                                                        BLOCK_N=256, BLOCK_K=128, GROUP_M=8, NUM_PROGRAMS=132,
+                                                        TMA_EPI=tma_epi)
     for one_sweep, col_amax in ((True, False), (True, True), (False, False)):
         yield f8._cast_rows_kernel, f8_io, dict(ACT=1, IN_BF16=True, BIT_CAST=False, BLOCK_R=2,
                                                 BLOCK_C=4096 if one_sweep else 2048, ONE_SWEEP=one_sweep,
@@ -99,6 +102,10 @@ def kernels():
     yield f8._cast_cols_amax_kernel, f8_io, dict(cast, PARTS=64, PART_BLOCK=64, SPLIT=4)  # 4 programs per chunk
     yield f8._cast_dual_kernel, f8_io, dict(IN_BF16=True, BIT_CAST=False, CHUNK=4096, PARTS=32, PART_BLOCK=32,
                                             ROWB_BLOCK=32, BLOCK_R=64, BLOCK_C=64, SPLIT=4)  # rows + columns, one read
+    from gemctl.ops.triton import rms_norm
+
+    norm_io = dict(DY="*bf16", X="*bf16", RSTD="*fp32", W="*fp32", DX="*bf16", DWP="*fp32")
+    yield rms_norm._rms_norm_bwd_kernel, norm_io, dict(BLOCK_R=2, BLOCK_C=1024, ITERS=32, NEED_DW=True)
     for block, rope in ((64, False), (64, True), (32, True), (128, True)):  # 128 + rope: the most shared memory
         consts = dict(HEAD_DIM=128, BLOCK=block, ROPE=rope)
         yield ba._block_attn_fwd, io, consts
@@ -130,7 +137,7 @@ def main() -> int:
         consts.update({n: None for n in fn.arg_names if n.endswith("_DESC") and n not in types and n not in consts})
         src = ASTSource(fn=fn, signature=_signature(fn, types, consts), constexprs=consts)
         compiled = triton.compile(src, target=target, options={"num_warps": 4, "num_stages": 3})
-        flags = ",".join(f"{k}={int(v)}" for k, v in consts.items() if k in ("CAUSAL", "HAS_BIAS", "ACT", "ROPE", "E5M2", "RCEIL", "BIT_CAST", "WRITE_Y", "WINDOWED", "GROUP_K", "EPI", "BYTES", "CHUNK_K", "ONE_SWEEP", "COL_AMAX", "NORM", "DEPTH", "SPLIT", "TRANSPOSED", "MX_P", "TMA", "LAZY", "HALVES"))
+        flags = ",".join(f"{k}={int(v)}" for k, v in consts.items() if k in ("CAUSAL", "HAS_BIAS", "ACT", "ROPE", "E5M2", "RCEIL", "BIT_CAST", "WRITE_Y", "WINDOWED", "GROUP_K", "EPI", "BYTES", "TMA_EPI", "NEED_DW", "CHUNK_K", "ONE_SWEEP", "COL_AMAX", "NORM", "DEPTH", "SPLIT", "TRANSPOSED", "MX_P", "TMA", "LAZY", "HALVES"))
         if "BLOCK" in consts:
             flags = f"BLOCK={consts['BLOCK']},{flags}"
         print(f"{fn.__name__:<24} {flags:<30} sm_{args.arch}: ok ({time.time() - t0:.1f} s, {compiled.metadata.shared} B shared)")

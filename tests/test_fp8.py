@@ -303,23 +303,34 @@ def _dual_case(m: int, n: int, k: int, device="cpu", dtype=torch.float32):
     return a, b, sa, sb
 
 
+# the GEMM configs of the epilogue tests: pointer tiles, TMA tiles (descriptor epilogue), and a wide
+# TMA tile whose epilogue runs in 64-column slices split from the accumulator (4, and 2 for n <= 128)
+_EPILOGUE_CONFIGS = {"tiles": {}, "tma": TMA, "tma-slices": {"fp8_gemm": (32, 256, 32, 4, 1, True)},
+                     "tiles-slices": {"fp8_gemm": (32, 128, 32, 4, 1, False)}}
+
+
 @pytest.mark.parametrize("epilogue", ["none", "silu_bwd"])
-@pytest.mark.parametrize("tma", [False, True], ids=["tiles", "tma"])
-@pytest.mark.parametrize("m,n,chunk", [(70, 45, 32), (37, 20, 16), (64, 33, 64)])
-def test_gemm_scale_bytes_and_dual_cast(m, n, chunk, tma, epilogue):
+@pytest.mark.parametrize("tiles", list(_EPILOGUE_CONFIGS))
+@pytest.mark.parametrize("m,n,chunk", [(70, 45, 32), (37, 20, 16), (64, 300, 64)])
+def test_gemm_scale_bytes_and_dual_cast(m, n, chunk, tiles, epilogue):
     """The epilogue's E8M0 bytes of C (per row and tile, per column and run of rows) give one read
     of C the bytes of fp8_cast_rows(C) and fp8_cast_cols(C, chunk); partial tiles, runs and chunks,
     NaN, inf and zero rows."""
     from gemctl.ops.triton.fp8_gemm import dual_cast_fits, fp8_cast_dual
 
+    if tiles.endswith("slices") and chunk % 32:
+        pytest.skip("runs of 32 rows")
+    tma = _EPILOGUE_CONFIGS[tiles]
     a, b, sa, sb = _dual_case(m, n, 64)
     pre = None
     if epilogue == "silu_bwd":
         pre = (torch.randn(m, n) * 3).to(torch.bfloat16)
         pre[4, 3] = float("nan")  # (the interpreter's FP8 dot does not carry A's NaN code through)
-    with forced_config(TMA if tma else {}):
+    with forced_config(tma):
         plain = fp8_gemm(a, b, sa, sb, epilogue=epilogue, pre=pre)
         c, sbytes = fp8_gemm(a, b, sa, sb, epilogue=epilogue, pre=pre, scale_bytes=True)
+    with forced_config(TMA):  # the TMA GEMM's plain epilogue: the reference for the other tiles
+        assert torch.equal(c.view(torch.int16), fp8_gemm(a, b, sa, sb, epilogue=epilogue, pre=pre).view(torch.int16))
     assert torch.equal(c.view(torch.int16), plain.view(torch.int16))  # C itself unchanged
     assert c.float().isinf().any() and (epilogue == "none" or c.float().isnan().any())
     run = sbytes.run_rows
@@ -576,18 +587,53 @@ def test_fused_norm_linear_falls_back_for_other_granularities():
         assert torch.equal(fused, apart)
 
 
-def test_rms_norm_backward_matches_autograd():
-    from gemctl.precision.fp8_linear import _rms_norm_backward
+def _rms_norm_case(rows: int, cols: int, device="cpu"):
+    g = torch.Generator().manual_seed(rows + cols)
+    x = (torch.randn(rows, cols, generator=g, dtype=torch.float64) * torch.logspace(-2, 2, rows, dtype=torch.float64)[:, None])
+    x[min(1, rows - 1)] = 0.0  # a zero row (rstd = 1 / sqrt(eps))
+    w = torch.randn(cols, generator=g, dtype=torch.float64)
+    dy = torch.randn(rows, cols, generator=g, dtype=torch.float64)
+    return x.to(device).requires_grad_(), w.to(device).requires_grad_(), dy.to(device)
 
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(9, 24, generator=g, dtype=torch.float64).requires_grad_()
-    w = torch.randn(24, generator=g, dtype=torch.float64).requires_grad_()
-    dy = torch.randn(9, 24, generator=g, dtype=torch.float64)
+
+@pytest.mark.parametrize("path", ["triton", "float32"])
+def test_rms_norm_backward_matches_autograd(path, monkeypatch):
+    from gemctl.precision import fp8_linear
+
+    if path == "float32":  # the math where the Triton kernels do not run (a GPU without the fused op too)
+        monkeypatch.setattr(fp8_linear, "triton_ready", lambda *t: False)
+    x, w, dy = _rms_norm_case(9, 24)
     F.rms_norm(x, (24,), w, 1e-5).backward(dy)
     rstd = torch.rsqrt(x.detach().pow(2).mean(-1) + 1e-5)
-    dx, dw = _rms_norm_backward(dy, x.detach(), rstd, w.detach())
-    # float32 math (as on a GPU without the fused op) against float64 autograd
+    dx, dw = fp8_linear._rms_norm_backward(dy, x.detach(), rstd, w.detach())
+    # float32 math against float64 autograd
     assert torch.allclose(dx, x.grad, rtol=1e-5, atol=1e-6) and torch.allclose(dw, w.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols", [(150, 70), (1, 8), (64, 33)])
+def test_rms_norm_backward_kernel(rows, cols, dtype, device="cpu"):
+    """One Triton pass against float64 autograd of F.rms_norm: several programs of 64 rows (the
+    last partial), columns not a power of two, a zero row, the weight as the forward applies it (in
+    x's dtype), dweight's partial sums; need_dw=False leaves dx alone unchanged."""
+    from gemctl.ops.triton.rms_norm import rms_norm_backward
+
+    x, w, dy = _rms_norm_case(rows, cols, device)
+    xq, dyq, wq = x.detach().to(dtype), dy.to(dtype), w.detach().to(dtype)
+    xr = xq.double().requires_grad_()
+    wr = wq.double().requires_grad_()
+    F.rms_norm(xr, (cols,), wr, 1e-5).backward(dyq.double())
+    rstd = torch.rsqrt(xr.detach().pow(2).mean(-1) + 1e-5).float()
+    dx, dw = rms_norm_backward(dyq, xq, rstd, w.detach().float())
+    assert dx.dtype == dtype and dw.dtype == torch.float32
+    tol = 1e-5 if dtype == torch.float32 else 2**-7  # dx rounded to bf16 once
+    scale = xr.grad.abs().amax(-1, keepdim=True) + 1e-30
+    assert ((dx.double() - xr.grad).abs() <= tol * scale).all()
+    assert torch.allclose(dw.double(), wr.grad, rtol=1e-4, atol=1e-5 * wr.grad.abs().max().item())
+    dx2, none = rms_norm_backward(dyq, xq, rstd, w.detach().float(), need_dw=False)
+    assert none is None and torch.equal(dx2, dx)
+    with pytest.raises(ValueError, match="rstd \\[R\\]"):
+        rms_norm_backward(dyq, xq, rstd[:-1] if rows > 1 else rstd.repeat(2), w.detach().float())
 
 
 def _fp8_models(overrides: list[str], unfuse):
@@ -849,6 +895,12 @@ def test_gemm_scale_bytes_and_dual_cast_gpu(tma):
             got = fp8_cast_dual(c, sbytes, 4096)
         for g, w in zip(got, want):
             assert torch.equal(g.view(torch.uint8), w), cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_backward_kernel_gpu(dtype):
+    test_rms_norm_backward_kernel(8192 + 37, 1024, dtype, device="cuda")
 
 
 @pytest.mark.gpu

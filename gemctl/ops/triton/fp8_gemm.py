@@ -221,28 +221,85 @@ def _chunk_scales(SA, SB, am, bn, stride_sam, stride_sbn, g):
 
 
 @triton.jit
-def _epilogue(acc, pid_m, pid_n, M, N, C, SA, SB, PRE, ROWB, COLB, stride_cm, stride_pm, stride_rb, stride_cb,
-              ROW_SCALES: tl.constexpr, EPI: tl.constexpr, BYTES: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr):
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+def _split_cols(acc, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """The left and right halves of a (BLOCK_M, WIDTH) tile's columns."""
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, WIDTH // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _epilogue_part(acc, rm, sa, row_bits, pid_m, c0, M, N, C, SB, PRE, COLB, stride_cm, stride_pm, stride_cb,
+                   c_desc, pre_desc, ROW_SCALES: tl.constexpr, EPI: tl.constexpr, BYTES: tl.constexpr,
+                   WIDTH: tl.constexpr, TMA_EPI: tl.constexpr):
+    """Columns [c0, c0 + WIDTH) of the output tile: scales, silu', the store and, with BYTES, the
+    columns' E8M0 bytes over the tile's rows; returns the rows' running |max| bits (BYTES). TMA_EPI:
+    pre loaded and C stored through (BLOCK_M, WIDTH) descriptors, no per-element addresses (out of
+    range rows and columns: pre reads zeros, the store clips; their accumulators are 0)."""
+    rn = c0 + tl.arange(0, WIDTH)
     if ROW_SCALES:
-        sa = _pow2_bits(tl.load(SA + rm, mask=rm < M, other=127).to(tl.int32))
         sb = _pow2_bits(tl.load(SB + rn, mask=rn < N, other=127).to(tl.int32))
         acc = acc * sa[:, None] * sb[None, :]
     cmask = (rm[:, None] < M) & (rn[None, :] < N)
     rm64 = rm.to(tl.int64)
     if EPI == 2:  # dpre = d(silu(pre)) * silu'(pre)
-        pre = tl.load(PRE + rm64[:, None] * stride_pm + rn[None, :], mask=cmask, other=0.0).to(tl.float32)
+        if TMA_EPI:
+            pre = pre_desc.load([pid_m * rm.shape[0], c0]).to(tl.float32)
+        else:
+            pre = tl.load(PRE + rm64[:, None] * stride_pm + rn[None, :], mask=cmask, other=0.0).to(tl.float32)
         acc = acc * _silu_grad(pre)
     out = acc.to(C.dtype.element_ty)
-    if BYTES:  # E8M0 bytes of the stored values: each row's over this tile's columns, each column's over its rows
-        bits = _abs_bits(out.to(tl.float32), cmask)
-        row_byte, _, _ = _scale_from_amax(tl.max(bits, axis=1))
-        tl.store(ROWB + rm64 * stride_rb + pid_n, row_byte, mask=rm < M)
-        col_byte, _, _ = _scale_from_amax(tl.max(bits, axis=0))
+    if BYTES:  # the stored values' bytes: rounding to C's dtype is monotone, so round the maxima alone
+        bits = _abs_bits(acc, cmask)
+        row_bits = tl.maximum(row_bits, tl.max(bits, axis=1))
+        col_byte, _, _ = _scale_from_amax(_rounded_bits(tl.max(bits, axis=0), C))
         tl.store(COLB + pid_m.to(tl.int64) * stride_cb + rn, col_byte, mask=rn < N)
-    tl.store(C + rm64[:, None] * stride_cm + rn[None, :], out, mask=cmask)
+    if TMA_EPI:
+        c_desc.store([pid_m * rm.shape[0], c0], out)
+    else:
+        tl.store(C + rm64[:, None] * stride_cm + rn[None, :], out, mask=cmask)
+    return row_bits
+
+
+@triton.jit
+def _rounded_bits(bits, C):
+    """|max| float32 bits -> the bits of the same value rounded to C's element type (NaN stays NaN)."""
+    return bits.to(tl.float32, bitcast=True).to(C.dtype.element_ty).to(tl.float32).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _epilogue(acc, pid_m, pid_n, M, N, C, SA, SB, PRE, ROWB, COLB, stride_cm, stride_pm, stride_rb, stride_cb,
+              c_desc, pre_desc, ROW_SCALES: tl.constexpr, EPI: tl.constexpr, BYTES: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA_EPI: tl.constexpr = False):
+    """The output tile's epilogue. With silu' or scale bytes it runs on column slices of at most 64
+    (the tile split in registers): the whole 128 x 256 tile with its pre tile loaded at once took
+    ~3 KB of spills per thread (sm_90 ptxas, 8 warps)."""
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    sa = _pow2_bits(tl.load(SA + rm, mask=rm < M, other=127).to(tl.int32)) if ROW_SCALES else 1.0
+    row_bits = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    c0 = pid_n * BLOCK_N
+    if (EPI == 0 and not BYTES) or BLOCK_N <= 64:
+        row_bits = _epilogue_part(acc, rm, sa, row_bits, pid_m, c0, M, N, C, SB, PRE, COLB, stride_cm, stride_pm,
+                                  stride_cb, c_desc, pre_desc, ROW_SCALES, EPI, BYTES, BLOCK_N, TMA_EPI)
+    elif BLOCK_N == 128:
+        a0, a1 = _split_cols(acc, BLOCK_M, 128)
+        row_bits = _epilogue_part(a0, rm, sa, row_bits, pid_m, c0, M, N, C, SB, PRE, COLB, stride_cm, stride_pm,
+                                  stride_cb, c_desc, pre_desc, ROW_SCALES, EPI, BYTES, 64, TMA_EPI)
+        row_bits = _epilogue_part(a1, rm, sa, row_bits, pid_m, c0 + 64, M, N, C, SB, PRE, COLB, stride_cm, stride_pm,
+                                  stride_cb, c_desc, pre_desc, ROW_SCALES, EPI, BYTES, 64, TMA_EPI)
+    else:  # 256
+        h0, h1 = _split_cols(acc, BLOCK_M, 256)
+        a0, a1 = _split_cols(h0, BLOCK_M, 128)
+        row_bits = _epilogue_part(a0, rm, sa, row_bits, pid_m, c0, M, N, C, SB, PRE, COLB, stride_cm, stride_pm,
+                                  stride_cb, c_desc, pre_desc, ROW_SCALES, EPI, BYTES, 64, TMA_EPI)
+        row_bits = _epilogue_part(a1, rm, sa, row_bits, pid_m, c0 + 64, M, N, C, SB, PRE, COLB, stride_cm, stride_pm,
+                                  stride_cb, c_desc, pre_desc, ROW_SCALES, EPI, BYTES, 64, TMA_EPI)
+        a2, a3 = _split_cols(h1, BLOCK_M, 128)
+        row_bits = _epilogue_part(a2, rm, sa, row_bits, pid_m, c0 + 128, M, N, C, SB, PRE, COLB, stride_cm, stride_pm,
+                                  stride_cb, c_desc, pre_desc, ROW_SCALES, EPI, BYTES, 64, TMA_EPI)
+        row_bits = _epilogue_part(a3, rm, sa, row_bits, pid_m, c0 + 192, M, N, C, SB, PRE, COLB, stride_cm, stride_pm,
+                                  stride_cb, c_desc, pre_desc, ROW_SCALES, EPI, BYTES, 64, TMA_EPI)
+    if BYTES:  # each row's byte over the tile's columns
+        row_byte, _, _ = _scale_from_amax(_rounded_bits(row_bits, C))
+        tl.store(ROWB + rm.to(tl.int64) * stride_rb + pid_n, row_byte, mask=rm < M)
 
 
 @triton.jit
@@ -287,22 +344,22 @@ def _fp8_gemm_kernel(
             else:
                 acc += part * _chunk_scales(SA, SB, am, bn, stride_sam, stride_sbn, c0 // GROUP_K)
     _epilogue(acc, pid_m, pid_n, M, N, C, SA, SB, PRE, ROWB, COLB, stride_cm, stride_pm, stride_rb, stride_cb,
-              GROUP_K == 0, EPI, BYTES, BLOCK_M, BLOCK_N)
+              None, None, GROUP_K == 0, EPI, BYTES, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
 def _fp8_gemm_tma_kernel(
-    a_desc, b_desc, C, SA, SB, PRE, ROWB, COLB,
+    a_desc, b_desc, c_desc, pre_desc, C, SA, SB, PRE, ROWB, COLB,
     M, N, K,
     stride_cm, stride_pm, stride_sam, stride_sbn, stride_rb, stride_cb,
     GROUP_K: tl.constexpr, CHUNK_K: tl.constexpr, EPI: tl.constexpr, BYTES: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, TMA_EPI: tl.constexpr = False,
 ):
     """Row-wise or chunk scales; persistent: NUM_PROGRAMS programs walk the output tiles, A and B
     tiles come through TMA descriptors (out-of-range rows and K zero-filled), and the tile loop is
     flattened with the K loop so the next tile's loads are in flight during this tile's
-    epilogue."""
+    epilogue. TMA_EPI: the epilogue's pre and C through descriptors too (c_desc, pre_desc)."""
     n_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     for tile in tl.range(tl.program_id(0), n_tiles, NUM_PROGRAMS, flatten=True):
@@ -330,7 +387,7 @@ def _fp8_gemm_tma_kernel(
                 else:
                     acc += part * _chunk_scales(SA, SB, am, bn, stride_sam, stride_sbn, c0 // per_chunk)
         _epilogue(acc, pid_m, pid_n, M, N, C, SA, SB, PRE, ROWB, COLB, stride_cm, stride_pm, stride_rb, stride_cb,
-                  GROUP_K == 0, EPI, BYTES, BLOCK_M, BLOCK_N)
+                  c_desc, pre_desc, GROUP_K == 0, EPI, BYTES, BLOCK_M, BLOCK_N, TMA_EPI)
 
 
 @triton.jit
@@ -744,6 +801,11 @@ def fp8_cast_dual(x: torch.Tensor, sbytes: ScaleBytes, chunk: int | None = None,
     return data.view(torch.float8_e4m3fn), scale, data_t.view(torch.float8_e4m3fn), scale_t
 
 
+def _tma_2d_ok(t: torch.Tensor) -> bool:
+    """A 2-D tensor a TMA descriptor can cover: unit inner stride, 16-byte aligned base and row stride."""
+    return t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
 def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, *, group_k: int = 0,
              epilogue: str = "none", pre: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
              promote_every: int | None = -1, scale_bytes: bool = False):
@@ -812,11 +874,16 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
             bytes_strides = (rowb.stride(0), colb.stride(0))
             if tma and tma_ok:
                 n_prog = num_programs(triton.cdiv(m, bm) * triton.cdiv(n, bn), 1, a.device)
+                # the silu' / bytes epilogue in column slices of 64 through descriptors where C and pre allow
+                tma_epi = (epi or scale_bytes) and all(_tma_2d_ok(t) for t in (c, pre_t))
+                slice_n = min(bn, 64)
+                c_desc = TensorDescriptor.from_tensor(c, [bm, slice_n]) if tma_epi else None
+                pre_desc = TensorDescriptor.from_tensor(pre_t, [bm, slice_n]) if tma_epi else None
                 _fp8_gemm_tma_kernel[(n_prog,)](
                     TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b, [bn, bk]),
-                    c, sa, sb, pre_t, *bytes_args, m, n, k, c.stride(0), pre_t.stride(0), *s_strides, *bytes_strides,
+                    c_desc, pre_desc, c, sa, sb, pre_t, *bytes_args, m, n, k, c.stride(0), pre_t.stride(0), *s_strides, *bytes_strides,
                     GROUP_K=group_k, CHUNK_K=chunk, EPI=epi, BYTES=scale_bytes, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                    GROUP_M=8, NUM_PROGRAMS=n_prog, num_warps=warps, num_stages=stages)
+                    GROUP_M=8, NUM_PROGRAMS=n_prog, TMA_EPI=bool(tma_epi), num_warps=warps, num_stages=stages)
                 return
             _fp8_gemm_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
                 a, b, c, sa, sb, pre_t, *bytes_args, m, n, k, a.stride(0), b.stride(0), c.stride(0), pre_t.stride(0),
