@@ -26,9 +26,7 @@ and token-chunk variants):
    Hadamard rotation (precision.fp8.hadamard) beside the others;
 6. accumulation: the GEMM's own error against float64 per contraction length (FP32 promotion on
    and off, cuBLAS fast and exact accumulation as anchors);
-7. dpre: the backward's dgrad GEMM with silu' (and dpre's scale bytes) in its epilogue, and dpre's
-   two operands by two reads (row cast + column cast) against one (fp8_cast_dual);
-8. profile: CUDA time per kernel of the fused MLP's forward+backward.
+7. profile: CUDA time per kernel of the fused MLP's forward+backward.
 
 Weights are bf16 in every variant (the trainer's fp32 masters cast once per step either way).
 Times: median of triton.testing.do_bench over the Python call (launch overheads included);
@@ -51,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import base_meta, bench, graph_bench, picked_configs, run_meta  # noqa: E402
 
 from gemctl.ops.triton.fp8_gemm import (  # noqa: E402
-    TOKEN_CHUNK, amax_rows_for, fp8_cast_cols, fp8_cast_dual, fp8_cast_rows, fp8_gemm, fp8_rmsnorm_cast_rows,
+    TOKEN_CHUNK, amax_rows_for, fp8_cast_cols, fp8_cast_rows, fp8_gemm, fp8_rmsnorm_cast_rows,
 )
 from gemctl.ops.triton.mx_quant import mx_quantize  # noqa: E402
 from gemctl.precision.fp8_linear import GRANULARITIES, Fp8Recipe, fp8_mlp, qdq  # noqa: E402
@@ -332,45 +330,6 @@ def accumulation_rows() -> list[dict]:
     return out
 
 
-def dpre_rows(tokens: int, copy: float) -> list[dict]:
-    """The up-projection's dpre in the fused MLP's backward, per width: the silu' dgrad GEMM without
-    and with dpre's scale bytes in its epilogue, then dpre's two operands (row-wise for the dgrad,
-    column-wise per TOKEN_CHUNK for the wgrad) by the row cast leaving column bytes plus the
-    column cast (two reads of dpre) against fp8_cast_dual (one read). CUDA-graph time; casts as %
-    of copy for the bytes each moves."""
-    out = []
-    for d, h in MLP_WIDTHS:
-        gy = torch.randn(tokens, d, device="cuda", dtype=BF16)
-        w_down = torch.randn(d, h, device="cuda", dtype=BF16) / h**0.5
-        gr, gs = fp8_cast_rows(gy)
-        dt, dcs = fp8_cast_rows(w_down.t().contiguous())
-        pre = torch.randn(tokens, h, device="cuda", dtype=BF16) * 2
-        dpre = fp8_gemm(gr, dt, gs, dcs, epilogue="silu_bwd", pre=pre)
-        dpre2, sbytes = fp8_gemm(gr, dt, gs, dcs, epilogue="silu_bwd", pre=pre, scale_bytes=True)
-        assert torch.equal(dpre.view(torch.int16), dpre2.view(torch.int16))
-        n = dpre.numel()
-        flops = 2 * tokens * d * h
-        cases = {
-            "dgrad GEMM, silu' epilogue": (lambda: fp8_gemm(gr, dt, gs, dcs, epilogue="silu_bwd", pre=pre), 0),
-            "dgrad GEMM, silu' epilogue + scale bytes": (
-                lambda: fp8_gemm(gr, dt, gs, dcs, epilogue="silu_bwd", pre=pre, scale_bytes=True), 0),
-            "row cast with column bytes + column cast (2 reads)": (
-                lambda: fp8_cast_cols(dpre, part=fp8_cast_rows(dpre, col_amax=True)[2]), 2 * (3 * n)),
-            "dual cast from the epilogue's bytes (1 read)": (lambda: fp8_cast_dual(dpre, sbytes), 4 * n),
-        }
-        for name, (fn, nbytes) in cases.items():
-            ms = graph_bench(fn, nan_on_failure=True)
-            row = {"dpre": name, "d": d, "hidden": h, "tokens": tokens, "graph_ms": ms}
-            if nbytes:
-                row["graph_pct_copy"] = 100 * nbytes / (ms * 1e-3) / 1e12 / copy
-            else:
-                row["tflops"] = flops / ms / 1e9
-            out.append(row)
-            print(row, flush=True)
-        del gy, pre, dpre, dpre2, sbytes
-    return out
-
-
 def profile_rows(tokens: int) -> list[dict]:
     """Where the fused FP8 MLP's forward+backward time goes: CUDA time per kernel (torch.profiler,
     5 steps after 3 warm-up steps), per width."""
@@ -404,7 +363,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_fp8.json")
     ap.add_argument("--tokens", type=int, default=65536)
-    ap.add_argument("--only", default="accuracy,accumulation,cast,gemm,mlp,dpre,profile")
+    ap.add_argument("--only", default="accuracy,accumulation,cast,gemm,mlp,profile")
     ap.add_argument("--grans", default=",".join(GRANULARITIES), help="granularities timed in the gemm section")
     ap.add_argument("--mlp", default="", help="comma-separated MLP variants to time (default: all)")
     ap.add_argument("--widths", default="", help="comma-separated model widths d of the MLP section (default: all)")
@@ -431,14 +390,13 @@ def main() -> None:
                 "gemm": lambda: gemm_rows(args.tokens, args.grans.split(",")),
                 "mlp": lambda: mlp_rows(args.tokens, [v for v in args.mlp.split(",") if v],
                                         [int(w) for w in args.widths.split(",") if w]),
-                "dpre": lambda: dpre_rows(args.tokens, meta["copy_tbps"]),
                 "profile": lambda: profile_rows(args.tokens)}
     unknown = [p for p in parts if p not in sections]
     if unknown:
         raise SystemExit(f"bench_fp8: --only {','.join(unknown)}: unknown; allowed: {', '.join(sections)}")
     for part in parts:  # in the order given, so a run cut by its time limit keeps the first ones
         result[part] = sections[part]()
-        result["configs"] = picked_configs(("fp8_cast_rows", "fp8_cast_cols", "fp8_cast_dual", "fp8_gemm"))  # what was timed
+        result["configs"] = picked_configs(("fp8_cast_rows", "fp8_cast_cols", "fp8_gemm"))  # what was timed
         path.write_text(json.dumps(result, indent=1))  # partial results survive a timeout
     print(json.dumps(result, indent=1))
 

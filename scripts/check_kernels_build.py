@@ -74,19 +74,10 @@ def kernels():
         yield mx._rmsnorm_mx_quant_kernel, mx_io, dict(e4m3, BIT_CAST=False, WRITE_Y=write_y, HAS_W=True,
                                                        BLOCK_R=4, BLOCKS_C=64)
     f8_io = dict(A="*fp8e4nv", B="*fp8e4nv", C="*bf16", SA="*u8", SB="*u8", PRE="*bf16", X="*i16", DATA="*u8",
-                 SCALE="*u8", DATA_T="*u8", PART="*u8", NW="*fp32", RSTD="*fp32", eps="fp32", ROWB="*u8", COLB="*u8",
-                 SCALE_T="*u8")
-    for group, chunk, epi, scale_bytes in ((0, 0, 0, False), (0, 0, 2, False), (0, 0, 2, True), (0, 4096, 0, False),
-                                           (4096, 4096, 0, False), (128, 0, 0, False), (32, 0, 0, False)):
-        yield f8._fp8_gemm_kernel, f8_io, dict(GROUP_K=group, CHUNK_K=chunk, EPI=epi, BYTES=scale_bytes, BLOCK_M=128,
-                                               BLOCK_N=128, BLOCK_K=group if group in (32, 128) else 128, GROUP_M=8)
-    gemm_tiles = dict(f8_io, a_desc="tensordesc<fp8e4nv[128, 128]>", b_desc="tensordesc<fp8e4nv[256, 128]>",
-                      c_desc="tensordesc<bf16[128, 64]>", pre_desc="tensordesc<bf16[128, 64]>")
-    # persistent TMA GEMM; silu' and dpre's scale bytes in an epilogue of 64-column slices by TMA
-    for epi, scale_bytes, tma_epi in ((0, False, False), (2, False, True), (2, True, True), (2, True, False)):
-        yield f8._fp8_gemm_tma_kernel, gemm_tiles, dict(GROUP_K=0, CHUNK_K=0, EPI=epi, BYTES=scale_bytes, BLOCK_M=128,
-                                                        BLOCK_N=256, BLOCK_K=128, GROUP_M=8, NUM_PROGRAMS=132,
-                                                        TMA_EPI=tma_epi)
+                 SCALE="*u8", DATA_T="*u8", PART="*u8", NW="*fp32", RSTD="*fp32", eps="fp32")
+    for group, chunk, epi in ((0, 0, 0), (0, 0, 2), (0, 4096, 0), (4096, 4096, 0), (128, 0, 0), (32, 0, 0)):
+        yield f8._fp8_gemm_kernel, f8_io, dict(GROUP_K=group, CHUNK_K=chunk, EPI=epi, BLOCK_M=128, BLOCK_N=128,
+                                               BLOCK_K=group if group in (32, 128) else 128, GROUP_M=8)
     for one_sweep, col_amax in ((True, False), (True, True), (False, False)):
         yield f8._cast_rows_kernel, f8_io, dict(ACT=1, IN_BF16=True, BIT_CAST=False, BLOCK_R=2,
                                                 BLOCK_C=4096 if one_sweep else 2048, ONE_SWEEP=one_sweep,
@@ -100,8 +91,6 @@ def kernels():
     yield f8._cast_cols_amax_kernel, f8_io, dict(cast, PARTS=256, PART_BLOCK=64)  # runs of 16 rows: 4 loads
     yield f8._cast_cols_amax_kernel, f8_io, dict(cast, ACT=0, PARTS=32, PART_BLOCK=32, NORM=True)
     yield f8._cast_cols_amax_kernel, f8_io, dict(cast, PARTS=64, PART_BLOCK=64, SPLIT=4)  # 4 programs per chunk
-    yield f8._cast_dual_kernel, f8_io, dict(IN_BF16=True, BIT_CAST=False, CHUNK=4096, PARTS=32, PART_BLOCK=32,
-                                            ROWB_BLOCK=32, BLOCK_R=64, BLOCK_C=64, SPLIT=4)  # rows + columns, one read
     from gemctl.ops.triton import rms_norm
 
     norm_io = dict(DY="*bf16", X="*bf16", RSTD="*fp32", W="*fp32", DX="*bf16", DWP="*fp32")
@@ -137,7 +126,7 @@ def main() -> int:
         consts.update({n: None for n in fn.arg_names if n.endswith("_DESC") and n not in types and n not in consts})
         src = ASTSource(fn=fn, signature=_signature(fn, types, consts), constexprs=consts)
         compiled = triton.compile(src, target=target, options={"num_warps": 4, "num_stages": 3})
-        flags = ",".join(f"{k}={int(v)}" for k, v in consts.items() if k in ("CAUSAL", "HAS_BIAS", "ACT", "ROPE", "E5M2", "RCEIL", "BIT_CAST", "WRITE_Y", "WINDOWED", "GROUP_K", "EPI", "BYTES", "TMA_EPI", "NEED_DW", "CHUNK_K", "ONE_SWEEP", "COL_AMAX", "NORM", "DEPTH", "SPLIT", "TRANSPOSED", "MX_P", "TMA", "LAZY", "HALVES"))
+        flags = ",".join(f"{k}={int(v)}" for k, v in consts.items() if k in ("CAUSAL", "HAS_BIAS", "ACT", "ROPE", "E5M2", "RCEIL", "BIT_CAST", "WRITE_Y", "WINDOWED", "GROUP_K", "EPI", "NEED_DW", "CHUNK_K", "ONE_SWEEP", "COL_AMAX", "NORM", "DEPTH", "SPLIT", "TRANSPOSED", "MX_P", "TMA", "LAZY", "HALVES"))
         if "BLOCK" in consts:
             flags = f"BLOCK={consts['BLOCK']},{flags}"
         print(f"{fn.__name__:<24} {flags:<30} sm_{args.arch}: ok ({time.time() - t0:.1f} s, {compiled.metadata.shared} B shared)")

@@ -287,83 +287,6 @@ def test_gemm_silu_bwd_epilogue(tma):
     assert ((dpre.double() - want).abs() <= 2**-7 * want.abs() + 1e-6 * want.abs().max()).all()
 
 
-def _dual_case(m: int, n: int, k: int, device="cpu", dtype=torch.float32):
-    """Row-wise operands whose product spans many binades per row and column, with a NaN row
-    (an E4M3 NaN code in A), an infinite one (the largest scale byte) and a zero one."""
-    g = torch.Generator().manual_seed(m + n)
-    x = torch.randn(m, k, generator=g) * torch.logspace(-4, 4, m)[:, None]
-    a, sa = fp8_cast_rows(x.to(dtype).to(device))
-    b, sb = fp8_cast_rows((torch.randn(n, k, generator=g) * torch.logspace(-3, 3, n)[:, None]).to(dtype).to(device))
-    a = a.clone()
-    sa = sa.clone()
-    a.view(torch.uint8)[min(3, m - 1), 0] = 0x7F  # NaN
-    if m > 5:
-        sa[5] = 254  # 2^127: the row overflows to inf
-        a.view(torch.uint8)[6] = 0  # zero row
-    return a, b, sa, sb
-
-
-# the GEMM configs of the epilogue tests: pointer tiles, TMA tiles (descriptor epilogue), and a wide
-# TMA tile whose epilogue runs in 64-column slices split from the accumulator (4, and 2 for n <= 128)
-_EPILOGUE_CONFIGS = {"tiles": {}, "tma": TMA, "tma-slices": {"fp8_gemm": (32, 256, 32, 4, 1, True)},
-                     "tiles-slices": {"fp8_gemm": (32, 128, 32, 4, 1, False)}}
-
-
-@pytest.mark.parametrize("epilogue", ["none", "silu_bwd"])
-@pytest.mark.parametrize("tiles", list(_EPILOGUE_CONFIGS))
-@pytest.mark.parametrize("m,n,chunk", [(70, 45, 32), (37, 20, 16), (64, 300, 64)])
-def test_gemm_scale_bytes_and_dual_cast(m, n, chunk, tiles, epilogue):
-    """The epilogue's E8M0 bytes of C (per row and tile, per column and run of rows) give one read
-    of C the bytes of fp8_cast_rows(C) and fp8_cast_cols(C, chunk); partial tiles, runs and chunks,
-    NaN, inf and zero rows."""
-    from gemctl.ops.triton.fp8_gemm import dual_cast_fits, fp8_cast_dual
-
-    if tiles.endswith("slices") and chunk % 32:
-        pytest.skip("runs of 32 rows")
-    tma = _EPILOGUE_CONFIGS[tiles]
-    a, b, sa, sb = _dual_case(m, n, 64)
-    pre = None
-    if epilogue == "silu_bwd":
-        pre = (torch.randn(m, n) * 3).to(torch.bfloat16)
-        pre[4, 3] = float("nan")  # (the interpreter's FP8 dot does not carry A's NaN code through)
-    with forced_config(tma):
-        plain = fp8_gemm(a, b, sa, sb, epilogue=epilogue, pre=pre)
-        c, sbytes = fp8_gemm(a, b, sa, sb, epilogue=epilogue, pre=pre, scale_bytes=True)
-    with forced_config(TMA):  # the TMA GEMM's plain epilogue: the reference for the other tiles
-        assert torch.equal(c.view(torch.int16), fp8_gemm(a, b, sa, sb, epilogue=epilogue, pre=pre).view(torch.int16))
-    assert torch.equal(c.view(torch.int16), plain.view(torch.int16))  # C itself unchanged
-    assert c.float().isinf().any() and (epilogue == "none" or c.float().isnan().any())
-    run = sbytes.run_rows
-    assert torch.equal(sbytes.cols, quantize_mx(c, block=run, axis=0, scale_rule="rceil")[1])
-    assert dual_cast_fits(sbytes, chunk)
-    dr, sr, dt, st = fp8_cast_dual(c, sbytes, chunk)
-    wr, ws = fp8_cast_rows(c)
-    wt, wst = fp8_cast_cols(c, chunk)
-    assert torch.equal(_bytes(dr), _bytes(wr)) and torch.equal(sr, ws)
-    assert torch.equal(_bytes(dt), _bytes(wt)) and torch.equal(st, wst)
-
-
-@pytest.mark.parametrize("split", [0, 2])
-def test_dual_cast_configs_and_bad_bytes(split):
-    from gemctl.ops.triton.fp8_gemm import ScaleBytes, fp8_cast_dual
-
-    a, b, sa, sb = _dual_case(45, 40, 64)
-    c, sbytes = fp8_gemm(a, b, sa, sb, scale_bytes=True)
-    with forced_config({"fp8_cast_dual": (4, 16, 1, split)}):
-        got = fp8_cast_dual(c, sbytes, 32)
-    want = (*fp8_cast_rows(c), *fp8_cast_cols(c, 32))
-    for g, w in zip(got, want):
-        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
-    with pytest.raises(ValueError, match="power of two of whole runs"):
-        fp8_cast_dual(c, sbytes, 3 * sbytes.run_rows)
-    with pytest.raises(ValueError, match="do not belong"):
-        fp8_cast_dual(c[:-1], sbytes, 32)
-    with pytest.raises(ValueError, match="scale_bytes is row-wise"):
-        (ga, gsa), (gb, gsb) = _operands(torch.randn(4, 64), 32), _operands(torch.randn(4, 64), 32)
-        fp8_gemm(ga, gb, gsa, gsb, group_k=32, scale_bytes=True)
-    assert isinstance(sbytes, ScaleBytes)
-
-
 def test_gemm_rejects_bad_inputs():
     a, sa = _operands(torch.randn(4, 32), 0)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
@@ -870,31 +793,6 @@ def test_cast_cols_split_chunks_gpu(cfg):
             got = fp8_cast_cols(x, 4096, act=act, part=rows[-1], amax_rows=64, **extra)
         for g, w in zip(got, want):
             assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), (act, norm)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tma", [False, True], ids=["tiles", "tma"])
-def test_gemm_scale_bytes_and_dual_cast_gpu(tma):
-    """The backward's dpre GEMM (silu' epilogue) at 8192 + 37 tokens, 1024 -> 4096, with its scale
-    bytes, NaN / inf / zero rows; then every fp8_cast_dual candidate pinned: the bytes of the row
-    cast and the column cast (4096-token chunks, the last partial)."""
-    from gemctl.ops.triton.fp8_gemm import _COLS_CANDIDATES, _COLS_SPLIT, fp8_cast_dual
-
-    a, b, sa, sb = _dual_case(8192 + 37, 4096, 1024, device="cuda", dtype=torch.bfloat16)
-    pre = (torch.randn(a.shape[0], b.shape[0], device="cuda") * 3).to(torch.bfloat16)
-    cfg = (128, 256, 128, 8, 3, True) if tma else (128, 128, 128, 8, 3, False)
-    with forced_config({"fp8_gemm": cfg}):
-        plain = fp8_gemm(a, b, sa, sb, epilogue="silu_bwd", pre=pre)
-        c, sbytes = fp8_gemm(a, b, sa, sb, epilogue="silu_bwd", pre=pre, scale_bytes=True)
-    assert torch.equal(c.view(torch.int16), plain.view(torch.int16))
-    assert c.float().isnan().any() and c.float().isinf().any()
-    assert torch.equal(sbytes.cols, quantize_mx(c, block=sbytes.run_rows, axis=0, scale_rule="rceil")[1])
-    want = [t.view(torch.uint8) for t in (*fp8_cast_rows(c), *fp8_cast_cols(c, 4096))]
-    for cfg in [(*cc, split) for split in (0, _COLS_SPLIT) for cc in _COLS_CANDIDATES]:
-        with forced_config({"fp8_cast_dual": cfg}):
-            got = fp8_cast_dual(c, sbytes, 4096)
-        for g, w in zip(got, want):
-            assert torch.equal(g.view(torch.uint8), w), cfg
 
 
 @pytest.mark.gpu

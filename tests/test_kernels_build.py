@@ -22,10 +22,8 @@ def test_kernels_compile_for_sm90():
     # jagged attention (16: dK/dV in both formulations; + the windowed forward, + delta, + 5 with the unmasked
     # tiles by TMA (one with lazy rescaling), + 3 with MXFP8 probabilities) + gdpa (12, + the forward
     # with whole key tiles by TMA) + block attention (8, + the backward in (BS, D/2) halves, + forward
-    # and backward with whole blocks by TMA) + MX quantize (5 by rows, 5 down the columns) and
-    # RMSNorm->MX (2) + FP8 GEMMs (7: row-wise, silu' epilogue, with scale bytes, promoted, token
-    # chunks, 128, 32; + 4 persistent TMA: plain, silu' and bytes in descriptor slices, bytes by
-    # pointers) and the FP8 casts (10: rows one sweep, with column bytes, with two blocks in flight,
-    # two sweeps, RMSNorm fused; columns, from column bytes, 4 programs per chunk, RMSNorm
-    # recomputed; rows + columns from one read) + the RMSNorm backward (1)
-    assert len(lines) == 16 + 2 + 5 + 3 + 13 + 11 + 12 + 7 + 4 + 10 + 1, proc.stdout
+    # and backward with whole blocks by TMA) + MX quantize (5 by rows, 5 down the columns) and RMSNorm->MX (2) + FP8 GEMMs (6: row-wise, silu' epilogue, promoted,
+    # token chunks, 128, 32) and the FP8 casts (9: rows one sweep, with column bytes, with two blocks
+    # in flight, two sweeps, RMSNorm fused; columns, from column bytes, 4 programs per chunk,
+    # RMSNorm recomputed) + the RMSNorm backward (1)
+    assert len(lines) == 16 + 2 + 5 + 3 + 13 + 11 + 12 + 6 + 9 + 1, proc.stdout

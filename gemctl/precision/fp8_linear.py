@@ -40,14 +40,15 @@ holds both, and the rotation spreads each outlier's rounding error over its whol
 ``fp8_mlp(x, w_up, w_down)`` is the MLP block ``down(silu(up(x)))`` with the row-wise format
 and fused producers: the casts of the pre-activation apply silu on the fly (silu(pre) never
 exists in bf16 in memory), and the backward's first GEMM multiplies by silu'(pre) in its
-epilogue, so dpre is written once, in bf16; that epilogue also leaves dpre's E8M0 scale bytes, so one
-read of dpre quantizes it both ways (fp8_cast_dual). With ``norm_weight`` the block's
+epilogue, so dpre is written once, in bf16, and cast from there. With ``norm_weight`` the block's
 pre-norm is fused too (``down(silu(up(RMSNorm(x))))``): the norm's output is quantized where it
 is computed (fp8_rmsnorm_cast_rows) and recomputed from x and the rows' rstd by the column cast
 of the weight-gradient operand, so it never exists in bf16 in memory either; the norm's backward
-is torch's fused RMSNorm backward (CUDA) on the dgrad GEMM's output. (Amax reductions folded into
-the GEMM epilogues with atomics were measured and dropped: on the H200 the up-projection fell
-from 990 to 648 TF/s with them, more than the casts they saved.)
+is one Triton pass over the dgrad GEMM's output (gemctl.ops.triton.rms_norm). (Amax reductions
+folded into the GEMM epilogues were measured and dropped twice: with atomics the up-projection
+fell from 990 to 648 TF/s on the H200; as per-tile E8M0 bytes of dpre, which let one read of
+dpre give both its operands, the silu' dgrad GEMM went from 0.81-0.84 to 1.02-1.09 ms at d=1024
+while the one-read cast saved 0.08 ms against the two reads.)
 
 Off CUDA (and for any input the kernels do not take) the same numerics run emulated: quantize
 and dequantize in float32 (gemctl.precision.mx.mx_qdq with the block set to the whole
@@ -231,8 +232,8 @@ def _rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, we
     """(dx, dweight) of y = x * rstd * w (w = weight in x's dtype, as gemctl.model.norm applies it;
     dweight None unless need_dw): one Triton pass where the FP8 kernels run (dy and x read once;
     torch's fused RMSNorm backward took 0.34 ms at [65536, 1024] on the H200, most of it in the
-    weight-gradient reduction), torch's fused RMSNorm backward on other CUDA devices, the same math
-    in float32 elsewhere."""
+    weight-gradient reduction, the Triton pass 0.11 ms), torch's fused RMSNorm backward on other
+    CUDA devices, the same math in float32 elsewhere."""
     from gemctl.ops.triton import rms_norm
 
     if triton_ready(x) and rms_norm.fits(x):
@@ -413,29 +414,6 @@ def _group_fits(group: int, k: int, n: int) -> bool:
 # The MLP block down(silu(up(x))), row-wise, fused producers.
 
 
-def _dpre_operands(gr, gs, dt, dcs, pre, chunk: int):
-    """dpre = (gy W_down^T) * silu'(pre) (in bf16, as the dgrad GEMM's epilogue stores it) as the
-    row-wise operand of the up-projection's dgrad and, with ``chunk`` (FP8 weight gradients), the
-    column-wise one of its wgrad: ``(pr, ps, pt, pcs)`` (the last two None without chunk). The
-    GEMM's epilogue leaves dpre's scale bytes, so one read quantizes it both ways (fp8_cast_dual)
-    where the chunk holds whole runs of its tiles' rows; otherwise the row cast leaves column bytes
-    and the column cast reads dpre a second time. Without chunk dpre itself comes last (the bf16
-    weight gradient reads it), else None: it is not kept past the casts."""
-    from gemctl.ops.triton.fp8_gemm import dual_cast_fits, fp8_cast_dual, fp8_gemm, scale_bytes_fit
-
-    if not chunk:
-        dpre = fp8_gemm(gr, dt, gs, dcs, epilogue="silu_bwd", pre=pre)
-        return (*_rows(dpre)[:2], None, None, dpre)
-    if scale_bytes_fit(chunk):
-        dpre, sbytes = fp8_gemm(gr, dt, gs, dcs, epilogue="silu_bwd", pre=pre, scale_bytes=True)
-        if dual_cast_fits(sbytes, chunk):
-            return (*fp8_cast_dual(dpre, sbytes, chunk), None)
-    else:
-        dpre = fp8_gemm(gr, dt, gs, dcs, epilogue="silu_bwd", pre=pre)
-    pr, ps, pp = _rows(dpre, chunk=chunk)
-    return (pr, ps, *_cols(dpre, chunk, part=pp), None)
-
-
 class _Fp8MLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, w_up, w_down, recipe: Fp8Recipe, norm_w=None, eps: float = 0.0):
@@ -480,10 +458,11 @@ class _Fp8MLPFunction(torch.autograd.Function):
         gy = gy.contiguous()
         if recipe.dgrad == "fp8":
             gr, gs, gp = _rows(gy, chunk=fp8_wgrad and chunk)
-            pr, ps, pt, pcs, dpre = _dpre_operands(gr, gs, dt, dcs, pre, fp8_wgrad and chunk)
+            dpre = fp8_gemm(gr, dt, gs, dcs, epilogue="silu_bwd", pre=pre)
+            pr, ps, pp = _rows(dpre, chunk=fp8_wgrad and chunk)
             dx = fp8_gemm(pr, ut, ps, ucs, out_dtype=x_dtype)
         else:  # ut, dt hold the weights: unquantized GEMMs in the compute dtype; dpre in bf16 as above
-            gp = pt = None
+            gp = pp = None
             p = pre.float()
             sig = torch.sigmoid(p)
             dpre = ((gy.to(cdt) @ dt.to(cdt)).float() * sig * (1 + p * (1 - sig))).to(pre.dtype)
@@ -492,8 +471,7 @@ class _Fp8MLPFunction(torch.autograd.Function):
             gt, gcs = _cols(gy, chunk, part=gp)
             ht, hcs = _cols(pre, chunk, act="silu", part=hp)
             dw_down = fp8_gemm(gt, ht, gcs, hcs, group_k=chunk, out_dtype=down_dtype)
-            if pt is None:  # dpre from the bf16 GEMMs
-                pt, pcs = _cols(dpre, chunk)
+            pt, pcs = _cols(dpre, chunk, part=pp)
             dw_up = fp8_gemm(pt, xt, pcs, xcs, group_k=chunk, out_dtype=up_dtype)
         else:  # xt holds x in its own dtype; the GEMMs in the compute dtype (bf16 under autocast)
             h = F.silu(pre.float()).to(cdt)

@@ -42,8 +42,6 @@ integer path under TRITON_INTERPRET=1, whose FP8 casts do not round to nearest e
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -91,16 +89,6 @@ _COLS_INTERPRET = (8, 16, 1, 0)
 _GPU_CHECKED: set = set()
 _PENDING_AUTOTUNE = False
 _ROWS_IN_REGISTERS = 8192
-
-
-class ScaleBytes(NamedTuple):
-    """E8M0 bytes a GEMM epilogue leaves for quantizing its output C [M, N] both ways (RCEIL, E4M3):
-    ``rows [M, tiles along N]``, each row's byte over a tile's columns, and ``cols [runs, N]``, each
-    column's byte over a run of ``run_rows`` rows (a tile's BLOCK_M). RCEIL's byte grows with the
-    amax, so the largest of a row's bytes is the byte of the whole row."""
-    rows: torch.Tensor
-    cols: torch.Tensor
-    run_rows: int
 
 
 _GPU_ASM = tl.constexpr(not INTERPRET)  # inline PTX (the interpreter runs no PTX)
@@ -221,93 +209,28 @@ def _chunk_scales(SA, SB, am, bn, stride_sam, stride_sbn, g):
 
 
 @triton.jit
-def _split_cols(acc, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
-    """The left and right halves of a (BLOCK_M, WIDTH) tile's columns."""
-    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, WIDTH // 2)), (0, 2, 1)))
-
-
-@triton.jit
-def _epilogue_part(acc, rm, sa, row_bits, pid_m, c0, M, N, C, SB, PRE, COLB, stride_cm, stride_pm, stride_cb,
-                   c_desc, pre_desc, ROW_SCALES: tl.constexpr, EPI: tl.constexpr, BYTES: tl.constexpr,
-                   WIDTH: tl.constexpr, TMA_EPI: tl.constexpr):
-    """Columns [c0, c0 + WIDTH) of the output tile: scales, silu', the store and, with BYTES, the
-    columns' E8M0 bytes over the tile's rows; returns the rows' running |max| bits (BYTES). TMA_EPI:
-    pre loaded and C stored through (BLOCK_M, WIDTH) descriptors, no per-element addresses (out of
-    range rows and columns: pre reads zeros, the store clips; their accumulators are 0)."""
-    rn = c0 + tl.arange(0, WIDTH)
+def _epilogue(acc, pid_m, pid_n, M, N, C, SA, SB, PRE, stride_cm, stride_pm, ROW_SCALES: tl.constexpr,
+              EPI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if ROW_SCALES:
+        sa = _pow2_bits(tl.load(SA + rm, mask=rm < M, other=127).to(tl.int32))
         sb = _pow2_bits(tl.load(SB + rn, mask=rn < N, other=127).to(tl.int32))
         acc = acc * sa[:, None] * sb[None, :]
     cmask = (rm[:, None] < M) & (rn[None, :] < N)
     rm64 = rm.to(tl.int64)
     if EPI == 2:  # dpre = d(silu(pre)) * silu'(pre)
-        if TMA_EPI:
-            pre = pre_desc.load([pid_m * rm.shape[0], c0]).to(tl.float32)
-        else:
-            pre = tl.load(PRE + rm64[:, None] * stride_pm + rn[None, :], mask=cmask, other=0.0).to(tl.float32)
+        pre = tl.load(PRE + rm64[:, None] * stride_pm + rn[None, :], mask=cmask, other=0.0).to(tl.float32)
         acc = acc * _silu_grad(pre)
-    out = acc.to(C.dtype.element_ty)
-    if BYTES:  # the stored values' bytes: rounding to C's dtype is monotone, so round the maxima alone
-        bits = _abs_bits(acc, cmask)
-        row_bits = tl.maximum(row_bits, tl.max(bits, axis=1))
-        col_byte, _, _ = _scale_from_amax(_rounded_bits(tl.max(bits, axis=0), C))
-        tl.store(COLB + pid_m.to(tl.int64) * stride_cb + rn, col_byte, mask=rn < N)
-    if TMA_EPI:
-        c_desc.store([pid_m * rm.shape[0], c0], out)
-    else:
-        tl.store(C + rm64[:, None] * stride_cm + rn[None, :], out, mask=cmask)
-    return row_bits
-
-
-@triton.jit
-def _rounded_bits(bits, C):
-    """|max| float32 bits -> the bits of the same value rounded to C's element type (NaN stays NaN)."""
-    return bits.to(tl.float32, bitcast=True).to(C.dtype.element_ty).to(tl.float32).to(tl.int32, bitcast=True)
-
-
-@triton.jit
-def _epilogue(acc, pid_m, pid_n, M, N, C, SA, SB, PRE, ROWB, COLB, stride_cm, stride_pm, stride_rb, stride_cb,
-              c_desc, pre_desc, ROW_SCALES: tl.constexpr, EPI: tl.constexpr, BYTES: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA_EPI: tl.constexpr = False):
-    """The output tile's epilogue. With silu' or scale bytes it runs on column slices of at most 64
-    (the tile split in registers): the whole 128 x 256 tile with its pre tile loaded at once took
-    ~3 KB of spills per thread (sm_90 ptxas, 8 warps)."""
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    sa = _pow2_bits(tl.load(SA + rm, mask=rm < M, other=127).to(tl.int32)) if ROW_SCALES else 1.0
-    row_bits = tl.zeros((BLOCK_M,), dtype=tl.int32)
-    c0 = pid_n * BLOCK_N
-    if (EPI == 0 and not BYTES) or BLOCK_N <= 64:
-        row_bits = _epilogue_part(acc, rm, sa, row_bits, pid_m, c0, M, N, C, SB, PRE, COLB, stride_cm, stride_pm,
-                                  stride_cb, c_desc, pre_desc, ROW_SCALES, EPI, BYTES, BLOCK_N, TMA_EPI)
-    elif BLOCK_N == 128:
-        a0, a1 = _split_cols(acc, BLOCK_M, 128)
-        row_bits = _epilogue_part(a0, rm, sa, row_bits, pid_m, c0, M, N, C, SB, PRE, COLB, stride_cm, stride_pm,
-                                  stride_cb, c_desc, pre_desc, ROW_SCALES, EPI, BYTES, 64, TMA_EPI)
-        row_bits = _epilogue_part(a1, rm, sa, row_bits, pid_m, c0 + 64, M, N, C, SB, PRE, COLB, stride_cm, stride_pm,
-                                  stride_cb, c_desc, pre_desc, ROW_SCALES, EPI, BYTES, 64, TMA_EPI)
-    else:  # 256
-        h0, h1 = _split_cols(acc, BLOCK_M, 256)
-        a0, a1 = _split_cols(h0, BLOCK_M, 128)
-        row_bits = _epilogue_part(a0, rm, sa, row_bits, pid_m, c0, M, N, C, SB, PRE, COLB, stride_cm, stride_pm,
-                                  stride_cb, c_desc, pre_desc, ROW_SCALES, EPI, BYTES, 64, TMA_EPI)
-        row_bits = _epilogue_part(a1, rm, sa, row_bits, pid_m, c0 + 64, M, N, C, SB, PRE, COLB, stride_cm, stride_pm,
-                                  stride_cb, c_desc, pre_desc, ROW_SCALES, EPI, BYTES, 64, TMA_EPI)
-        a2, a3 = _split_cols(h1, BLOCK_M, 128)
-        row_bits = _epilogue_part(a2, rm, sa, row_bits, pid_m, c0 + 128, M, N, C, SB, PRE, COLB, stride_cm, stride_pm,
-                                  stride_cb, c_desc, pre_desc, ROW_SCALES, EPI, BYTES, 64, TMA_EPI)
-        row_bits = _epilogue_part(a3, rm, sa, row_bits, pid_m, c0 + 192, M, N, C, SB, PRE, COLB, stride_cm, stride_pm,
-                                  stride_cb, c_desc, pre_desc, ROW_SCALES, EPI, BYTES, 64, TMA_EPI)
-    if BYTES:  # each row's byte over the tile's columns
-        row_byte, _, _ = _scale_from_amax(_rounded_bits(row_bits, C))
-        tl.store(ROWB + rm.to(tl.int64) * stride_rb + pid_n, row_byte, mask=rm < M)
+    tl.store(C + rm64[:, None] * stride_cm + rn[None, :], acc.to(C.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
 def _fp8_gemm_kernel(
-    A, B, C, SA, SB, PRE, ROWB, COLB,
+    A, B, C, SA, SB, PRE,
     M, N, K,
-    stride_am, stride_bn, stride_cm, stride_pm, stride_sam, stride_sbn, stride_rb, stride_cb,
-    GROUP_K: tl.constexpr, CHUNK_K: tl.constexpr, EPI: tl.constexpr, BYTES: tl.constexpr,
+    stride_am, stride_bn, stride_cm, stride_pm, stride_sam, stride_sbn,
+    GROUP_K: tl.constexpr, CHUNK_K: tl.constexpr, EPI: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One program per output tile, pointer loads (any alignment; every granularity)."""
@@ -343,23 +266,21 @@ def _fp8_gemm_kernel(
                 acc += part
             else:
                 acc += part * _chunk_scales(SA, SB, am, bn, stride_sam, stride_sbn, c0 // GROUP_K)
-    _epilogue(acc, pid_m, pid_n, M, N, C, SA, SB, PRE, ROWB, COLB, stride_cm, stride_pm, stride_rb, stride_cb,
-              None, None, GROUP_K == 0, EPI, BYTES, BLOCK_M, BLOCK_N)
+    _epilogue(acc, pid_m, pid_n, M, N, C, SA, SB, PRE, stride_cm, stride_pm, GROUP_K == 0, EPI, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
 def _fp8_gemm_tma_kernel(
-    a_desc, b_desc, c_desc, pre_desc, C, SA, SB, PRE, ROWB, COLB,
+    a_desc, b_desc, C, SA, SB, PRE,
     M, N, K,
-    stride_cm, stride_pm, stride_sam, stride_sbn, stride_rb, stride_cb,
-    GROUP_K: tl.constexpr, CHUNK_K: tl.constexpr, EPI: tl.constexpr, BYTES: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, TMA_EPI: tl.constexpr = False,
+    stride_cm, stride_pm, stride_sam, stride_sbn,
+    GROUP_K: tl.constexpr, CHUNK_K: tl.constexpr, EPI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
 ):
     """Row-wise or chunk scales; persistent: NUM_PROGRAMS programs walk the output tiles, A and B
     tiles come through TMA descriptors (out-of-range rows and K zero-filled), and the tile loop is
     flattened with the K loop so the next tile's loads are in flight during this tile's
-    epilogue. TMA_EPI: the epilogue's pre and C through descriptors too (c_desc, pre_desc)."""
+    epilogue."""
     n_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     for tile in tl.range(tl.program_id(0), n_tiles, NUM_PROGRAMS, flatten=True):
@@ -386,8 +307,8 @@ def _fp8_gemm_tma_kernel(
                     acc += part
                 else:
                     acc += part * _chunk_scales(SA, SB, am, bn, stride_sam, stride_sbn, c0 // per_chunk)
-        _epilogue(acc, pid_m, pid_n, M, N, C, SA, SB, PRE, ROWB, COLB, stride_cm, stride_pm, stride_rb, stride_cb,
-                  c_desc, pre_desc, GROUP_K == 0, EPI, BYTES, BLOCK_M, BLOCK_N, TMA_EPI)
+        _epilogue(acc, pid_m, pid_n, M, N, C, SA, SB, PRE, stride_cm, stride_pm, GROUP_K == 0, EPI, BLOCK_M,
+                  BLOCK_N)
 
 
 @triton.jit
@@ -523,20 +444,6 @@ def _cast_cols_kernel(
 
 
 @triton.jit
-def _chunk_byte(PART, cc, cmask, g, n_part, stride_p, PARTS: tl.constexpr, PART_BLOCK: tl.constexpr):
-    """Columns cc's E8M0 byte over chunk g: the largest of its PARTS runs' bytes in PART [runs, Cn]
-    (RCEIL's byte grows with the amax), PART_BLOCK runs per load (int32: the reduction of uint8
-    bytes comes back as int32, and a loop-carried value must keep its type)."""
-    col = tl.zeros(cc.shape, dtype=tl.int32)
-    for p0 in range(g * PARTS, g * PARTS + PARTS, PART_BLOCK):
-        pp = p0 + tl.arange(0, PART_BLOCK)
-        part = tl.load(PART + pp.to(tl.int64)[:, None] * stride_p + cc[None, :],
-                       mask=(pp[:, None] < n_part) & cmask[None, :], other=0)
-        col = tl.maximum(col, tl.max(part, axis=0).to(tl.int32))
-    return col
-
-
-@triton.jit
 def _cast_cols_amax_kernel(
     X, DATA_T, SCALE, PART, NW, RSTD, R, Cn, n_part, stride_xr, stride_dt, stride_sc, stride_p,
     ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr,
@@ -551,49 +458,18 @@ def _cast_cols_amax_kernel(
     cc = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     g = tl.program_id(1)
     cmask = cc < Cn
-    byte, inv, nan = _scales_from_byte(_chunk_byte(PART, cc, cmask, g, n_part, stride_p, PARTS, PART_BLOCK))
+    col = tl.zeros((BLOCK_C,), dtype=tl.int32)  # the reduction of uint8 bytes comes back as int32
+    for p0 in range(g * PARTS, g * PARTS + PARTS, PART_BLOCK):
+        pp = p0 + tl.arange(0, PART_BLOCK)
+        part = tl.load(PART + pp.to(tl.int64)[:, None] * stride_p + cc[None, :],
+                       mask=(pp[:, None] < n_part) & cmask[None, :], other=0)
+        col = tl.maximum(col, tl.max(part, axis=0).to(tl.int32))
+    byte, inv, nan = _scales_from_byte(col)
     split = tl.program_id(2)
     start = g * CHUNK + split * (CHUNK // SPLIT)
     _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g, start,
                                tl.minimum(start + CHUNK // SPLIT, R), split, stride_xr, stride_dt, stride_sc, ACT,
                                IN_BF16, BIT_CAST, BLOCK_R, NORM)
-
-
-@triton.jit
-def _cast_dual_kernel(
-    X, DATA, SCALE, ROWB, DATA_T, SCALE_T, PART, R, Cn, n_rowb, n_part, stride_xr, stride_dr, stride_rb, stride_dt,
-    stride_sc, stride_p, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr, CHUNK: tl.constexpr, PARTS: tl.constexpr,
-    PART_BLOCK: tl.constexpr, ROWB_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    SPLIT: tl.constexpr,
-):
-    """Both operands of x from one read, its scales known beforehand (the E8M0 bytes its producer's
-    epilogue left): the row-wise one (DATA [R, Cn], SCALE [R]; each row's byte the largest of its
-    n_rowb bytes in ROWB [R, n_rowb]) and the column-wise one transposed (DATA_T [Cn, R],
-    SCALE_T [Cn, chunks]; as _cast_cols_amax_kernel, from the runs' bytes in PART). Program (j, g,
-    split): columns [j*BLOCK_C, +BLOCK_C) of the split-th 1/SPLIT of chunk g's rows."""
-    pid_c = tl.program_id(0)
-    cc = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    g = tl.program_id(1)
-    cmask = cc < Cn
-    byte, inv, nan = _scales_from_byte(_chunk_byte(PART, cc, cmask, g, n_part, stride_p, PARTS, PART_BLOCK))
-    split = tl.program_id(2)
-    tl.store(SCALE_T + cc.to(tl.int64) * stride_sc + g, byte.to(tl.uint8), mask=cmask & (cc * 0 + split == 0))
-    start = g * CHUNK + split * (CHUNK // SPLIT)
-    end = tl.minimum(start + CHUNK // SPLIT, R)
-    kb = tl.arange(0, ROWB_BLOCK)
-    for r0 in range(start, end, BLOCK_R):
-        rr = r0 + tl.arange(0, BLOCK_R)
-        rmask = rr < end
-        mask = rmask[:, None] & cmask[None, :]
-        x = _load_act(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], mask, 0, IN_BF16)
-        rowb = tl.load(ROWB + rr.to(tl.int64)[:, None] * stride_rb + kb[None, :],
-                       mask=rmask[:, None] & (kb < n_rowb)[None, :], other=0)
-        rbyte, rinv, rnan = _scales_from_byte(tl.max(rowb, axis=1).to(tl.int32))
-        tl.store(SCALE + rr, rbyte.to(tl.uint8), mask=rmask & (rr * 0 + pid_c == 0))
-        tl.store(DATA + rr.to(tl.int64)[:, None] * stride_dr + cc[None, :],
-                 _quantize(x, rinv[:, None], rnan[:, None], BIT_CAST), mask=mask)
-        code = _quantize(x, inv[None, :], nan[None, :], BIT_CAST)
-        tl.store(DATA_T + cc.to(tl.int64)[:, None] * stride_dt + rr[None, :], tl.trans(code), mask=tl.trans(mask))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -747,68 +623,9 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
     return data.view(torch.float8_e4m3fn), scale
 
 
-def scale_bytes_fit(chunk: int) -> bool:
-    """Whether every GEMM tile height (BLOCK_M) divides ``chunk`` into a power of two of runs, so
-    that fp8_cast_dual can use the bytes whichever tile autotuning picks."""
-    tallest = _GEMM_INTERPRET[0] if INTERPRET else max(cfg[0] for cfg in _GEMM_CANDIDATES)
-    return chunk >= tallest and chunk & (chunk - 1) == 0
-
-
-def dual_cast_fits(sbytes: ScaleBytes, chunk: int) -> bool:
-    """Whether fp8_cast_dual can take chunk scales from these bytes: whole runs per chunk, a power of
-    two of them (one block of loads)."""
-    parts = chunk // sbytes.run_rows
-    return chunk % sbytes.run_rows == 0 and parts > 0 and parts & (parts - 1) == 0
-
-
-def fp8_cast_dual(x: torch.Tensor, sbytes: ScaleBytes, chunk: int | None = None, *, bit_cast: bool | None = None):
-    """``fp8_cast_rows(x)`` and ``fp8_cast_cols(x, chunk)`` from one read of x [R, C] (bf16/fp16/fp32),
-    given the scale bytes that x's producer left (``fp8_gemm(..., scale_bytes=True)``): returns
-    ``(data [R, C], scale [R], data_t [C, R], scale_t [C, chunks])``, the same bytes as the two
-    casts. ``chunk`` (default TOKEN_CHUNK) must hold whole runs of ``sbytes.run_rows`` rows, a
-    power of two of them (dual_cast_fits)."""
-    chunk = chunk or TOKEN_CHUNK
-    r, c = x.shape
-    if tuple(sbytes.rows.shape[:1]) != (r,) or sbytes.cols.shape != (triton.cdiv(r, sbytes.run_rows), c):
-        raise ValueError(f"fp8_cast_dual: scale bytes rows {tuple(sbytes.rows.shape)} / cols {tuple(sbytes.cols.shape)} "
-                         f"(runs of {sbytes.run_rows}) do not belong to x {tuple(x.shape)}")
-    if not dual_cast_fits(sbytes, chunk):
-        raise ValueError(f"fp8_cast_dual: chunk {chunk} must hold a power of two of whole runs of {sbytes.run_rows} rows")
-    xin = _as_kernel_input(x, None)
-    n_chunks = max(triton.cdiv(r, chunk), 1)
-    data = torch.empty((r, c), dtype=torch.uint8, device=x.device)
-    scale = torch.empty(r, dtype=torch.uint8, device=x.device)
-    data_t = torch.empty((c, r), dtype=torch.uint8, device=x.device)
-    scale_t = torch.empty((c, n_chunks), dtype=torch.uint8, device=x.device)
-    parts = chunk // sbytes.run_rows
-    rowb, colb = sbytes.rows, sbytes.cols
-    if x.numel():
-        def run(cfg):
-            br, bc, warps, split = cfg
-            split = split or 1
-            if chunk % split:
-                raise ValueError(f"fp8_cast_dual: {split} programs per chunk do not divide its {chunk} rows")
-            _cast_dual_kernel[(triton.cdiv(c, bc), n_chunks, split)](
-                xin, data, scale, rowb, data_t, scale_t, colb, r, c, rowb.shape[1], colb.shape[0], xin.stride(0),
-                data.stride(0), rowb.stride(0), data_t.stride(0), scale_t.stride(0), colb.stride(0),
-                IN_BF16=x.dtype == torch.bfloat16, BIT_CAST=_bit_cast(bit_cast), CHUNK=chunk, PARTS=parts,
-                PART_BLOCK=min(parts, 64), ROWB_BLOCK=triton.next_power_of_2(max(rowb.shape[1], 1)), BLOCK_R=br,
-                BLOCK_C=bc, SPLIT=split, num_warps=warps)
-
-        key = ("fp8_cast_dual", bucket_len(r), bucket_len(c), x.dtype, chunk, sbytes.run_rows, rowb.shape[1])
-        candidates = [(*cfg, split) for split in (0, _COLS_SPLIT) for cfg in _COLS_CANDIDATES]
-        run(pick_config(key, candidates, run, _COLS_INTERPRET))
-    return data.view(torch.float8_e4m3fn), scale, data_t.view(torch.float8_e4m3fn), scale_t
-
-
-def _tma_2d_ok(t: torch.Tensor) -> bool:
-    """A 2-D tensor a TMA descriptor can cover: unit inner stride, 16-byte aligned base and row stride."""
-    return t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-
-
 def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, *, group_k: int = 0,
              epilogue: str = "none", pre: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-             promote_every: int | None = -1, scale_bytes: bool = False):
+             promote_every: int | None = -1):
     """``C [M, N] = A [M, K] B [N, K]^T`` on E4M3 operands with E8M0 scales.
 
     ``group_k=0``: ``sa [M]``, ``sb [N]`` (row-wise); otherwise ``sa [M, ceil(K/g)]``,
@@ -816,9 +633,6 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
     32 (chunk scales, applied at float32 promotion; a multiple of the tile depth). ``epilogue="silu_bwd"`` (row-wise, needs
     ``pre [M, N]``) returns ``(A B^T) * silu'(pre)`` in bf16. ``promote_every`` (row-wise): -1
     promotes every PROMOTE_EVERY values when K > 2 * PROMOTE_EVERY, None never.
-    ``scale_bytes`` (row-wise): returns ``(C, ScaleBytes)``, the E8M0 bytes of C's stored values
-    per row and output tile, and per column and run of a tile's rows, from which fp8_cast_dual
-    quantizes C both ways in one read.
     """
     if epilogue not in EPILOGUES:
         raise ValueError(f"fp8_gemm: epilogue {epilogue!r} is not allowed; allowed: {', '.join(EPILOGUES)}")
@@ -840,8 +654,6 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
         raise ValueError(f"fp8_gemm: scales {tuple(sa.shape)}, {tuple(sb.shape)} expected {want_a}, {want_b}")
     if epilogue != "none" and (group_k or pre is None or tuple(pre.shape) != (m, n) or pre.stride(1) != 1):
         raise ValueError("fp8_gemm: epilogue 'silu_bwd' is row-wise (group_k=0) and needs a contiguous pre [M, N]")
-    if scale_bytes and group_k:
-        raise ValueError("fp8_gemm: scale_bytes is row-wise (group_k=0)")
     if chunked:
         chunk = group_k
     elif group_k:
@@ -856,7 +668,6 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
     sb = sb.view(torch.uint8)
     pre_t = pre if pre is not None else c
     s_strides = (sa.stride(0) if group_k else 1, sb.stride(0) if group_k else 1)
-    made = {}
     if m and n:
         tma_ok = group_k not in IN_LOOP_GROUPS and k % 16 == 0 and a.stride(0) % 16 == 0 and b.stride(0) % 16 == 0
 
@@ -866,34 +677,20 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
                 bk = group_k
             if chunk % bk:
                 raise ValueError(f"fp8_gemm: a chunk of {chunk} is not a multiple of BLOCK_K={bk}")
-            if scale_bytes:  # their layout follows the tile: made again for each config
-                made["bytes"] = ScaleBytes(torch.empty((m, triton.cdiv(n, bn)), dtype=torch.uint8, device=a.device),
-                                           torch.empty((triton.cdiv(m, bm), n), dtype=torch.uint8, device=a.device), bm)
-            rowb, colb, _ = made.get("bytes", (c, c, 0))  # placeholders the kernel does not read without BYTES
-            bytes_args = (rowb, colb)
-            bytes_strides = (rowb.stride(0), colb.stride(0))
             if tma and tma_ok:
                 n_prog = num_programs(triton.cdiv(m, bm) * triton.cdiv(n, bn), 1, a.device)
-                # the silu' / bytes epilogue in column slices of 64 through descriptors where C and pre allow
-                tma_epi = (epi or scale_bytes) and all(_tma_2d_ok(t) for t in (c, pre_t))
-                slice_n = min(bn, 64)
-                c_desc = TensorDescriptor.from_tensor(c, [bm, slice_n]) if tma_epi else None
-                pre_desc = TensorDescriptor.from_tensor(pre_t, [bm, slice_n]) if tma_epi else None
                 _fp8_gemm_tma_kernel[(n_prog,)](
                     TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b, [bn, bk]),
-                    c_desc, pre_desc, c, sa, sb, pre_t, *bytes_args, m, n, k, c.stride(0), pre_t.stride(0), *s_strides, *bytes_strides,
-                    GROUP_K=group_k, CHUNK_K=chunk, EPI=epi, BYTES=scale_bytes, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                    GROUP_M=8, NUM_PROGRAMS=n_prog, TMA_EPI=bool(tma_epi), num_warps=warps, num_stages=stages)
+                    c, sa, sb, pre_t, m, n, k, c.stride(0), pre_t.stride(0), *s_strides,
+                    GROUP_K=group_k, CHUNK_K=chunk, EPI=epi, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                    NUM_PROGRAMS=n_prog, num_warps=warps, num_stages=stages)
                 return
             _fp8_gemm_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
-                a, b, c, sa, sb, pre_t, *bytes_args, m, n, k, a.stride(0), b.stride(0), c.stride(0), pre_t.stride(0),
-                *s_strides, *bytes_strides, GROUP_K=group_k, CHUNK_K=chunk, EPI=epi, BYTES=scale_bytes, BLOCK_M=bm,
-                BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+                a, b, c, sa, sb, pre_t, m, n, k, a.stride(0), b.stride(0), c.stride(0), pre_t.stride(0), *s_strides,
+                GROUP_K=group_k, CHUNK_K=chunk, EPI=epi, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                num_warps=warps, num_stages=stages)
 
         candidates = _GEMM_CANDIDATES if tma_ok else [cfg for cfg in _GEMM_CANDIDATES if not cfg[5]]
-        key = ("fp8_gemm", bucket_len(m), bucket_len(n), bucket_len(k), group_k, epi, chunk, tma_ok, scale_bytes)
+        key = ("fp8_gemm", bucket_len(m), bucket_len(n), bucket_len(k), group_k, epi, chunk, tma_ok)
         run(pick_config(key, candidates, run, _GEMM_INTERPRET))
-    if scale_bytes:
-        return c, made.get("bytes", ScaleBytes(torch.empty((m, 0), dtype=torch.uint8, device=a.device),
-                                               torch.empty((0, n), dtype=torch.uint8, device=a.device), 1))
     return c
