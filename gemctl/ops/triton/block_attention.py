@@ -71,7 +71,7 @@ LOG2E = 1.4426950408889634
 # loads land in shared memory asynchronously and need no address registers, which is what a
 # memory-bound kernel at the register cap lacks (docs/benchmarks.md). Timed on the H200
 # (2026-11-30): the forward's best TMA config within 2-5% of its twin either way, every TMA
-# backward slower (by 10% at 4 warps), so none joins autotuning (_GPU_CHECKED empty); they stay
+# backward slower (by 10% at 4 warps), so no TMA config joins autotuning (_GPU_CHECKED); they stay
 # configs that can be pinned. At block 128 with rope (D=128) the staged tiles exceed the 227 KiB
 # of shared memory at 3 stages forward / 2 backward: autotuning skips a config that does not
 # compile (pick_config), a pinned one raises.
@@ -79,11 +79,13 @@ _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2,
                    (4, 1, 1, 1), (4, 2, 0, 1), (4, 3, 0, 1), (8, 2, 0, 1)]
 # HALVES = 1 (backward, fifth field): o, do, v and dv in (BS, D/2) halves, so the dv accumulator is
 # half as wide; sm_90 ptxas (Triton 3.6), D=128, block 64 with RoPE: spill stores 576 -> 376 B per
-# thread at 4 warps, 88 -> 0 at 8 warps (254 registers). Not yet timed: pinned-only, like TMA.
+# thread at 4 warps, 88 -> 0 at 8 warps (254 registers). H200, 2026-11-30: the GPU tier passed all
+# four; (4, 1, 1, 0, 1) ran 2% faster than (4, 1, 1) (321 vs 328 us self-1000, 272 vs 277 us
+# self-4000) and joins autotuning; the other three were 25-40% slower and stay pinned-only.
 _BWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (8, 1, 2), (4, 2, 2),
                    (4, 1, 1, 1), (4, 2, 0, 1), (8, 1, 1, 1),
                    (4, 1, 1, 0, 1), (8, 1, 1, 0, 1), (4, 2, 0, 0, 1), (8, 2, 0, 0, 1)]
-_GPU_CHECKED: set = set()
+_GPU_CHECKED: set = {(4, 1, 1, 0, 1)}
 _PENDING_AUTOTUNE = False  # True: autotuning times every candidate (benchmarks of unchecked ones)
 _INTERPRET_CONFIG = (1, 1, 0)  # all heads in one program: the CPU tier exercises the head loop
 SUPPORTED_DIMS = (32, 64, 128)
