@@ -240,6 +240,32 @@ def test_preload_then_fullgraph_compile_and_a_clear_error_without_it(monkeypatch
     assert torch.allclose(torch.compile(f, fullgraph=True, backend="eager")(q), f(q))
 
 
+def test_tuning_time_is_counted_once_per_key(monkeypatch):
+    """Timing the candidates of a new key adds its wall time to tuning_seconds (which the trainer
+    takes out of step times); a cached key adds nothing, nor does untuned selection."""
+    import time
+
+    from gemctl.ops.triton import common
+
+    monkeypatch.setattr(common, "INTERPRET", False)
+    monkeypatch.setattr(common, "_config_cache", {})
+    monkeypatch.setattr(common, "_time", lambda fn: (fn(), time.sleep(0.05), {"a": 2.0, "b": 1.0}[cfg_seen[-1]])[2])
+    cfg_seen = []
+    common.set_autotune(True)
+    try:
+        before = common.tuning_seconds()
+        assert common.pick_config(("k", 1), ["a", "b"], cfg_seen.append) == "b"
+        spent = common.tuning_seconds() - before
+        assert 0.1 <= spent < 5
+        assert common.pick_config(("k", 1), ["a", "b"], cfg_seen.append) == "b"
+        assert common.tuning_seconds() - before == spent
+        common.set_autotune(False)
+        common.pick_config(("k", 2), ["a", "b"], cfg_seen.append)
+        assert common.tuning_seconds() - before == spent
+    finally:
+        common.set_autotune(None)
+
+
 def test_untuned_config_is_the_first_that_runs(monkeypatch):
     """Autotune off (train.deterministic=true on CUDA, GEMCTL_AUTOTUNE=0): the first candidate that
     launches, in list order, found once per key; no candidate at all is an error naming the key."""

@@ -13,6 +13,7 @@ last bits and, after a few hundred steps, in NE.
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import torch
@@ -27,6 +28,14 @@ _INTERPRET_CONFIG = (16, 16, 1, 1)
 _config_cache: dict = {}
 _forced: list = []  # configs pinned by forced_config(), innermost last
 _autotune: bool | None = None  # set_autotune(); None: GEMCTL_AUTOTUNE decides
+_tuning_s = 0.0  # wall seconds spent timing candidates (compilation included), all kernels
+
+
+def tuning_seconds() -> float:
+    """Wall seconds pick_config has spent timing candidates so far in this process (each new key's
+    candidates compiled and timed, the GPU drained first): the trainer takes them out of the step
+    times of the windows they fell in."""
+    return _tuning_s
 
 
 def set_autotune(enabled: bool | None) -> None:
@@ -258,6 +267,10 @@ def pick_config(key, candidates, run, interpret_config: tuple = _INTERPRET_CONFI
     tuned = autotune_enabled()
     cache_key = key if tuned else ("untuned",) + tuple(key)
     if cache_key not in _config_cache:
+        global _tuning_s
+        if tuned and torch.cuda.is_available():
+            torch.cuda.synchronize()  # the step's queued work is not tuning time
+        t_tune = time.perf_counter()
         best, best_t = None, float("inf")
         for cfg in candidates:
             try:  # a config may not fit this shape's shared memory: the next one then
@@ -272,6 +285,8 @@ def pick_config(key, candidates, run, interpret_config: tuple = _INTERPRET_CONFI
                 best, best_t = cfg, t
             if not tuned:
                 break  # untuned: the first candidate that runs
+        if tuned:
+            _tuning_s += time.perf_counter() - t_tune
         if best is None:
             raise RuntimeError(f"no Triton kernel config runs for {key}")
         _config_cache[cache_key] = best
