@@ -104,6 +104,22 @@ def test_gdpa_tma_forward_cpu(per_sm, monkeypatch):
                for c in gpu_checked_forward())
 
 
+def test_forward_register_cap_cpu():
+    """A forward config's eighth field caps its registers (maxnreg): the same outputs, and such
+    configs stay pinned-only until the GPU tier passes them (they change what ptxas emits)."""
+    from gemctl.ops.triton import gdpa as gdpa_kernels
+    from gemctl.ops.triton.common import forced_config
+
+    ql, kl = [0, 1, 15, 16, 17, 40, 3], [5, 0, 16, 17, 1, 33, 48]
+    with forced_config({"gdpa_fwd": (16, 16, 1, 1, 0, 0, 0, 64)}):
+        capped = _check(ql, kl, "silu", "cpu", torch.float32, tol=2e-5)
+    with forced_config({"gdpa_fwd": (16, 16, 1, 1, 0, 0)}):
+        plain = _check(ql, kl, "silu", "cpu", torch.float32, tol=2e-5)
+    assert torch.equal(capped[0], plain[0])
+    caps = [c for c in gdpa_kernels._FWD_CANDIDATES if len(c) > 7 and c[7]]
+    assert caps and not set(caps) & set(gpu_checked_forward()) - gdpa_kernels._GPU_CHECKED
+
+
 def gpu_checked_forward():
     """The forward candidates autotuning times (the TMA ones only once the GPU tier passed them)."""
     from gemctl.ops.triton import gdpa as gdpa_kernels

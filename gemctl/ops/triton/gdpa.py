@@ -46,14 +46,23 @@ ACTIVATIONS = {"gelu": 0, "silu": 1}
 # measured 17-25% faster than without on the H200). They passed the H200's every-candidate test
 # (2026-11-30) but did not win there (cross-128: 125.0 vs 123.8 us for 64x32, docs/benchmarks.md),
 # so they stay pinned-only (_GPU_CHECKED empty): autotuning would only compile them for nothing.
+# An eighth field caps the registers per thread (maxnreg; the seventh, TMA, then 0). The H200's
+# profile of cross-128 (2026-11-30, docs/benchmarks.md) has the 64x32 forward at 153 registers,
+# three 4-warp programs per SM, the issue slots 56% idle and DRAM at 40%: latency-bound with too
+# few warps. Capped at 128 (sm_90 ptxas, Triton 3.6, D=128, GELU: no spills) with 2 stages (48 KB
+# of shared memory) four programs fit an SM; the 128x32 / 8-warp tile at 128 registers fits two
+# (16 warps either way). Pinned-only until the GPU tier passes them, like TMA. The 32x32 tiles
+# (96-102 registers, 26-43 KB: five programs per SM) need no cap.
 _FWD_CANDIDATES = [
     (64, 32, 4, 3, 0, 0), (64, 64, 4, 3, 0, 0), (128, 32, 4, 3, 0, 0), (32, 64, 4, 3, 0, 0),
+    (32, 32, 4, 3, 0, 0), (32, 32, 4, 2, 0, 0),
     (64, 32, 4, 4, 0, 0), (64, 32, 8, 3, 0, 0), (64, 64, 4, 3, 2, 0), (32, 64, 4, 3, 4, 0),
     (128, 32, 8, 3, 0, 0), (64, 32, 8, 4, 0, 0),
     (64, 32, 4, 3, 0, 4), (64, 32, 4, 4, 0, 4), (64, 32, 4, 3, 0, 8), (32, 32, 2, 3, 0, 8), (64, 32, 4, 2, 0, 4),
     (128, 32, 8, 4, 0, 4), (128, 32, 8, 3, 0, 4), (64, 64, 4, 3, 0, 4),
     (64, 128, 4, 3, 0, 4), (128, 128, 8, 3, 0, 2), (64, 256, 8, 2, 0, 2), (64, 32, 4, 3, 2, 4),
     (64, 32, 4, 3, 0, 0, 1), (64, 64, 4, 3, 0, 0, 1), (128, 32, 8, 3, 0, 0, 1), (64, 32, 4, 3, 2, 0, 1),
+    (64, 32, 4, 2, 0, 0, 0, 128), (128, 32, 8, 2, 0, 0, 0, 128),
 ]
 _GPU_CHECKED: set = set()
 _PENDING_AUTOTUNE = False  # True: autotuning times every candidate (benchmarks of unchecked ones)
@@ -316,8 +325,10 @@ def _launch(kernel, work, heads, cfg, args, dim, act, after_work=(), **constexpr
     n_items = work.shape[0] * heads
     if n_items:
         grid = (num_programs(n_items, per_sm, work.device),)
+        cap = config_field(cfg, 7)  # registers per thread (maxnreg), 0: the compiler's choice
         kernel[grid](*args[:-1], work, *after_work, n_items, heads, *args[-1], HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn,
-                     ACT=act, CHUNK=chunk, num_warps=warps, num_stages=stages, **constexprs)
+                     ACT=act, CHUNK=chunk, num_warps=warps, num_stages=stages, **({"maxnreg": cap} if cap else {}),
+                     **constexprs)
 
 
 def _candidates(candidates, resident_len: int, resident_block: int):
