@@ -10,6 +10,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # Correctness tests run the first kernel config of each list instead of timing every candidate.
 os.environ.setdefault("GEMCTL_AUTOTUNE", "0")
+# Tests that time candidates (with fakes) keep their picks out of the user's on-disk autotune cache.
+os.environ.setdefault("GEMCTL_AUTOTUNE_CACHE", "0")
 
 
 def pytest_collection_modifyitems(config, items):

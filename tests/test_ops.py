@@ -266,6 +266,43 @@ def test_tuning_time_is_counted_once_per_key(monkeypatch):
         common.set_autotune(None)
 
 
+def test_tuned_configs_persist_on_disk(monkeypatch, tmp_path):
+    """A tuned pick is written to the on-disk cache and a later process (its in-memory cache empty)
+    takes it without timing; a pick no longer among the candidates is tuned again; a changed kernel
+    source gives another file; an unreadable file is tuned over."""
+    from gemctl.ops.triton import common
+
+    monkeypatch.setenv("GEMCTL_AUTOTUNE_CACHE", "1")
+    monkeypatch.setenv("GEMCTL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(common, "INTERPRET", False)
+    monkeypatch.setattr(common, "_config_cache", {})
+    monkeypatch.setattr(common, "_disk", None)
+    timed = []
+    monkeypatch.setattr(common, "_time", lambda fn: (fn(), {(1, 2): 2.0, (3, 4): 1.0, (5, 6): 0.5}[timed[-1]])[1])
+    common.set_autotune(True)
+    try:
+        key = ("k", 64, torch.bfloat16, True)
+        assert common.pick_config(key, [(1, 2), (3, 4)], timed.append) == (3, 4) and len(timed) == 2
+        files = list(tmp_path.glob("autotune-*.json"))
+        assert len(files) == 1 and "torch.bfloat16" in files[0].read_text()
+        monkeypatch.setattr(common, "_config_cache", {})  # a new process
+        monkeypatch.setattr(common, "_disk", None)
+        assert common.pick_config(key, [(1, 2), (3, 4)], timed.append) == (3, 4) and len(timed) == 2
+        monkeypatch.setattr(common, "_config_cache", {})
+        assert common.pick_config(key, [(1, 2), (5, 6)], timed.append) == (5, 6) and len(timed) == 4
+        files[0].write_text("{half")
+        monkeypatch.setattr(common, "_config_cache", {})
+        monkeypatch.setattr(common, "_disk", None)
+        assert common.pick_config(key, [(1, 2), (3, 4)], timed.append) == (3, 4) and len(timed) == 6
+        monkeypatch.setattr(common, "_disk_cache_path", lambda: tmp_path / "other.json")  # other source
+        monkeypatch.setattr(common, "_config_cache", {})
+        monkeypatch.setattr(common, "_disk", None)
+        common.pick_config(key, [(1, 2), (3, 4)], timed.append)
+        assert len(timed) == 8
+    finally:
+        common.set_autotune(None)
+
+
 def test_untuned_config_is_the_first_that_runs(monkeypatch):
     """Autotune off (train.deterministic=true on CUDA, GEMCTL_AUTOTUNE=0): the first candidate that
     launches, in list order, found once per key; no candidate at all is an error naming the key."""

@@ -7,13 +7,18 @@ candidate (median of do_bench) and keeps the fastest; keys bucket lengths to pow
 batch does not re-tune. Under TRITON_INTERPRET=1 one small config runs; GEMCTL_AUTOTUNE=0 (or
 set_autotune(False), which train.deterministic=true does on CUDA) takes the first candidate: timing
 picks between tile shapes that sum in different orders, so tuned runs of one seed differ in the
-last bits and, after a few hundred steps, in NE.
+last bits and, after a few hundred steps, in NE. Tuned picks persist on disk per GPU model, CUDA,
+Triton and kernel source (GEMCTL_CACHE_DIR, default ~/.cache/gemctl; GEMCTL_AUTOTUNE_CACHE=0 turns
+it off), so a later run on the same machine kind starts tuned.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -29,6 +34,56 @@ _config_cache: dict = {}
 _forced: list = []  # configs pinned by forced_config(), innermost last
 _autotune: bool | None = None  # set_autotune(); None: GEMCTL_AUTOTUNE decides
 _tuning_s = 0.0  # wall seconds spent timing candidates (compilation included), all kernels
+
+
+_disk: dict | None = None  # the on-disk autotune cache of this GPU and kernel source, loaded lazily
+
+
+def _disk_cache_path() -> Path | None:
+    """Where tuned configs persist across processes: GEMCTL_CACHE_DIR (default ~/.cache/gemctl),
+    one file per GPU model, CUDA, Triton and kernel source (a changed kernel file starts a new
+    file, so a config is never reused for code it was not timed on). None: off
+    (GEMCTL_AUTOTUNE_CACHE=0)."""
+    if os.environ.get("GEMCTL_AUTOTUNE_CACHE", "1") == "0":
+        return None
+    root = Path(os.environ.get("GEMCTL_CACHE_DIR") or Path.home() / ".cache" / "gemctl")
+    digest = hashlib.sha256()
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    digest.update(f"{gpu}|{torch.version.cuda}|{triton.__version__}".encode())
+    for source in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(source.read_bytes())
+    return root / f"autotune-{digest.hexdigest()[:16]}.json"
+
+
+def _disk_lookup(key) -> tuple | None:
+    global _disk
+    if _disk is None:
+        path = _disk_cache_path()
+        try:
+            _disk = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+        except (OSError, ValueError):  # unreadable or half-written by a crashed run: tune again
+            _disk = {}
+    cfg = _disk.get(repr(key))
+    return tuple(cfg) if cfg is not None else None
+
+
+def _disk_store(key, cfg: tuple) -> None:
+    """Adds one tuned config to the file (read again first: the ranks of a job tune too; written to a
+    temporary file and renamed, so a reader never sees half a file)."""
+    path = _disk_cache_path()
+    if path is None or not isinstance(cfg, tuple):
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        entries = json.loads(path.read_text()) if path.is_file() else {}
+        entries[repr(key)] = list(cfg)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries, indent=0, sort_keys=True))
+        os.replace(tmp, path)
+        if _disk is not None:
+            _disk.update(entries)
+    except (OSError, ValueError, TypeError):
+        pass  # a read-only home or an unserializable config: tuning still works, only not kept
 
 
 def tuning_seconds() -> float:
@@ -266,6 +321,10 @@ def pick_config(key, candidates, run, interpret_config: tuple = _INTERPRET_CONFI
         return interpret_config
     tuned = autotune_enabled()
     cache_key = key if tuned else ("untuned",) + tuple(key)
+    if tuned and cache_key not in _config_cache:
+        known = _disk_lookup(key)
+        if known is not None and known in candidates:
+            _config_cache[cache_key] = known  # tuned by an earlier run on this GPU and kernel source
     if cache_key not in _config_cache:
         global _tuning_s
         if tuned and torch.cuda.is_available():
@@ -290,4 +349,6 @@ def pick_config(key, candidates, run, interpret_config: tuple = _INTERPRET_CONFI
         if best is None:
             raise RuntimeError(f"no Triton kernel config runs for {key}")
         _config_cache[cache_key] = best
+        if tuned:
+            _disk_store(key, best)
     return _config_cache[cache_key]
