@@ -268,8 +268,8 @@ def test_tuning_time_is_counted_once_per_key(monkeypatch):
 
 def test_tuned_configs_persist_on_disk(monkeypatch, tmp_path):
     """A tuned pick is written to the on-disk cache and a later process (its in-memory cache empty)
-    takes it without timing; a pick no longer among the candidates is tuned again; a changed kernel
-    source gives another file; an unreadable file is tuned over."""
+    takes it without timing; another candidate list is tuned again; a changed kernel source gives
+    another file; an unreadable file is tuned over."""
     from gemctl.ops.triton import common
 
     monkeypatch.setenv("GEMCTL_AUTOTUNE_CACHE", "1")
@@ -288,7 +288,7 @@ def test_tuned_configs_persist_on_disk(monkeypatch, tmp_path):
         monkeypatch.setattr(common, "_config_cache", {})  # a new process
         monkeypatch.setattr(common, "_disk", None)
         assert common.pick_config(key, [(1, 2), (3, 4)], timed.append) == (3, 4) and len(timed) == 2
-        monkeypatch.setattr(common, "_config_cache", {})
+        monkeypatch.setattr(common, "_config_cache", {})  # another candidate list: tuned again
         assert common.pick_config(key, [(1, 2), (5, 6)], timed.append) == (5, 6) and len(timed) == 4
         files[0].write_text("{half")
         monkeypatch.setattr(common, "_config_cache", {})

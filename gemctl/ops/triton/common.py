@@ -55,7 +55,13 @@ def _disk_cache_path() -> Path | None:
     return root / f"autotune-{digest.hexdigest()[:16]}.json"
 
 
-def _disk_lookup(key) -> tuple | None:
+def _disk_key(key, candidates) -> str:
+    """The file's key: the autotune key and the candidate list (a list that changed, e.g. configs
+    admitted or benchmarks timing pending ones, is tuned again)."""
+    return f"{key!r}|{hashlib.sha256(repr(list(candidates)).encode()).hexdigest()[:12]}"
+
+
+def _disk_lookup(key, candidates) -> tuple | None:
     global _disk
     if _disk is None:
         path = _disk_cache_path()
@@ -63,11 +69,11 @@ def _disk_lookup(key) -> tuple | None:
             _disk = json.loads(path.read_text()) if path is not None and path.is_file() else {}
         except (OSError, ValueError):  # unreadable or half-written by a crashed run: tune again
             _disk = {}
-    cfg = _disk.get(repr(key))
+    cfg = _disk.get(_disk_key(key, candidates))
     return tuple(cfg) if cfg is not None else None
 
 
-def _disk_store(key, cfg: tuple) -> None:
+def _disk_store(key, candidates, cfg: tuple) -> None:
     """Adds one tuned config to the file (read again first: the ranks of a job tune too; written to a
     temporary file and renamed, so a reader never sees half a file)."""
     path = _disk_cache_path()
@@ -76,7 +82,7 @@ def _disk_store(key, cfg: tuple) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         entries = json.loads(path.read_text()) if path.is_file() else {}
-        entries[repr(key)] = list(cfg)
+        entries[_disk_key(key, candidates)] = list(cfg)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(entries, indent=0, sort_keys=True))
         os.replace(tmp, path)
@@ -322,7 +328,7 @@ def pick_config(key, candidates, run, interpret_config: tuple = _INTERPRET_CONFI
     tuned = autotune_enabled()
     cache_key = key if tuned else ("untuned",) + tuple(key)
     if tuned and cache_key not in _config_cache:
-        known = _disk_lookup(key)
+        known = _disk_lookup(key, candidates)
         if known is not None and known in candidates:
             _config_cache[cache_key] = known  # tuned by an earlier run on this GPU and kernel source
     if cache_key not in _config_cache:
@@ -350,5 +356,5 @@ def pick_config(key, candidates, run, interpret_config: tuple = _INTERPRET_CONFI
             raise RuntimeError(f"no Triton kernel config runs for {key}")
         _config_cache[cache_key] = best
         if tuned:
-            _disk_store(key, best)
+            _disk_store(key, candidates, best)
     return _config_cache[cache_key]
