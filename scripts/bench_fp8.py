@@ -339,6 +339,7 @@ def profile_rows(tokens: int) -> list[dict]:
         fn = variants["fp8 row fused+norm"]
         x = torch.randn(tokens, d, device="cuda", dtype=BF16, requires_grad=True)
         gy = torch.randn(tokens, d, device="cuda", dtype=BF16)
+
         def step():  # as the timed step: gradients set to None first, so no accumulation kernels
             for t in (x, *params):
                 t.grad = None

@@ -28,6 +28,7 @@ def kernels():
     from gemctl.ops.triton import gdpa
     from gemctl.ops.triton import jagged_attention as ja
     from gemctl.ops.triton import mx_quant as mx
+    from gemctl.ops.triton import rms_norm
 
     io = {n: "*bf16" for n in ("Q", "K", "V", "O", "DO", "DK", "DV", "DQ")}
     io.update(LSE="*fp32", DELTA="*fp32", DBIAS="*fp32", BIAS="*fp32", BUCKETS="*i32", Q_OFFSETS="*i64",
@@ -91,8 +92,6 @@ def kernels():
     yield f8._cast_cols_amax_kernel, f8_io, dict(cast, PARTS=256, PART_BLOCK=64)  # runs of 16 rows: 4 loads
     yield f8._cast_cols_amax_kernel, f8_io, dict(cast, ACT=0, PARTS=32, PART_BLOCK=32, NORM=True)
     yield f8._cast_cols_amax_kernel, f8_io, dict(cast, PARTS=64, PART_BLOCK=64, SPLIT=4)  # 4 programs per chunk
-    from gemctl.ops.triton import rms_norm
-
     norm_io = dict(DY="*bf16", X="*bf16", RSTD="*fp32", W="*fp32", DX="*bf16", DWP="*fp32")
     yield rms_norm._rms_norm_bwd_kernel, norm_io, dict(BLOCK_R=2, BLOCK_C=1024, ITERS=32, NEED_DW=True)
     for block, rope in ((64, False), (64, True), (32, True), (128, True)):  # 128 + rope: the most shared memory

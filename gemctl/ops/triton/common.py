@@ -34,8 +34,6 @@ _config_cache: dict = {}
 _forced: list = []  # configs pinned by forced_config(), innermost last
 _autotune: bool | None = None  # set_autotune(); None: GEMCTL_AUTOTUNE decides
 _tuning_s = 0.0  # wall seconds spent timing candidates (compilation included), all kernels
-
-
 _disk: dict | None = None  # the on-disk autotune cache of this GPU and kernel source, loaded lazily
 
 
@@ -317,6 +315,7 @@ def pick_config(key, candidates, run, interpret_config: tuple = _INTERPRET_CONFI
     """The fastest candidate for this key, timed once on the first call (not under the interpreter;
     with autotune off (GEMCTL_AUTOTUNE=0, set_autotune(False)) the first candidate that runs, in
     list order: no timing, so the choice does not depend on the machine's load)."""
+    global _tuning_s
     if _forced:
         forced = _forced[-1]
         if not isinstance(forced, dict):
@@ -332,7 +331,6 @@ def pick_config(key, candidates, run, interpret_config: tuple = _INTERPRET_CONFI
         if known is not None and known in candidates:
             _config_cache[cache_key] = known  # tuned by an earlier run on this GPU and kernel source
     if cache_key not in _config_cache:
-        global _tuning_s
         if tuned and torch.cuda.is_available():
             torch.cuda.synchronize()  # the step's queued work is not tuning time
         t_tune = time.perf_counter()
