@@ -276,31 +276,36 @@ def test_tuned_configs_persist_on_disk(monkeypatch, tmp_path):
     monkeypatch.setenv("GEMCTL_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(common, "INTERPRET", False)
     monkeypatch.setattr(common, "_config_cache", {})
-    monkeypatch.setattr(common, "_disk", None)
+    monkeypatch.setattr(common, "_disk", {})
     timed = []
     monkeypatch.setattr(common, "_time", lambda fn: (fn(), {(1, 2): 2.0, (3, 4): 1.0, (5, 6): 0.5}[timed[-1]])[1])
     common.set_autotune(True)
     try:
         key = ("k", 64, torch.bfloat16, True)
         assert common.pick_config(key, [(1, 2), (3, 4)], timed.append) == (3, 4) and len(timed) == 2
-        files = list(tmp_path.glob("autotune-*.json"))
+        files = list(tmp_path.glob("autotune-test_ops-*.json"))  # named after the module asking
         assert len(files) == 1 and "torch.bfloat16" in files[0].read_text()
         monkeypatch.setattr(common, "_config_cache", {})  # a new process
-        monkeypatch.setattr(common, "_disk", None)
+        monkeypatch.setattr(common, "_disk", {})
         assert common.pick_config(key, [(1, 2), (3, 4)], timed.append) == (3, 4) and len(timed) == 2
         monkeypatch.setattr(common, "_config_cache", {})  # another candidate list: tuned again
         assert common.pick_config(key, [(1, 2), (5, 6)], timed.append) == (5, 6) and len(timed) == 4
         files[0].write_text("{half")
         monkeypatch.setattr(common, "_config_cache", {})
-        monkeypatch.setattr(common, "_disk", None)
+        monkeypatch.setattr(common, "_disk", {})
         assert common.pick_config(key, [(1, 2), (3, 4)], timed.append) == (3, 4) and len(timed) == 6
-        monkeypatch.setattr(common, "_disk_cache_path", lambda: tmp_path / "other.json")  # other source
+        monkeypatch.setattr(common, "_source_digest", lambda module_file: "other")  # an edited kernel source
         monkeypatch.setattr(common, "_config_cache", {})
-        monkeypatch.setattr(common, "_disk", None)
+        monkeypatch.setattr(common, "_disk", {})
         common.pick_config(key, [(1, 2), (3, 4)], timed.append)
         assert len(timed) == 8
     finally:
         common.set_autotune(None)
+    from gemctl.ops.triton import fp8_gemm, gdpa
+
+    # a module's file depends on its own source, common's and the kernel modules it imports
+    assert [p.name for p in common._kernel_sources(fp8_gemm.__file__)] == ["fp8_gemm.py", "common.py", "mx_quant.py"]
+    assert [p.name for p in common._kernel_sources(gdpa.__file__)] == ["gdpa.py", "common.py"]
 
 
 def test_untuned_config_is_the_first_that_runs(monkeypatch):

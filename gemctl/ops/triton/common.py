@@ -7,16 +7,19 @@ candidate (median of do_bench) and keeps the fastest; keys bucket lengths to pow
 batch does not re-tune. Under TRITON_INTERPRET=1 one small config runs; GEMCTL_AUTOTUNE=0 (or
 set_autotune(False), which train.deterministic=true does on CUDA) takes the first candidate: timing
 picks between tile shapes that sum in different orders, so tuned runs of one seed differ in the
-last bits and, after a few hundred steps, in NE. Tuned picks persist on disk per GPU model, CUDA,
-Triton and kernel source (GEMCTL_CACHE_DIR, default ~/.cache/gemctl; GEMCTL_AUTOTUNE_CACHE=0 turns
-it off), so a later run on the same machine kind starts tuned.
+last bits and, after a few hundred steps, in NE. Tuned picks persist on disk per kernel module, GPU
+model, CUDA, Triton and kernel source (GEMCTL_CACHE_DIR, default ~/.cache/gemctl;
+GEMCTL_AUTOTUNE_CACHE=0 turns it off), so a later run on the same machine kind starts tuned.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import re
+import sys
 import time
 from pathlib import Path
 
@@ -34,23 +37,41 @@ _config_cache: dict = {}
 _forced: list = []  # configs pinned by forced_config(), innermost last
 _autotune: bool | None = None  # set_autotune(); None: GEMCTL_AUTOTUNE decides
 _tuning_s = 0.0  # wall seconds spent timing candidates (compilation included), all kernels
-_disk: dict | None = None  # the on-disk autotune cache of this GPU and kernel source, loaded lazily
+_disk: dict = {}  # cache file -> its entries, each file read once per process
 
 
-def _disk_cache_path() -> Path | None:
+def _kernel_sources(module_file: str) -> tuple[Path, ...]:
+    """The kernel sources a module's tuned configs depend on: the module, this one, and the kernel
+    modules it imports (fp8_gemm's casts use mx_quant's conversions)."""
+    here = Path(__file__).parent
+    try:
+        text = Path(module_file).read_text()
+    except OSError:
+        return ()
+    names = set(re.findall(r"gemctl\.ops\.triton\.(\w+)", text)) | {"common"}
+    return tuple([Path(module_file)] + sorted(here / f"{n}.py" for n in names if (here / f"{n}.py").is_file()))
+
+
+@functools.lru_cache(maxsize=None)
+def _source_digest(module_file: str) -> str:
+    """GPU model, CUDA, Triton and the kernel sources a module's configs were timed on."""
+    digest = hashlib.sha256()
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    digest.update(f"{gpu}|{torch.version.cuda}|{triton.__version__}".encode())
+    for source in _kernel_sources(module_file):
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _disk_cache_path(module_file: str) -> Path | None:
     """Where tuned configs persist across processes: GEMCTL_CACHE_DIR (default ~/.cache/gemctl),
-    one file per GPU model, CUDA, Triton and kernel source (a changed kernel file starts a new
-    file, so a config is never reused for code it was not timed on). None: off
+    one file per kernel module and _source_digest (an edited kernel file starts a new file for the
+    modules that use it, so a config is never reused for code it was not timed on). None: off
     (GEMCTL_AUTOTUNE_CACHE=0)."""
     if os.environ.get("GEMCTL_AUTOTUNE_CACHE", "1") == "0":
         return None
     root = Path(os.environ.get("GEMCTL_CACHE_DIR") or Path.home() / ".cache" / "gemctl")
-    digest = hashlib.sha256()
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    digest.update(f"{gpu}|{torch.version.cuda}|{triton.__version__}".encode())
-    for source in sorted(Path(__file__).parent.glob("*.py")):
-        digest.update(source.read_bytes())
-    return root / f"autotune-{digest.hexdigest()[:16]}.json"
+    return root / f"autotune-{Path(module_file).stem}-{_source_digest(module_file)}.json"
 
 
 def _disk_key(key, candidates) -> str:
@@ -59,22 +80,21 @@ def _disk_key(key, candidates) -> str:
     return f"{key!r}|{hashlib.sha256(repr(list(candidates)).encode()).hexdigest()[:12]}"
 
 
-def _disk_lookup(key, candidates) -> tuple | None:
-    global _disk
-    if _disk is None:
-        path = _disk_cache_path()
+def _disk_lookup(path: Path | None, key, candidates) -> tuple | None:
+    if path is None:
+        return None
+    if path not in _disk:
         try:
-            _disk = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+            _disk[path] = json.loads(path.read_text()) if path.is_file() else {}
         except (OSError, ValueError):  # unreadable or half-written by a crashed run: tune again
-            _disk = {}
-    cfg = _disk.get(_disk_key(key, candidates))
+            _disk[path] = {}
+    cfg = _disk[path].get(_disk_key(key, candidates))
     return tuple(cfg) if cfg is not None else None
 
 
-def _disk_store(key, candidates, cfg: tuple) -> None:
+def _disk_store(path: Path | None, key, candidates, cfg: tuple) -> None:
     """Adds one tuned config to the file (read again first: the ranks of a job tune too; written to a
     temporary file and renamed, so a reader never sees half a file)."""
-    path = _disk_cache_path()
     if path is None or not isinstance(cfg, tuple):
         return
     try:
@@ -84,8 +104,7 @@ def _disk_store(key, candidates, cfg: tuple) -> None:
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(entries, indent=0, sort_keys=True))
         os.replace(tmp, path)
-        if _disk is not None:
-            _disk.update(entries)
+        _disk[path] = entries
     except (OSError, ValueError, TypeError):
         pass  # a read-only home or an unserializable config: tuning still works, only not kept
 
@@ -326,8 +345,11 @@ def pick_config(key, candidates, run, interpret_config: tuple = _INTERPRET_CONFI
         return interpret_config
     tuned = autotune_enabled()
     cache_key = key if tuned else ("untuned",) + tuple(key)
+    disk = None
     if tuned and cache_key not in _config_cache:
-        known = _disk_lookup(key, candidates)
+        caller = sys._getframe(1).f_globals.get("__file__")  # the kernel module asking
+        disk = _disk_cache_path(caller) if caller else None
+        known = _disk_lookup(disk, key, candidates)
         if known is not None and known in candidates:
             _config_cache[cache_key] = known  # tuned by an earlier run on this GPU and kernel source
     if cache_key not in _config_cache:
@@ -354,5 +376,5 @@ def pick_config(key, candidates, run, interpret_config: tuple = _INTERPRET_CONFI
             raise RuntimeError(f"no Triton kernel config runs for {key}")
         _config_cache[cache_key] = best
         if tuned:
-            _disk_store(key, candidates, best)
+            _disk_store(disk, key, candidates, best)
     return _config_cache[cache_key]
