@@ -538,7 +538,7 @@ def test_rms_norm_backward_matches_autograd(path, monkeypatch):
 def test_rms_norm_backward_kernel(rows, cols, dtype, device="cpu"):
     """One Triton pass against float64 autograd of F.rms_norm: several programs of 64 rows (the
     last partial), columns not a power of two, a zero row, the weight as the forward applies it (in
-    x's dtype), dweight's partial sums; need_dw=False leaves dx alone unchanged."""
+    x's dtype), dweight's partial sums; need_dw=False gives the same dx and no dweight."""
     from gemctl.ops.triton.rms_norm import rms_norm_backward
 
     x, w, dy = _rms_norm_case(rows, cols, device)
