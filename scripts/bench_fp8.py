@@ -332,7 +332,8 @@ def accumulation_rows() -> list[dict]:
 
 def profile_rows(tokens: int) -> list[dict]:
     """Where the fused FP8 MLP's forward+backward time goes: CUDA time per kernel (torch.profiler,
-    5 steps after 3 warm-up steps), per width."""
+    5 steps after 3 warm-up steps), per width; then the torch ops that launched device work, with
+    their input shapes (which op a non-Triton kernel, e.g. an elementwise copy, comes from)."""
     out = []
     for d, h in MLP_WIDTHS:
         variants, params = mlp_variants(d, h)
@@ -348,13 +349,21 @@ def profile_rows(tokens: int) -> list[dict]:
         for _ in range(3):
             step()
         torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
             for _ in range(5):
                 step()
             torch.cuda.synchronize()
-        for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]:
+        kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        for e in sorted(kernels, key=lambda e: -e.device_time_total)[:12]:
             out.append({"d": d, "kernel": e.key[:80], "calls_per_step": e.count / 5,
                         "ms_per_step": e.device_time_total / 5 / 1e3})
+            print(out[-1], flush=True)
+        ops = [e for e in prof.key_averages(group_by_input_shape=True)
+               if e.key.startswith("aten::") and e.self_device_time_total > 0]
+        for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:8]:
+            out.append({"d": d, "torch_op": e.key, "input_shapes": str(e.input_shapes)[:160],
+                        "calls_per_step": e.count / 5, "ms_per_step": e.self_device_time_total / 5 / 1e3})
             print(out[-1], flush=True)
         del x, gy, variants, params
     return out
