@@ -128,7 +128,12 @@ def test_new_cast_candidates_wait_for_the_gpu_tier(monkeypatch):
     from gemctl.ops.triton import common
 
     seen = []
-    monkeypatch.setattr(fp8_kernels, "pick_config", lambda key, cands, run, interp: seen.append(cands) or interp)
+
+    def pick(key, cands, run, interp):
+        seen.append(cands() if callable(cands) else cands)  # the list, or the function building it
+        return interp
+
+    monkeypatch.setattr(fp8_kernels, "pick_config", pick)
     monkeypatch.setattr(fp8_kernels, "_GPU_CHECKED", set())
     x = torch.randn(256, 64)
     fp8_cast_rows(x, col_amax=True, amax_rows=16)

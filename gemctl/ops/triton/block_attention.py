@@ -367,7 +367,7 @@ def _forward(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
                 rope, q.device)
 
     key = ("block_attention_fwd", dim, q.dtype, block_size, rope, heads, bucket_len(n))
-    run(pick_config(key, _tuned(_FWD_CANDIDATES), run, _INTERPRET_CONFIG))
+    run(pick_config(key, lambda: _tuned(_FWD_CANDIDATES), run, _INTERPRET_CONFIG))
     return out, lse
 
 
@@ -387,7 +387,7 @@ def _backward(do, q, k, v, out, lse, cos, sin, offsets, max_len, block_size, rop
                 HALVES=bool(config_field(cfg, 4)))
 
     key = ("block_attention_bwd", dim, q.dtype, block_size, rope, heads, bucket_len(n))
-    run(pick_config(key, _tuned(_BWD_CANDIDATES), run, _INTERPRET_CONFIG))
+    run(pick_config(key, lambda: _tuned(_BWD_CANDIDATES), run, _INTERPRET_CONFIG))
     return dq, dk, dv
 
 

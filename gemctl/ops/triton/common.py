@@ -333,7 +333,9 @@ class forced_config:
 def pick_config(key, candidates, run, interpret_config: tuple = _INTERPRET_CONFIG):
     """The fastest candidate for this key, timed once on the first call (not under the interpreter;
     with autotune off (GEMCTL_AUTOTUNE=0, set_autotune(False)) the first candidate that runs, in
-    list order: no timing, so the choice does not depend on the machine's load)."""
+    list order: no timing, so the choice does not depend on the machine's load). ``candidates``: a
+    list, or a function returning it, called only when the key is not decided yet (the per-launch
+    path in the training step then builds no list)."""
     global _tuning_s
     if _forced:
         forced = _forced[-1]
@@ -345,36 +347,40 @@ def pick_config(key, candidates, run, interpret_config: tuple = _INTERPRET_CONFI
         return interpret_config
     tuned = autotune_enabled()
     cache_key = key if tuned else ("untuned",) + tuple(key)
+    if cache_key in _config_cache:
+        return _config_cache[cache_key]
+    if callable(candidates):
+        candidates = candidates()
     disk = None
-    if tuned and cache_key not in _config_cache:
+    if tuned:
         caller = sys._getframe(1).f_globals.get("__file__")  # the kernel module asking
         disk = _disk_cache_path(caller) if caller else None
         known = _disk_lookup(disk, key, candidates)
         if known is not None and known in candidates:
             _config_cache[cache_key] = known  # tuned by an earlier run on this GPU and kernel source
-    if cache_key not in _config_cache:
-        if tuned and torch.cuda.is_available():
+            return known
+        if torch.cuda.is_available():
             torch.cuda.synchronize()  # the step's queued work is not tuning time
-        t_tune = time.perf_counter()
-        best, best_t = None, float("inf")
-        for cfg in candidates:
-            try:  # a config may not fit this shape's shared memory: the next one then
-                if tuned:
-                    t = _time(lambda: run(cfg))
-                else:
-                    run(cfg)
-                    t = 0.0
-            except Exception:
-                continue
-            if t < best_t:
-                best, best_t = cfg, t
-            if not tuned:
-                break  # untuned: the first candidate that runs
-        if tuned:
-            _tuning_s += time.perf_counter() - t_tune
-        if best is None:
-            raise RuntimeError(f"no Triton kernel config runs for {key}")
-        _config_cache[cache_key] = best
-        if tuned:
-            _disk_store(disk, key, candidates, best)
-    return _config_cache[cache_key]
+    t_tune = time.perf_counter()
+    best, best_t = None, float("inf")
+    for cfg in candidates:
+        try:  # a config may not fit this shape's shared memory: the next one then
+            if tuned:
+                t = _time(lambda: run(cfg))
+            else:
+                run(cfg)
+                t = 0.0
+        except Exception:
+            continue
+        if t < best_t:
+            best, best_t = cfg, t
+        if not tuned:
+            break  # untuned: the first candidate that runs
+    if tuned:
+        _tuning_s += time.perf_counter() - t_tune
+    if best is None:
+        raise RuntimeError(f"no Triton kernel config runs for {key}")
+    _config_cache[cache_key] = best
+    if tuned:
+        _disk_store(disk, key, candidates, best)
+    return best

@@ -565,10 +565,11 @@ def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
                 COL_AMAX=with_part, NORM=norm is not None, DEPTH=2 if deep and iters > 1 else 1, num_warps=warps)
 
         key = ("fp8_cast_rows", bucket_len(r), bucket_len(c), x.dtype, act, with_part and amax_rows, norm is not None)
-        candidates = [(br, w, 0) for br, w in _ROWS_CANDIDATES]
-        if with_part:
-            candidates += [(br, w, 1) for br, w in _ROWS_DEEP if amax_rows // br > 1]
-        run(pick_config(key, gpu_checked(candidates, 2, _GPU_CHECKED, _PENDING_AUTOTUNE), run, _ROWS_INTERPRET))
+        def candidates():
+            deep = [(br, w, 1) for br, w in _ROWS_DEEP if amax_rows // br > 1] if with_part else []
+            return gpu_checked([(br, w, 0) for br, w in _ROWS_CANDIDATES] + deep, 2, _GPU_CHECKED, _PENDING_AUTOTUNE)
+
+        run(pick_config(key, candidates, run, _ROWS_INTERPRET))
     return data.view(torch.float8_e4m3fn), scale, rstd, part
 
 
@@ -617,9 +618,11 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
                                         **common)
 
         key = ("fp8_cast_cols", bucket_len(r), bucket_len(c), x.dtype, act, chunk, use_part, norm is not None)
-        candidates = [(*cfg, 0) for cfg in _COLS_CANDIDATES] + ([(*cfg, _COLS_SPLIT) for cfg in _COLS_CANDIDATES]
-                                                               if use_part else [])
-        run(pick_config(key, gpu_checked(candidates, 3, _GPU_CHECKED, _PENDING_AUTOTUNE), run, _COLS_INTERPRET))
+        def candidates():
+            split = [(*cfg, _COLS_SPLIT) for cfg in _COLS_CANDIDATES] if use_part else []
+            return gpu_checked([(*cfg, 0) for cfg in _COLS_CANDIDATES] + split, 3, _GPU_CHECKED, _PENDING_AUTOTUNE)
+
+        run(pick_config(key, candidates, run, _COLS_INTERPRET))
     return data.view(torch.float8_e4m3fn), scale
 
 
@@ -690,7 +693,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
                 GROUP_K=group_k, CHUNK_K=chunk, EPI=epi, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
                 num_warps=warps, num_stages=stages)
 
-        candidates = _GEMM_CANDIDATES if tma_ok else [cfg for cfg in _GEMM_CANDIDATES if not cfg[5]]
+        candidates = _GEMM_CANDIDATES if tma_ok else (lambda: [cfg for cfg in _GEMM_CANDIDATES if not cfg[5]])
         key = ("fp8_gemm", bucket_len(m), bucket_len(n), bucket_len(k), group_k, epi, chunk, tma_ok)
         run(pick_config(key, candidates, run, _GEMM_INTERPRET))
     return c

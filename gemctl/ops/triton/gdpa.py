@@ -356,7 +356,9 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scale):
                 descs or (None, None), TMA=descs is not None)
 
     key = ("gdpa_fwd", dim, q.dtype, act, bucket_len(max_q_len), bucket_len(max_k_len))
-    candidates = gpu_checked(_candidates(_FWD_CANDIDATES, max_k_len, 1), 6, _GPU_CHECKED, _PENDING_AUTOTUNE)
+    def candidates():
+        return gpu_checked(_candidates(_FWD_CANDIDATES, max_k_len, 1), 6, _GPU_CHECKED, _PENDING_AUTOTUNE)
+
     run(pick_config(key, candidates, run, _INTERPRET_CONFIG))
     return out
 
@@ -382,8 +384,9 @@ def _backward(do, q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scal
         _launch(_gdpa_bwd_dq, work, heads, cfg, (q, k, v, do, dq, q_offsets, k_offsets, strides), dim, act)
 
     key = (dim, q.dtype, act, bucket_len(max_q_len), bucket_len(max_k_len))
-    run_dkdv(pick_config(("gdpa_dkdv",) + key, _candidates(_DKDV_CANDIDATES, max_q_len, 0), run_dkdv, _INTERPRET_CONFIG))
-    run_dq(pick_config(("gdpa_dq",) + key, _candidates(_DQ_CANDIDATES, max_k_len, 1), run_dq, _INTERPRET_CONFIG))
+    run_dkdv(pick_config(("gdpa_dkdv",) + key, lambda: _candidates(_DKDV_CANDIDATES, max_q_len, 0), run_dkdv,
+                         _INTERPRET_CONFIG))
+    run_dq(pick_config(("gdpa_dq",) + key, lambda: _candidates(_DQ_CANDIDATES, max_k_len, 1), run_dq, _INTERPRET_CONFIG))
     return dq, dk, dv
 
 

@@ -611,7 +611,7 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, 
     size = "large" if dim >= 128 else "small"
     key = ("fwd", dim, q.dtype, causal, bias is not None, _window_key(window), bucket_len(max_q_len), bucket_len(max_k_len),
            mx_p)
-    run(pick_config(key, _tuned(_FWD_CANDIDATES[size], 4), run,
+    run(pick_config(key, lambda: _tuned(_FWD_CANDIDATES[size], 4), run,
                     **({"interpret_config": _MX_INTERPRET} if mx_p else {})))
     return out, lse, mrow
 
@@ -676,9 +676,9 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
         state["dbias"] = dbias
 
     key = (dim, q.dtype, causal, has_bias, _window_key(window), bucket_len(max_q_len), bucket_len(max_k_len))
-    run_dkdv(pick_config(("dkdv",) + key + (mx_p,), _tuned(_DKDV_CANDIDATES, 5), run_dkdv,
+    run_dkdv(pick_config(("dkdv",) + key + (mx_p,), lambda: _tuned(_DKDV_CANDIDATES, 5), run_dkdv,
                          _DKDV_MX_INTERPRET if mx_p else _DKDV_INTERPRET))
-    run_dq(pick_config(("dq",) + key, _tuned(_DQ_CANDIDATES, 4), run_dq))
+    run_dq(pick_config(("dq",) + key, lambda: _tuned(_DQ_CANDIDATES, 4), run_dq))
     dtable = None
     if has_bias:
         dtable = state["dbias"].sum(0)[:, :n_buckets].to(bias.table.dtype)  # fixed-order reduction
