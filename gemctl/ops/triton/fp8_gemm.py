@@ -49,6 +49,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gemctl.ops.triton.common import INTERPRET, bucket_len, gpu_checked, num_programs, pick_config
 from gemctl.ops.triton.mx_quant import _block_scales, _quantize_elems
+from gemctl.ops.triton.rms_norm import applied_weight
 
 EPILOGUES = {"none": 0, "silu_bwd": 2}
 PROMOTE_EVERY = 4096  # contraction values summed on the tensor cores before a float32 add (long K)
@@ -531,13 +532,9 @@ def fp8_rmsnorm_cast_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, *, 
                          f"{tuple(weight.shape)}")
     if x.shape[1] > _ROWS_IN_REGISTERS:
         raise ValueError(f"fp8_rmsnorm_cast_rows: rows of at most {_ROWS_IN_REGISTERS} values, got {x.shape[1]}")
-    data, scale, rstd, part = _cast_rows(x, None, col_amax, amax_rows, bit_cast, (_norm_weight(weight, x), float(eps)))
+    norm = (applied_weight(weight, x), float(eps))
+    data, scale, rstd, part = _cast_rows(x, None, col_amax, amax_rows, bit_cast, norm)
     return (data, scale, rstd, part) if col_amax else (data, scale, rstd)
-
-
-def _norm_weight(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    # The norm's weight as the unfused norm applies it: in x's dtype (gemctl.model.norm), then float32.
-    return weight.detach().to(x.dtype).float().contiguous()
 
 
 def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
@@ -599,7 +596,7 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
         raise ValueError(f"fp8_cast_cols: part {tuple(part.shape)} does not belong to x {tuple(x.shape)} "
                          f"with amax_rows={amax_rows}")
     # placeholders the kernels do not read without NORM
-    rstd, nw = (norm[0], _norm_weight(norm[1], x)) if norm is not None else (scale, scale)
+    rstd, nw = (norm[0], applied_weight(norm[1], x)) if norm is not None else (scale, scale)
     if x.numel():
         def run(cfg):
             br, bc, warps, split = cfg

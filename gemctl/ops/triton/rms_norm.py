@@ -58,6 +58,12 @@ def _rms_norm_bwd_kernel(
         tl.store(DWP + pid.to(tl.int64) * stride_dwp + cc, tl.sum(dw, axis=0), mask=cmask)
 
 
+def applied_weight(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The norm's weight as the unfused norm applies it (gemctl.model.norm): in x's dtype, then
+    float32 for the kernels' math (the fused forward casts and this backward alike)."""
+    return weight.detach().to(x.dtype).float().contiguous()
+
+
 def fits(x: torch.Tensor) -> bool:
     """Rows narrow enough to be held whole (rms_norm_backward takes them)."""
     return x.dim() == 2 and x.shape[1] <= ROWS_IN_REGISTERS
@@ -73,7 +79,7 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, wei
                          f"got {tuple(dy.shape)}, {tuple(x.shape)}, {tuple(rstd.shape)}, {tuple(weight.shape)}")
     dy, x = dy.contiguous(), x.contiguous()
     r, c = x.shape
-    w = weight.detach().to(x.dtype).float().contiguous()
+    w = applied_weight(weight, x)
     rstd = rstd.float().contiguous()
     dx = torch.empty_like(x)
     rows = ROWS_PER_PROGRAM
