@@ -305,8 +305,8 @@ def test_tuned_configs_persist_on_disk(monkeypatch, tmp_path):
     from gemctl.ops.triton import fp8_gemm, gdpa
 
     # a module's file depends on its own source, common's and the kernel modules it imports
-    assert [p.name for p in common._kernel_sources(fp8_gemm.__file__)] == ["fp8_gemm.py", "common.py", "mx_quant.py",
-                                                                            "rms_norm.py"]
+    fp8_sources = ["fp8_gemm.py", "common.py", "mx_quant.py", "rms_norm.py"]
+    assert [p.name for p in common._kernel_sources(fp8_gemm.__file__)] == fp8_sources
     assert [p.name for p in common._kernel_sources(gdpa.__file__)] == ["gdpa.py", "common.py"]
 
 
