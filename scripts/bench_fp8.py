@@ -51,8 +51,6 @@ from bench_common import base_meta, bench, graph_bench, picked_configs, run_meta
 from gemctl.ops.triton.fp8_gemm import (  # noqa: E402
     TOKEN_CHUNK, amax_rows_for, fp8_cast_cols, fp8_cast_rows, fp8_gemm, fp8_rmsnorm_cast_rows,
 )
-from gemctl.ops.triton import fp8_gemm as fp8_kernels  # noqa: E402
-from gemctl.ops.triton.common import forced_config  # noqa: E402
 from gemctl.ops.triton.mx_quant import mx_quantize  # noqa: E402
 from gemctl.precision.fp8_linear import GRANULARITIES, Fp8Recipe, fp8_mlp, qdq  # noqa: E402
 
@@ -75,21 +73,6 @@ def scaled_mm_operands(t: torch.Tensor):
     amax = t.abs().amax(1, keepdim=True).float().clamp(min=1e-12)
     scale = amax / 448.0
     return (t.float() / scale).to(torch.float8_e4m3fn), scale
-
-
-def warp_specialized_best(flops: int, call) -> tuple[float, list]:
-    """TF/s of ``call`` with each warp-specialized GEMM config pinned in turn (sm_90): the best,
-    and every config's (pending until the GPU tier passes them, so autotuning does not time them)."""
-    if not fp8_kernels.warp_specialized(torch.device("cuda")):
-        return float("nan"), []
-    timed = []
-    for cfg in fp8_kernels._GEMM_WS:
-        with forced_config({"fp8_gemm": cfg}):
-            try:
-                timed.append((flops / bench(call) / 1e9, list(cfg)))
-            except Exception as e:  # a config that does not build or fit: said, not fatal
-                print(f"bench_fp8: warp-specialized {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-    return max(timed)[0] if timed else float("nan"), timed
 
 
 def gemm_rows(tokens: int, grans=tuple(GRANULARITIES), widths=None) -> list[dict]:
@@ -122,9 +105,6 @@ def gemm_rows(tokens: int, grans=tuple(GRANULARITIES), widths=None) -> list[dict
                 if err > 1e-2:
                     raise SystemExit(f"bench_fp8: {gran} GEMM {name} differs from the emulated numerics ({err:.2e})")
                 row[gran] = flops / bench(lambda: fp8_gemm(qa, qb, qsa, qsb, group_k=group)) / 1e9
-                if group == 0:
-                    row["row, warp-specialized"], row["row, warp-specialized configs"] = warp_specialized_best(
-                        flops, lambda: fp8_gemm(qa, qb, qsa, qsb, group_k=group))
                 if group == 0 and "wgrad" in name:  # default: FP32 promotion every 4096 tokens
                     row["row, one tensor-core sum"] = flops / bench(
                         lambda: fp8_gemm(qa, qb, qsa, qsb, promote_every=None)) / 1e9
@@ -132,14 +112,10 @@ def gemm_rows(tokens: int, grans=tuple(GRANULARITIES), widths=None) -> list[dict
                     cb, csb = mx_quantize(b, block=TOKEN_CHUNK, scale_rule="rceil")
                     row["row, token-chunk scales (used)"] = flops / bench(
                         lambda: fp8_gemm(ca, cb, csa, csb, group_k=TOKEN_CHUNK)) / 1e9
-                    row["token-chunk, warp-specialized"], row["token-chunk, warp-specialized configs"] = (
-                        warp_specialized_best(flops, lambda: fp8_gemm(ca, cb, csa, csb, group_k=TOKEN_CHUNK)))
                 if group == 0 and name.startswith("down dgrad"):  # the MLP's fused silu' epilogue
                     pre = torch.randn(m, n, device="cuda", dtype=BF16)
                     row["row+silu_bwd"] = flops / bench(
                         lambda: fp8_gemm(qa, qb, qsa, qsb, epilogue="silu_bwd", pre=pre)) / 1e9
-                    row["row+silu_bwd, warp-specialized"], row["row+silu_bwd, warp-specialized configs"] = (
-                        warp_specialized_best(flops, lambda: fp8_gemm(qa, qb, qsa, qsb, epilogue="silu_bwd", pre=pre)))
                     del pre
             print(row, flush=True)
             out.append(row)
@@ -408,7 +384,7 @@ def main() -> None:
                     help="comma-separated model widths d of the gemm, mlp and profile sections (default: all)")
     ap.add_argument("--cast-widths", default="1024,4096,8192", help="comma-separated row widths of the cast section")
     ap.add_argument("--pending", action="store_true",
-                    help="autotune the cast and GEMM configs the GPU tier has not passed yet too (fp8_gemm._GPU_CHECKED)")
+                    help="autotune the cast configs the GPU tier has not passed yet too (fp8_gemm._GPU_CHECKED)")
     args = ap.parse_args()
     parts = args.only.split(",")
     if not torch.cuda.is_available():

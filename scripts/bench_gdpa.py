@@ -115,11 +115,12 @@ def implementations(w) -> dict:
     }
 
 
-def grid_sweep(w) -> list[dict]:
-    """Forward graph time under every candidate config (persistent and one-program-per-item)."""
+def grid_sweep(w, configs=None) -> list[dict]:
+    """Forward graph time under every candidate config (persistent and one-program-per-item), or
+    under ``configs`` (tuples) only."""
     fwd, _ = jagged_impl(w, lambda *a: ops.gdpa(*a, activation="gelu", backend="triton"))
     rows = []
-    for cfg in gdpa_kernels._FWD_CANDIDATES:
+    for cfg in configs or gdpa_kernels._FWD_CANDIDATES:
         with common.forced_config(cfg):
             try:
                 fwd()
@@ -135,6 +136,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_gdpa.json")
     ap.add_argument("--grids", action="store_true", help="also time the forward under every candidate config")
+    ap.add_argument("--grid-configs", nargs="*", default=[], metavar="CFG",
+                    help="with --grids: these forward configs only (comma-separated fields, e.g. 64,32,4,2,0,0,0,128)")
     ap.add_argument("--only", nargs="*", help="workload names to run (default: all)")
     ap.add_argument("--profile-step", metavar="WORKLOAD",
                     help="one GDPA forward+backward of WORKLOAD between profiler start and stop (ncu), nothing else")
@@ -173,7 +176,7 @@ def main() -> None:
             torch.cuda.empty_cache()
         row["configs"] = picked_configs(("gdpa_fwd", "gdpa_dkdv", "gdpa_dq"))  # this workload's and earlier ones
         if args.grids:
-            row["grid_sweep"] = grid_sweep(w)
+            row["grid_sweep"] = grid_sweep(w, [tuple(int(f) for f in c.split(",")) for c in args.grid_configs])
         rows.append(row)
         ours = row["ours"]
         lines = [f"{w.name}: intensity {intensity:.1f} FLOP/B, roofline {roof:.0f} TF/s"]

@@ -23,8 +23,6 @@ def _signature(fn, types: dict, consts: dict) -> dict:
 
 
 def kernels():
-    import triton
-
     from gemctl.ops.triton import block_attention as ba
     from gemctl.ops.triton import fp8_gemm as f8
     from gemctl.ops.triton import gdpa
@@ -81,15 +79,6 @@ def kernels():
     for group, chunk, epi in ((0, 0, 0), (0, 0, 2), (0, 4096, 0), (4096, 4096, 0), (128, 0, 0), (32, 0, 0)):
         yield f8._fp8_gemm_kernel, f8_io, dict(GROUP_K=group, CHUNK_K=chunk, EPI=epi, BLOCK_M=128, BLOCK_N=128,
                                                BLOCK_K=group if group in (32, 128) else 128, GROUP_M=8)
-    gemm_tiles = dict(f8_io, a_desc="tensordesc<fp8e4nv[128, 128]>", b_desc="tensordesc<fp8e4nv[256, 128]>")
-    # persistent TMA; warp-specialized (the Triton versions that build it: common.warp_specialized)
-    ws_builds = triton.__version__.startswith("3.6.")
-    for chunk, epi, ws in ((0, 2, False), (0, 2, True), (4096, 0, True)):
-        if ws and not ws_builds:
-            print(f"_fp8_gemm_tma_kernel WS=1: not built (Triton {triton.__version__}: no warp-specialized configs)")
-            continue
-        yield f8._fp8_gemm_tma_kernel, gemm_tiles, dict(GROUP_K=0, CHUNK_K=chunk, EPI=epi, BLOCK_M=128, BLOCK_N=256,
-                                                        BLOCK_K=128, GROUP_M=8, NUM_PROGRAMS=132, WS=ws)
     for one_sweep, col_amax in ((True, False), (True, True), (False, False)):
         yield f8._cast_rows_kernel, f8_io, dict(ACT=1, IN_BF16=True, BIT_CAST=False, BLOCK_R=2,
                                                 BLOCK_C=4096 if one_sweep else 2048, ONE_SWEEP=one_sweep,
@@ -136,7 +125,7 @@ def main() -> int:
         consts.update({n: None for n in fn.arg_names if n.endswith("_DESC") and n not in types and n not in consts})
         src = ASTSource(fn=fn, signature=_signature(fn, types, consts), constexprs=consts)
         compiled = triton.compile(src, target=target, options={"num_warps": 4, "num_stages": 3})
-        flags = ",".join(f"{k}={int(v)}" for k, v in consts.items() if k in ("CAUSAL", "HAS_BIAS", "ACT", "ROPE", "E5M2", "RCEIL", "BIT_CAST", "WRITE_Y", "WINDOWED", "GROUP_K", "EPI", "NEED_DW", "CHUNK_K", "ONE_SWEEP", "COL_AMAX", "NORM", "DEPTH", "SPLIT", "TRANSPOSED", "MX_P", "TMA", "LAZY", "HALVES", "WS"))
+        flags = ",".join(f"{k}={int(v)}" for k, v in consts.items() if k in ("CAUSAL", "HAS_BIAS", "ACT", "ROPE", "E5M2", "RCEIL", "BIT_CAST", "WRITE_Y", "WINDOWED", "GROUP_K", "EPI", "NEED_DW", "CHUNK_K", "ONE_SWEEP", "COL_AMAX", "NORM", "DEPTH", "SPLIT", "TRANSPOSED", "MX_P", "TMA", "LAZY", "HALVES"))
         if "BLOCK" in consts:
             flags = f"BLOCK={consts['BLOCK']},{flags}"
         print(f"{fn.__name__:<24} {flags:<30} sm_{args.arch}: ok ({time.time() - t0:.1f} s, {compiled.metadata.shared} B shared)")

@@ -211,16 +211,6 @@ def zigzag_item(r, pid, n_programs):
     return r * n_programs + tl.where(r % 2 == 0, pid, n_programs - 1 - pid)
 
 
-def warp_specialized(device) -> bool:
-    """Whether kernels may mark a loop for Triton's Hopper warp specialization on ``device``: an
-    sm_90 GPU and Triton 3.6. Triton 3.7.1 and 3.9.0 stop in their NVGPUWarpSpecialization pass on
-    the TMA GEMM (a descriptor's block split between the two consumer groups; compiled for sm_90 on
-    a CPU machine), so there the warp-specialized configs are not offered at all."""
-    device = torch.device(device)
-    return (not INTERPRET and device.type == "cuda" and triton.__version__.startswith("3.6.")
-            and torch.cuda.get_device_capability(device)[0] == 9)
-
-
 def num_programs(n_items: int, per_sm: int, device) -> int:
     """Grid size: one program per item (per_sm = 0), or a persistent grid of per_sm programs on
     every streaming multiprocessor (fewer if there are fewer items)."""

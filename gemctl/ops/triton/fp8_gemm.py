@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from gemctl.ops.triton.common import INTERPRET, bucket_len, gpu_checked, num_programs, pick_config, warp_specialized
+from gemctl.ops.triton.common import INTERPRET, bucket_len, gpu_checked, num_programs, pick_config
 from gemctl.ops.triton.mx_quant import _block_scales, _quantize_elems
 from gemctl.ops.triton.rms_norm import applied_weight
 
@@ -58,21 +58,20 @@ AMAX_ROWS = 128  # the most rows per column scale byte a row cast leaves for the
 IN_LOOP_GROUPS = (32, 128)
 ACTS = {None: 0, "silu": 1}
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, TMA persistent, warp-specialized); the first is the
-# untimed default (GEMCTL_AUTOTUNE=0) and fits every kernel variant's shared memory.
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, TMA persistent); the first is the untimed default
+# (GEMCTL_AUTOTUNE=0) and fits every kernel variant's shared memory.
 _GEMM_CANDIDATES = [
-    (128, 128, 128, 8, 3, False, 0), (128, 256, 128, 8, 3, True, 0), (128, 256, 128, 8, 4, True, 0),
-    (128, 128, 128, 8, 4, True, 0), (128, 256, 64, 8, 4, True, 0), (128, 256, 128, 8, 3, False, 0),
-    (128, 128, 128, 8, 4, False, 0), (256, 128, 128, 8, 3, False, 0), (128, 256, 64, 8, 4, False, 0),
-    (128, 128, 128, 4, 3, False, 0), (128, 256, 64, 8, 3, False, 0), (128, 128, 64, 4, 4, False, 0),
+    (128, 128, 128, 8, 3, False), (128, 256, 128, 8, 3, True), (128, 256, 128, 8, 4, True),
+    (128, 128, 128, 8, 4, True), (128, 256, 64, 8, 4, True), (128, 256, 128, 8, 3, False),
+    (128, 128, 128, 8, 4, False), (256, 128, 128, 8, 3, False), (128, 256, 64, 8, 4, False),
+    (128, 128, 128, 4, 3, False), (128, 256, 64, 8, 3, False), (128, 128, 64, 4, 4, False),
 ]
-# Warp-specialized TMA tiles (sm_90, Triton's Hopper warp specialization): a producer warp group
-# and two consumer groups of `warps` (4: one warp group each, 64 rows of the tile apiece), so the
-# producer keeps loading the next tile while the consumers run this tile's epilogue (the silu'
-# epilogue reads a bf16 tile of pre). Pinned-only until the GPU tier passes them (_GPU_CHECKED).
-_GEMM_WS = [(128, 256, 128, 4, 3, True, 1), (128, 256, 128, 4, 4, True, 1), (128, 128, 128, 4, 4, True, 1),
-            (128, 256, 64, 4, 4, True, 1)]
-_GEMM_INTERPRET = (16, 16, 32, 1, 1, False, 0)
+_GEMM_INTERPRET = (16, 16, 32, 1, 1, False)
+# Tried and dropped (2026-11-30): the persistent TMA kernel's tile loop warp-specialized
+# (tl.range(..., warp_specialize=True), 4-warp groups: a producer and two consumers, so the next
+# tile loads during the silu' epilogue). Triton 3.6 compiles it for sm_90 (3.7.1 and 3.9.0 stop
+# in NVGPUWarpSpecialization), but on the H200 every such config hung: four pinned GPU tests
+# (M = N = 1000, K = 1024) and the benchmark's first timing did not return in 90-140 s.
 # Whole-row casts: (rows per program, warps); rows up to 8192 values wide are held in registers.
 # One-warp programs reduce a row by shuffles alone: the RMSNorm-fused cast at C=1024 has 17 block
 # barriers per program at (4, 4) (two cross-warp reductions and the layout changes of its stores)
@@ -282,16 +281,15 @@ def _fp8_gemm_tma_kernel(
     M, N, K,
     stride_cm, stride_pm, stride_sam, stride_sbn,
     GROUP_K: tl.constexpr, CHUNK_K: tl.constexpr, EPI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, WS: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
 ):
     """Row-wise or chunk scales; persistent: NUM_PROGRAMS programs walk the output tiles, A and B
-    tiles come through TMA descriptors (out-of-range rows and K zero-filled). The next tile's loads
-    are in flight during this tile's epilogue: the tile loop is flattened with the K loop (one
-    group of warps), or with WS warp-specialized (sm_90: a producer warp group issues the TMA
-    loads, two consumer groups of num_warps split the tile's rows, MMA and epilogue)."""
+    tiles come through TMA descriptors (out-of-range rows and K zero-filled), and the tile loop is
+    flattened with the K loop so the next tile's loads are in flight during this tile's
+    epilogue."""
     n_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), n_tiles, NUM_PROGRAMS, flatten=not WS, warp_specialize=WS):
+    for tile in tl.range(tl.program_id(0), n_tiles, NUM_PROGRAMS, flatten=True):
         pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if CHUNK_K == 0:
@@ -679,7 +677,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
         tma_ok = group_k not in IN_LOOP_GROUPS and k % 16 == 0 and a.stride(0) % 16 == 0 and b.stride(0) % 16 == 0
 
         def run(cfg):
-            bm, bn, bk, warps, stages, tma, ws = cfg
+            bm, bn, bk, warps, stages, tma = cfg
             if group_k in IN_LOOP_GROUPS:
                 bk = group_k
             if chunk % bk:
@@ -690,18 +688,14 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
                     TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b, [bn, bk]),
                     c, sa, sb, pre_t, m, n, k, c.stride(0), pre_t.stride(0), *s_strides,
                     GROUP_K=group_k, CHUNK_K=chunk, EPI=epi, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                    NUM_PROGRAMS=n_prog, WS=bool(ws), num_warps=warps, num_stages=stages)
-                return  # (a TMA config pinned for operands TMA cannot load runs the tile kernel)
+                    NUM_PROGRAMS=n_prog, num_warps=warps, num_stages=stages)
+                return
             _fp8_gemm_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
                 a, b, c, sa, sb, pre_t, m, n, k, a.stride(0), b.stride(0), c.stride(0), pre_t.stride(0), *s_strides,
                 GROUP_K=group_k, CHUNK_K=chunk, EPI=epi, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
                 num_warps=warps, num_stages=stages)
 
-        def candidates():
-            ws = _GEMM_WS if tma_ok and warp_specialized(a.device) else []
-            return [cfg for cfg in gpu_checked(_GEMM_CANDIDATES + ws, 6, _GPU_CHECKED, _PENDING_AUTOTUNE)
-                    if tma_ok or not cfg[5]]
-
+        candidates = _GEMM_CANDIDATES if tma_ok else (lambda: [cfg for cfg in _GEMM_CANDIDATES if not cfg[5]])
         key = ("fp8_gemm", bucket_len(m), bucket_len(n), bucket_len(k), group_k, epi, chunk, tma_ok)
         run(pick_config(key, candidates, run, _GEMM_INTERPRET))
     return c
