@@ -136,6 +136,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_gdpa.json")
     ap.add_argument("--grids", action="store_true", help="also time the forward under every candidate config")
+    ap.add_argument("--grid-only", action="store_true",
+                    help="time the forward configs (--grid-configs, default all) and nothing else")
     ap.add_argument("--grid-configs", nargs="*", default=[], metavar="CFG",
                     help="with --grids: these forward configs only (comma-separated fields, e.g. 64,32,4,2,0,0,0,128)")
     ap.add_argument("--only", nargs="*", help="workload names to run (default: all)")
@@ -162,6 +164,15 @@ def main() -> None:
         roof = min(meta["gemm_tflops"], meta["copy_tbps"] * intensity)
         row = {"workload": w.name, "pairs": pairs, "fwd_flops": f_flops, "bytes": bytes_moved,
                "intensity_flop_per_byte": intensity, "roofline_tflops": roof}
+        if args.grid_only:  # the forward configs alone, against this run's roofline
+            row["grid_sweep"] = grid_sweep(w, [tuple(int(f) for f in c.split(",")) for c in args.grid_configs])
+            for r in row["grid_sweep"]:
+                if "fwd_graph_ms" in r:
+                    r["fwd_graph_tflops"] = tflops(f_flops, r["fwd_graph_ms"])
+                    print(f"  {w.name} forward {str(tuple(r['config'])):26s} {r['fwd_graph_tflops']:.0f} TF/s = "
+                          f"{100 * r['fwd_graph_tflops'] / roof:.1f}% of {roof:.0f} TF/s", flush=True)
+            rows.append(row)
+            continue
         for name, make in implementations(w).items():
             try:
                 r = timings(*make())
