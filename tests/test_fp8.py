@@ -277,6 +277,23 @@ def test_gemm_group_scales(group, tma):
     assert (c.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
+def test_gemm_tma_on_jagged_token_counts():
+    """The weight gradient contracts over the tokens, a jagged count: the column casts pad their
+    rows to 16 bytes, so the persistent TMA kernel reads them (its last K tile zero-filled) and
+    gives the tile kernel's result; a pinned TMA config on unaligned rows runs the tile kernel."""
+    tokens, d, h = 1000 + 5, 24, 40
+    gy, act = torch.randn(tokens, d), torch.randn(tokens, h) * 3
+    (gt, gs), (ht, hs) = fp8_cast_cols(gy, 256), fp8_cast_cols(act, 256)
+    assert gt.shape == (d, tokens) and gt.stride(0) % 16 == 0 and ht.stride(0) % 16 == 0
+    ref = _gemm_ref(gt, ht, gs, hs, 256)
+    outs = {}
+    for kernel in ("tiles", "tma"):
+        with forced_config(TMA if kernel == "tma" else {}):
+            outs[kernel] = fp8_gemm(gt, ht, gs, hs, group_k=256, out_dtype=torch.float32)
+        assert (outs[kernel].double() - ref).abs().max() <= 1e-5 * ref.abs().max(), kernel
+    assert torch.equal(outs["tiles"], outs["tma"])
+
+
 @pytest.mark.parametrize("tma", [False, True], ids=["tiles", "tma"])
 def test_gemm_silu_bwd_epilogue(tma):
     a, sa = _operands(torch.randn(37, 64), 0)

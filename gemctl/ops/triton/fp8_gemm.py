@@ -592,7 +592,9 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
     xin = _as_kernel_input(x, act)
     r, c = x.shape
     n_chunks = max(triton.cdiv(r, chunk), 1)
-    data = torch.empty((c, r), dtype=torch.uint8, device=x.device)
+    # rows padded to 16 bytes: the weight-gradient GEMM contracts over R (tokens, jagged) and reads
+    # its operands by TMA only where each row starts 16-byte aligned
+    data = torch.empty((c, -(-r // 16) * 16), dtype=torch.uint8, device=x.device)[:, :r]
     scale = torch.empty((c, n_chunks), dtype=torch.uint8, device=x.device)
     amax_rows = amax_rows_for(chunk, r) if amax_rows is None else amax_rows
     parts = chunk // amax_rows if amax_rows else 0
@@ -674,7 +676,9 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
     pre_t = pre if pre is not None else c
     s_strides = (sa.stride(0) if group_k else 1, sb.stride(0) if group_k else 1)
     if m and n:
-        tma_ok = group_k not in IN_LOOP_GROUPS and k % 16 == 0 and a.stride(0) % 16 == 0 and b.stride(0) % 16 == 0
+        # TMA: rows 16-byte aligned (K itself may be anything: the last K tile is zero-filled)
+        tma_ok = (group_k not in IN_LOOP_GROUPS and a.stride(0) % 16 == 0 and b.stride(0) % 16 == 0
+                  and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0)
 
         def run(cfg):
             bm, bn, bk, warps, stages, tma = cfg
