@@ -61,3 +61,23 @@ def test_collective_launches_count_as_communication():
                  "gloo:all_reduce"):
         assert _by_name(name) == "communication", name
     assert _by_name("aten::mm") == "gemm" and _by_name("aten::add_") is None
+
+
+def test_fp8_gemm_kernels_count_as_gemm():
+    """A Triton GEMM launch has no aten op around it: fp8_gemm opens a gemctl.gemm range, so the
+    FP8 linears' GEMM time is gemm, not norm/elementwise (the H200 profile of fp8_tower, before
+    the range, put ~1.2 s of GEMM kernels under norm/elementwise)."""
+    import torch
+
+    from gemctl.ops.triton.common import INTERPRET
+    from gemctl.profile.breakdown import _category
+
+    if not INTERPRET:
+        pytest.skip("runs the kernel under TRITON_INTERPRET=1 (the CPU tier)")
+    from gemctl.ops.triton.fp8_gemm import fp8_cast_rows, fp8_gemm
+
+    (a, sa), (b, sb) = fp8_cast_rows(torch.randn(32, 64))[:2], fp8_cast_rows(torch.randn(16, 64))[:2]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fp8_gemm(a, b, sa, sb)
+    ranges = [e for e in prof.events() if e.name.startswith("gemctl.gemm.")]
+    assert ranges and all(_category(e, {}) == "gemm" for e in ranges)

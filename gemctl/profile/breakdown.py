@@ -6,7 +6,8 @@ time is kernel time; on a CPU it is the time inside top-level operators.
 
 How an operator gets its category, first rule that applies:
 1. profiler ranges it runs under: ``gemctl.attention.*`` (the gemctl.ops dispatcher),
-   ``gemctl.embedding`` (the sparse arch), ``gemctl.optimizer``, ``gemctl.data``;
+   ``gemctl.gemm.*`` (our Triton GEMMs, e.g. the FP8 linears'), ``gemctl.embedding`` (the sparse
+   arch), ``gemctl.optimizer``, ``gemctl.data``;
 2. a backward operator inherits the category of the forward operator it differentiates
    (autograd records the forward op's sequence number on the backward node);
 3. its name: collectives -> communication, matrix products -> gemm, embedding lookups ->
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 CATEGORIES = ("gemm", "attention", "embedding", "norm/elementwise", "optimizer", "communication", "data")
 _SCOPES = (
     ("gemctl.attention.", "attention"),
+    ("gemctl.gemm.", "gemm"),
     ("gemctl.embedding", "embedding"),
     ("gemctl.optimizer", "optimizer"),
     ("gemctl.data", "data"),
