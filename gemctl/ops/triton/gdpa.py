@@ -45,14 +45,18 @@ ACTIVATIONS = {"gelu": 0, "silu": 1}
 # tiles by tensor descriptors, as the jagged attention forward does (there the 64x32 tile with TMA
 # measured 17-25% faster than without on the H200). They passed the H200's every-candidate test
 # (2026-11-30) but did not win there (cross-128: 125.0 vs 123.8 us for 64x32, docs/benchmarks.md),
-# so they stay pinned-only (_GPU_CHECKED empty): autotuning would only compile them for nothing.
+# so they stay pinned-only (not in _GPU_CHECKED): autotuning would only compile them for nothing.
 # An eighth field caps the registers per thread (maxnreg; the seventh, TMA, then 0). The H200's
 # profile of cross-128 (2026-11-30, docs/benchmarks.md) has the 64x32 forward at 153 registers,
 # three 4-warp programs per SM, the issue slots 56% idle and DRAM at 40%: latency-bound with too
 # few warps. Capped at 128 (sm_90 ptxas, Triton 3.6, D=128, GELU: no spills) with 2 stages (48 KB
 # of shared memory) four programs fit an SM; the 128x32 / 8-warp tile at 128 registers fits two
-# (16 warps either way). Pinned-only until the GPU tier passes them, like TMA. The 32x32 tiles
-# (96-102 registers, 26-43 KB: five programs per SM) need no cap.
+# (16 warps either way). Both passed the H200's every-candidate test (2026-11-30, tree 07a9d17).
+# cross-128 forward, same run (CUDA-graph time, tree dbc4e0c): capped 64x32 / 2 stages 120.9 us
+# (49.4% of the roofline) against 123.2 us for the autotuned 64x32 / 3 stages: 2%, about the
+# run-to-run spread, so four programs per SM do not lift the latency bound; it joins autotuning
+# (_GPU_CHECKED), the capped 128x32 (135.9 us) stays pinned-only. The 32x32 tiles (96-102
+# registers, 26-43 KB: five programs per SM) need no cap; they measured 175.7-195.6 us there.
 _FWD_CANDIDATES = [
     (64, 32, 4, 3, 0, 0), (64, 64, 4, 3, 0, 0), (128, 32, 4, 3, 0, 0), (32, 64, 4, 3, 0, 0),
     (32, 32, 4, 3, 0, 0), (32, 32, 4, 2, 0, 0),
@@ -64,7 +68,7 @@ _FWD_CANDIDATES = [
     (64, 32, 4, 3, 0, 0, 1), (64, 64, 4, 3, 0, 0, 1), (128, 32, 8, 3, 0, 0, 1), (64, 32, 4, 3, 2, 0, 1),
     (64, 32, 4, 2, 0, 0, 0, 128), (128, 32, 8, 2, 0, 0, 0, 128),
 ]
-_GPU_CHECKED: set = set()
+_GPU_CHECKED: set = {(64, 32, 4, 2, 0, 0, 0, 128)}  # configs with optional fields the GPU tier has passed
 _PENDING_AUTOTUNE = False  # True: autotuning times every candidate (benchmarks of unchecked ones)
 _DKDV_CANDIDATES = [
     (64, 64, 4, 2, 0, 0), (32, 64, 4, 3, 0, 0), (64, 32, 4, 3, 0, 0), (32, 128, 4, 3, 0, 0),
