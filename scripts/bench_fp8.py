@@ -11,7 +11,7 @@ and token-chunk variants):
    torch's FP8 row-wise ``_scaled_mm`` (cuBLAS) as anchors;
 2. GEMMs: every GEMM of the MLP block (forward, dgrad, wgrad of the up- and down-projections)
    in TF/s: ours row-wise, block-wise 128 and MX 32 (gemctl.ops.triton.fp8_gemm) against the
-   anchors;
+   anchors, and the row-wise GEMMs under each two-programs-per-SM config pinned;
 3. MLP block ``rms_norm -> up -> silu -> down`` (tokens x d -> 4d -> d), forward and
    forward+backward: BF16 eager and BF16 torch.compile against ``fp8_mlp`` (row-wise, fused
    producers; "+norm": the pre-norm fused into the first cast, as the model runs it) and the
@@ -51,6 +51,8 @@ from bench_common import base_meta, bench, graph_bench, picked_configs, run_meta
 from gemctl.ops.triton.fp8_gemm import (  # noqa: E402
     TOKEN_CHUNK, amax_rows_for, fp8_cast_cols, fp8_cast_rows, fp8_gemm, fp8_rmsnorm_cast_rows,
 )
+from gemctl.ops.triton import fp8_gemm as fp8_kernels  # noqa: E402
+from gemctl.ops.triton.common import forced_config  # noqa: E402
 from gemctl.ops.triton.mx_quant import mx_quantize  # noqa: E402
 from gemctl.precision.fp8_linear import GRANULARITIES, Fp8Recipe, fp8_mlp, qdq  # noqa: E402
 
@@ -73,6 +75,20 @@ def scaled_mm_operands(t: torch.Tensor):
     amax = t.abs().amax(1, keepdim=True).float().clamp(min=1e-12)
     scale = amax / 448.0
     return (t.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def two_per_sm(row: dict, name: str, flops: int, call) -> None:
+    """TF/s of ``call`` with each two-programs-per-SM GEMM config pinned (pending until the GPU
+    tier passes them, so autotuning does not time them): ``row[name]`` the best, and every one's."""
+    timed = {}
+    for cfg in fp8_kernels._GEMM_TWO_PER_SM:
+        with forced_config({"fp8_gemm": cfg}):
+            try:
+                timed[str(cfg)] = flops / bench(call) / 1e9
+            except Exception as e:  # a config that does not fit: said, not fatal
+                print(f"bench_fp8: {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+    row[name] = max(timed.values(), default=float("nan"))
+    row[name + " (each)"] = timed
 
 
 def gemm_rows(tokens: int, grans=tuple(GRANULARITIES), widths=None) -> list[dict]:
@@ -105,6 +121,8 @@ def gemm_rows(tokens: int, grans=tuple(GRANULARITIES), widths=None) -> list[dict
                 if err > 1e-2:
                     raise SystemExit(f"bench_fp8: {gran} GEMM {name} differs from the emulated numerics ({err:.2e})")
                 row[gran] = flops / bench(lambda: fp8_gemm(qa, qb, qsa, qsb, group_k=group)) / 1e9
+                if group == 0:
+                    two_per_sm(row, "row, 2 programs/SM", flops, lambda: fp8_gemm(qa, qb, qsa, qsb))
                 if group == 0 and "wgrad" in name:  # default: FP32 promotion every 4096 tokens
                     row["row, one tensor-core sum"] = flops / bench(
                         lambda: fp8_gemm(qa, qb, qsa, qsb, promote_every=None)) / 1e9
@@ -112,10 +130,14 @@ def gemm_rows(tokens: int, grans=tuple(GRANULARITIES), widths=None) -> list[dict
                     cb, csb = mx_quantize(b, block=TOKEN_CHUNK, scale_rule="rceil")
                     row["row, token-chunk scales (used)"] = flops / bench(
                         lambda: fp8_gemm(ca, cb, csa, csb, group_k=TOKEN_CHUNK)) / 1e9
+                    two_per_sm(row, "token-chunk, 2 programs/SM", flops,
+                               lambda: fp8_gemm(ca, cb, csa, csb, group_k=TOKEN_CHUNK))
                 if group == 0 and name.startswith("down dgrad"):  # the MLP's fused silu' epilogue
                     pre = torch.randn(m, n, device="cuda", dtype=BF16)
                     row["row+silu_bwd"] = flops / bench(
                         lambda: fp8_gemm(qa, qb, qsa, qsb, epilogue="silu_bwd", pre=pre)) / 1e9
+                    two_per_sm(row, "row+silu_bwd, 2 programs/SM", flops,
+                               lambda: fp8_gemm(qa, qb, qsa, qsb, epilogue="silu_bwd", pre=pre))
                     del pre
             print(row, flush=True)
             out.append(row)
@@ -384,7 +406,7 @@ def main() -> None:
                     help="comma-separated model widths d of the gemm, mlp and profile sections (default: all)")
     ap.add_argument("--cast-widths", default="1024,4096,8192", help="comma-separated row widths of the cast section")
     ap.add_argument("--pending", action="store_true",
-                    help="autotune the cast configs the GPU tier has not passed yet too (fp8_gemm._GPU_CHECKED)")
+                    help="autotune the cast and GEMM configs the GPU tier has not passed yet too (fp8_gemm._GPU_CHECKED)")
     args = ap.parse_args()
     parts = args.only.split(",")
     if not torch.cuda.is_available():

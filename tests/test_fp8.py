@@ -294,6 +294,34 @@ def test_gemm_tma_on_jagged_token_counts():
     assert torch.equal(outs["tiles"], outs["tma"])
 
 
+def test_gemm_two_programs_per_sm(monkeypatch):
+    """A seventh config field runs two persistent TMA programs per SM: the tiles are dealt
+    differently, the output bits are the same (plain and with the silu' epilogue); such configs
+    are timed by the autotuner only once the GPU tier has passed them."""
+    a, sa = _operands(torch.randn(70, 64) * 3, 0)
+    b, sb = _operands(torch.randn(50, 64), 0)
+    pre = (torch.randn(70, 50) * 3).to(torch.bfloat16)
+    for kw in ({"out_dtype": torch.float32}, {"epilogue": "silu_bwd", "pre": pre}):
+        with forced_config(TMA):
+            one = fp8_gemm(a, b, sa, sb, **kw)
+        with forced_config({"fp8_gemm": (*TMA["fp8_gemm"], 2)}):
+            two = fp8_gemm(a, b, sa, sb, **kw)
+        assert torch.equal(one, two)
+    seen = []
+
+    def pick(key, cands, run, interp):
+        seen.append(cands() if callable(cands) else cands)
+        return interp
+
+    monkeypatch.setattr(fp8_kernels, "pick_config", pick)
+    monkeypatch.setattr(fp8_kernels, "_GPU_CHECKED", set())
+    fp8_gemm(a, b, sa, sb)
+    assert seen[-1] and all(len(c) == 6 for c in seen[-1])
+    monkeypatch.setattr(fp8_kernels, "_PENDING_AUTOTUNE", True)
+    fp8_gemm(a, b, sa, sb)
+    assert set(fp8_kernels._GEMM_TWO_PER_SM) <= set(seen[-1])
+
+
 def test_model_fp8_gemms_can_take_tma(monkeypatch):
     """Every FP8 GEMM of a training step of the tiny model (precision=fp8: every Linear but the
     heads, under the interpreter) gets operands whose rows are 16-byte aligned, the persistent TMA
@@ -806,6 +834,34 @@ def test_gemm_promotion_gpu():
     errs = {p: ((fp8_gemm(a, b, sa, sb, out_dtype=torch.float32, promote_every=p).double() - ref).norm()
                 / ref.norm()).item() for p in (None, 4096)}
     assert errs[4096] < 2**-9 and errs[4096] < errs[None] / 2, errs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", fp8_kernels._GEMM_TWO_PER_SM, ids=lambda c: "_".join(map(str, c[:5])))
+def test_gemm_two_programs_per_sm_gpu(cfg):
+    """Each two-programs-per-SM config pinned: the same bits as its tile with one program per SM
+    (row-wise with partial tiles, the silu' epilogue, float32 promotion, token-chunk scales over a
+    jagged token count) and the float64 reference's bound."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for m, n, k, group, epi in ((1000, 1000, 1024, 0, "none"), (1000, 1000, 1024, 0, "silu_bwd"),
+                                (300, 520, 16384, 0, "none"), (520, 300, 12288 + 37, 4096, "none")):
+        x = (torch.randn(k, m, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+        w = torch.randn(k, n, device="cuda", generator=gen).to(torch.bfloat16)
+        if group:  # the weight-gradient operands: column casts of [tokens, features]
+            (a, sa), (b, sb) = fp8_cast_cols(x, group), fp8_cast_cols(w, group)
+        else:
+            (a, sa), (b, sb) = _operands(x.t().contiguous(), 0), _operands(w.t().contiguous(), 0)
+        kw = dict(group_k=group)
+        if epi != "none":
+            kw.update(epilogue=epi, pre=torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16))
+        with forced_config({"fp8_gemm": cfg}):
+            got = fp8_gemm(a, b, sa, sb, **kw)
+        with forced_config({"fp8_gemm": cfg[:6]}):
+            want = fp8_gemm(a, b, sa, sb, **kw)
+        if epi == "none":
+            ref = _gemm_ref(a, b, sa, sb, group)
+            assert ((got.double() - ref).norm() / ref.norm()).item() < 2**-8, (m, n, k, group)
+        assert torch.equal(got, want), (m, n, k, group, epi)
 
 
 @pytest.mark.gpu

@@ -25,5 +25,6 @@ def test_kernels_compile_for_sm90():
     # and backward with whole blocks by TMA) + MX quantize (5 by rows, 5 down the columns) and RMSNorm->MX (2) + FP8 GEMMs (6: row-wise, silu' epilogue, promoted,
     # token chunks, 128, 32) and the FP8 casts (9: rows one sweep, with column bytes, with two blocks
     # in flight, two sweeps, RMSNorm fused; columns, from column bytes, 4 programs per chunk,
-    # RMSNorm recomputed) + the RMSNorm backward (1)
-    assert len(lines) == 16 + 2 + 5 + 3 + 13 + 11 + 12 + 6 + 9 + 1, proc.stdout
+    # RMSNorm recomputed) + the RMSNorm backward (1) + the persistent TMA GEMM (2: silu' epilogue,
+    # token-chunk scales)
+    assert len(lines) == 16 + 2 + 5 + 3 + 13 + 11 + 12 + 6 + 9 + 1 + 2, proc.stdout

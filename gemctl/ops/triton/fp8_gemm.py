@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from gemctl.ops.triton.common import INTERPRET, bucket_len, gpu_checked, num_programs, pick_config
+from gemctl.ops.triton.common import INTERPRET, bucket_len, config_field, gpu_checked, num_programs, pick_config
 from gemctl.ops.triton.mx_quant import _block_scales, _quantize_elems
 from gemctl.ops.triton.rms_norm import applied_weight
 
@@ -66,6 +66,11 @@ _GEMM_CANDIDATES = [
     (128, 128, 128, 8, 4, False), (256, 128, 128, 8, 3, False), (128, 256, 64, 8, 4, False),
     (128, 128, 128, 4, 3, False), (128, 256, 64, 8, 3, False), (128, 128, 64, 4, 4, False),
 ]
+# A seventh field: persistent TMA programs per SM (default 1). The 4-warp 128 x 128 tiles fit two
+# per SM (sm_90 ptxas, Triton 3.6: 186-255 registers, 74-107 KB of shared memory), so one
+# program's epilogue (the silu' epilogue reads and writes a bf16 tile) can run while the other's
+# MMAs do; the 8-warp and 128 x 256 tiles fit one. Pinned-only until the GPU tier passes them.
+_GEMM_TWO_PER_SM = [(128, 128, 128, 4, 3, True, 2), (128, 128, 64, 4, 4, True, 2)]
 _GEMM_INTERPRET = (16, 16, 32, 1, 1, False)
 # Tried and dropped (2026-11-30): the persistent TMA kernel's tile loop warp-specialized
 # (tl.range(..., warp_specialize=True), 4-warp groups: a producer and two consumers, so the next
@@ -681,13 +686,13 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
                   and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0)
 
         def run(cfg):
-            bm, bn, bk, warps, stages, tma = cfg
+            bm, bn, bk, warps, stages, tma = cfg[:6]
             if group_k in IN_LOOP_GROUPS:
                 bk = group_k
             if chunk % bk:
                 raise ValueError(f"fp8_gemm: a chunk of {chunk} is not a multiple of BLOCK_K={bk}")
             if tma and tma_ok:
-                n_prog = num_programs(triton.cdiv(m, bm) * triton.cdiv(n, bn), 1, a.device)
+                n_prog = num_programs(triton.cdiv(m, bm) * triton.cdiv(n, bn), config_field(cfg, 6) or 1, a.device)
                 _fp8_gemm_tma_kernel[(n_prog,)](
                     TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b, [bn, bk]),
                     c, sa, sb, pre_t, m, n, k, c.stride(0), pre_t.stride(0), *s_strides,
@@ -699,7 +704,11 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
                 GROUP_K=group_k, CHUNK_K=chunk, EPI=epi, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
                 num_warps=warps, num_stages=stages)
 
-        candidates = _GEMM_CANDIDATES if tma_ok else (lambda: [cfg for cfg in _GEMM_CANDIDATES if not cfg[5]])
+        def candidates():
+            if not tma_ok:
+                return [cfg for cfg in _GEMM_CANDIDATES if not cfg[5]]
+            return _GEMM_CANDIDATES + gpu_checked(_GEMM_TWO_PER_SM, 6, _GPU_CHECKED, _PENDING_AUTOTUNE)
+
         key = ("fp8_gemm", bucket_len(m), bucket_len(n), bucket_len(k), group_k, epi, chunk, tma_ok)
         # the range gives `gemctl profile` the kernel's time as gemm (a Triton launch has no aten op)
         with torch.profiler.record_function("gemctl.gemm.fp8_gemm"):
