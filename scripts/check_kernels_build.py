@@ -82,7 +82,7 @@ def kernels():
     gemm_tiles = dict(f8_io, a_desc="tensordesc<fp8e4nv[128, 128]>", b_desc="tensordesc<fp8e4nv[128, 128]>")
     for group, epi in ((0, 2), (4096, 0)):  # persistent TMA: silu' epilogue; token-chunk scales
         yield f8._fp8_gemm_tma_kernel, gemm_tiles, dict(GROUP_K=group, CHUNK_K=group, EPI=epi, BLOCK_M=128,
-                                                        BLOCK_N=128, BLOCK_K=128, GROUP_M=8, NUM_PROGRAMS=264)
+                                                        BLOCK_N=128, BLOCK_K=128, GROUP_M=8)
     for one_sweep, col_amax in ((True, False), (True, True), (False, False)):
         yield f8._cast_rows_kernel, f8_io, dict(ACT=1, IN_BF16=True, BIT_CAST=False, BLOCK_R=2,
                                                 BLOCK_C=4096 if one_sweep else 2048, ONE_SWEEP=one_sweep,

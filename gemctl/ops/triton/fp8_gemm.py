@@ -286,15 +286,17 @@ def _fp8_gemm_tma_kernel(
     M, N, K,
     stride_cm, stride_pm, stride_sam, stride_sbn,
     GROUP_K: tl.constexpr, CHUNK_K: tl.constexpr, EPI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """Row-wise or chunk scales; persistent: NUM_PROGRAMS programs walk the output tiles, A and B
+    """Row-wise or chunk scales; persistent: the grid's programs walk the output tiles, A and B
     tiles come through TMA descriptors (out-of-range rows and K zero-filled), and the tile loop is
     flattened with the K loop so the next tile's loads are in flight during this tile's
     epilogue."""
     n_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), n_tiles, NUM_PROGRAMS, flatten=True):
+    # the grid size is read, not specialized on: a jagged M with fewer tiles than programs would
+    # otherwise compile the kernel again for every tile count
+    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True):
         pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if CHUNK_K == 0:
@@ -697,7 +699,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
                     TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b, [bn, bk]),
                     c, sa, sb, pre_t, m, n, k, c.stride(0), pre_t.stride(0), *s_strides,
                     GROUP_K=group_k, CHUNK_K=chunk, EPI=epi, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                    NUM_PROGRAMS=n_prog, num_warps=warps, num_stages=stages)
+                    num_warps=warps, num_stages=stages)
                 return
             _fp8_gemm_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
                 a, b, c, sa, sb, pre_t, m, n, k, a.stride(0), b.stride(0), c.stride(0), pre_t.stride(0), *s_strides,
