@@ -1,4 +1,5 @@
-"""The kernel benchmarks' command line: --pin for --profile-step (what ncu measures)."""
+"""The kernel benchmarks' command line: --pin for --profile-step (what ncu measures); the host-cost
+script on a CPU."""
 
 import subprocess
 import sys
@@ -62,3 +63,15 @@ def test_picked_configs_names_the_kernels_configs():
     finally:
         common._config_cache.clear()
         common._config_cache.update(saved)
+
+
+def test_host_overhead_of_the_fp8_mlp_runs_without_a_gpu():
+    """scripts/host_overhead.py --op fp8_mlp --stub-launches: gemctl's own host path of the FP8 MLP
+    block (every cast and GEMM wrapper, autograd) with the Triton launches stubbed, on a CPU."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "host_overhead.py"), "--op", "fp8_mlp", "--stub-launches",
+                           "--calls", "3", "--top", "3"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "fp8_mlp (launches stubbed) fwd+bwd: host" in proc.stdout

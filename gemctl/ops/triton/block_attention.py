@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from gemctl.ops.triton.common import (
-    bucket_len, config_field, gpu_checked, load_tile, pick_config, query_work, row_descriptors, store_rows,
+    bucket_len, cdiv, config_field, gpu_checked, load_tile, pick_config, query_work, row_descriptors, store_rows,
     whole_tile_work, work_item,
 )
 
@@ -345,7 +345,7 @@ def _launch(kernel, offsets, heads, block_size, cfg, args, descs, dim, rope, dev
         whole, partial = whole_tile_work(offsets, block_size, device)
         launches = [(whole, descs), (partial, (None,) * len(descs))]
     for work, tiles in launches:
-        n_programs = work.shape[0] * triton.cdiv(heads, per_program)
+        n_programs = work.shape[0] * cdiv(heads, per_program)
         if n_programs:
             kernel[(n_programs,)](*args[:-1], *tiles, offsets, work, heads, per_program, *args[-1],
                                   HEAD_DIM=dim, BLOCK=block_size, ROPE=rope, TMA=tiles[0] is not None,

@@ -14,6 +14,7 @@ GEMCTL_AUTOTUNE_CACHE=0 turns it off), so a later run on the same machine kind s
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -155,6 +156,23 @@ def gpu_checked(candidates: list, first_optional: int, checked: set, everything:
     lazy rescaling, ...) are all 0, and those the GPU tier's every-candidate test has passed
     (``checked``); all of them with ``everything`` (benchmarks of unchecked configs)."""
     return [c for c in candidates if everything or c in checked or not any(c[first_optional:])]
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) in host code: ``triton.cdiv`` is a constexpr function whose host call costs
+    ~1.6 us (argument unwrapping), dozens of times in one FP8 MLP block's forward+backward."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1), in host code (see cdiv)."""
+    return 1 << (n - 1).bit_length()
+
+
+def profiled(name: str):
+    """A profiler range named ``name`` while a profiler runs (``gemctl profile`` sorts kernel time
+    by these), nothing otherwise: opening a range costs ~2-3 us of host time per call."""
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 def bucket_len(n: int) -> int:

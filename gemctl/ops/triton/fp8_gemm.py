@@ -47,7 +47,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from gemctl.ops.triton.common import INTERPRET, bucket_len, config_field, gpu_checked, num_programs, pick_config
+from gemctl.ops.triton.common import (
+    INTERPRET, bucket_len, cdiv, config_field, gpu_checked, next_pow2, num_programs, pick_config, profiled,
+)
 from gemctl.ops.triton.mx_quant import _block_scales, _quantize_elems
 from gemctl.ops.triton.rms_norm import applied_weight
 
@@ -557,7 +559,7 @@ def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
     scale = torch.empty(r, dtype=torch.uint8, device=x.device)
     one_sweep = c <= _ROWS_IN_REGISTERS
     with_part = col_amax and one_sweep
-    part = torch.empty((triton.cdiv(r, amax_rows), c), dtype=torch.uint8, device=x.device) if with_part else None
+    part = torch.empty((cdiv(r, amax_rows), c), dtype=torch.uint8, device=x.device) if with_part else None
     rstd = torch.empty(r, dtype=torch.float32, device=x.device) if norm else None
     nw, eps = norm if norm else (scale, 0.0)  # placeholders the kernel does not read without NORM
     if x.numel():
@@ -566,11 +568,11 @@ def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
             iters = amax_rows // br if with_part else 1
             if with_part and amax_rows % br:
                 raise ValueError(f"fp8_cast_rows: amax_rows={amax_rows} is not a multiple of BLOCK_R={br}")
-            _cast_rows_kernel[(triton.cdiv(r, br * iters),)](
+            _cast_rows_kernel[(cdiv(r, br * iters),)](
                 xin, data, scale, part if with_part else scale, nw, rstd if norm else scale, r, c, xin.stride(0),
                 data.stride(0), part.stride(0) if with_part else 0, eps, ACT=ACTS[act],
                 IN_BF16=x.dtype == torch.bfloat16, BIT_CAST=_bit_cast(bit_cast), BLOCK_R=br,
-                BLOCK_C=triton.next_power_of_2(c) if one_sweep else 2048, ONE_SWEEP=one_sweep, ITERS=iters,
+                BLOCK_C=next_pow2(c) if one_sweep else 2048, ONE_SWEEP=one_sweep, ITERS=iters,
                 COL_AMAX=with_part, NORM=norm is not None, DEPTH=2 if deep and iters > 1 else 1, num_warps=warps)
 
         key = ("fp8_cast_rows", bucket_len(r), bucket_len(c), x.dtype, act, with_part and amax_rows, norm is not None)
@@ -598,7 +600,7 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
         raise ValueError("fp8_cast_cols: norm=(rstd [R], weight [C]) takes no act and one rstd per row of x")
     xin = _as_kernel_input(x, act)
     r, c = x.shape
-    n_chunks = max(triton.cdiv(r, chunk), 1)
+    n_chunks = max(cdiv(r, chunk), 1)
     # rows padded to 16 bytes: the weight-gradient GEMM contracts over R (tokens, jagged) and reads
     # its operands by TMA only where each row starts 16-byte aligned
     data = torch.empty((c, -(-r // 16) * 16), dtype=torch.uint8, device=x.device)[:, :r]
@@ -606,7 +608,7 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
     amax_rows = amax_rows_for(chunk, r) if amax_rows is None else amax_rows
     parts = chunk // amax_rows if amax_rows else 0
     use_part = part is not None and parts > 0 and chunk % amax_rows == 0 and parts & (parts - 1) == 0
-    if use_part and tuple(part.shape) != (triton.cdiv(r, amax_rows), c):
+    if use_part and tuple(part.shape) != (cdiv(r, amax_rows), c):
         raise ValueError(f"fp8_cast_cols: part {tuple(part.shape)} does not belong to x {tuple(x.shape)} "
                          f"with amax_rows={amax_rows}")
     # placeholders the kernels do not read without NORM
@@ -617,7 +619,7 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
             split = split or 1
             common = dict(ACT=ACTS[act], IN_BF16=x.dtype == torch.bfloat16, BIT_CAST=_bit_cast(bit_cast), CHUNK=chunk,
                           BLOCK_R=br, BLOCK_C=bc, NORM=norm is not None, num_warps=warps)
-            grid = (triton.cdiv(c, bc), n_chunks)
+            grid = (cdiv(c, bc), n_chunks)
             if use_part:
                 if chunk % split:
                     raise ValueError(f"fp8_cast_cols: {split} programs per chunk do not divide its {chunk} rows")
@@ -663,7 +665,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
     (m, k), n = a.shape, b.shape[0]
     if group_k in IN_LOOP_GROUPS and k % group_k:
         raise ValueError(f"fp8_gemm: K={k} must be a multiple of group_k={group_k}")
-    want_a, want_b = ((m, triton.cdiv(k, group_k)), (n, triton.cdiv(k, group_k))) if group_k else ((m,), (n,))
+    want_a, want_b = ((m, cdiv(k, group_k)), (n, cdiv(k, group_k))) if group_k else ((m,), (n,))
     if tuple(sa.shape) != want_a or tuple(sb.shape) != want_b:
         raise ValueError(f"fp8_gemm: scales {tuple(sa.shape)}, {tuple(sb.shape)} expected {want_a}, {want_b}")
     if epilogue != "none" and (group_k or pre is None or tuple(pre.shape) != (m, n) or pre.stride(1) != 1):
@@ -694,14 +696,14 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
             if chunk % bk:
                 raise ValueError(f"fp8_gemm: a chunk of {chunk} is not a multiple of BLOCK_K={bk}")
             if tma and tma_ok:
-                n_prog = num_programs(triton.cdiv(m, bm) * triton.cdiv(n, bn), config_field(cfg, 6) or 1, a.device)
+                n_prog = num_programs(cdiv(m, bm) * cdiv(n, bn), config_field(cfg, 6) or 1, a.device)
                 _fp8_gemm_tma_kernel[(n_prog,)](
                     TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b, [bn, bk]),
                     c, sa, sb, pre_t, m, n, k, c.stride(0), pre_t.stride(0), *s_strides,
                     GROUP_K=group_k, CHUNK_K=chunk, EPI=epi, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
                     num_warps=warps, num_stages=stages)
                 return
-            _fp8_gemm_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
+            _fp8_gemm_kernel[(cdiv(m, bm) * cdiv(n, bn),)](
                 a, b, c, sa, sb, pre_t, m, n, k, a.stride(0), b.stride(0), c.stride(0), pre_t.stride(0), *s_strides,
                 GROUP_K=group_k, CHUNK_K=chunk, EPI=epi, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
                 num_warps=warps, num_stages=stages)
@@ -713,6 +715,6 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
 
         key = ("fp8_gemm", bucket_len(m), bucket_len(n), bucket_len(k), group_k, epi, chunk, tma_ok)
         # the range gives `gemctl profile` the kernel's time as gemm (a Triton launch has no aten op)
-        with torch.profiler.record_function("gemctl.gemm.fp8_gemm"):
+        with profiled("gemctl.gemm.fp8_gemm"):
             run(pick_config(key, candidates, run, _GEMM_INTERPRET))
     return c

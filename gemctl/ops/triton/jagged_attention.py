@@ -52,8 +52,8 @@ import triton.language as tl
 from gemctl.ops import host
 from gemctl.ops.bias import RelativePositionBias, relative_position_bucket
 from gemctl.ops.triton.common import (
-    bucket_len, config_field, gpu_checked, key_work, load_rows, load_tile, pick_config, query_work, row_descriptors,
-    store_rows, work_item,
+    bucket_len, cdiv, config_field, gpu_checked, key_work, load_rows, load_tile, next_pow2, pick_config, query_work,
+    row_descriptors, store_rows, work_item,
 )
 from gemctl.ops.triton.mx_quant import _shared_exponent
 
@@ -622,7 +622,7 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
     do = do.contiguous()
     delta = torch.empty(n_q, heads, device=q.device, dtype=torch.float32)  # (Nq, H) rowsum(dO * O)
     if n_q:
-        _bwd_delta[(triton.cdiv(n_q, _DELTA_ROWS), heads)](
+        _bwd_delta[(cdiv(n_q, _DELTA_ROWS), heads)](
             out, do, delta, n_q, heads, out.stride(0), out.stride(1), do.stride(0), do.stride(1),
             HEAD_DIM=dim, BLOCK_R=_DELTA_ROWS, num_warps=4,
         )
@@ -634,7 +634,7 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
     alloc = torch.empty_like if whole else torch.zeros_like
     dq, dk, dv = alloc(q), alloc(k), alloc(v)
     bias_d, buckets, bias_max, n_buckets = _bias_tables(bias, heads, q.device)
-    nb_pad = max(16, triton.next_power_of_2(n_buckets))
+    nb_pad = max(16, next_pow2(n_buckets))
     qk_scale = scale * LOG2E
     has_bias = bias is not None
     kernel_window = window if window > 0 else NO_WINDOW

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemctl.ops.triton.common import INTERPRET, bucket_len, pick_config
+from gemctl.ops.triton.common import INTERPRET, bucket_len, cdiv, next_pow2, pick_config
 
 _ELEMS = {  # dtype -> (E5M2 flag, emax_elem, largest finite value)
     torch.float8_e4m3fn: (False, 8, 448.0),
@@ -292,19 +292,19 @@ def mx_quantize(x: torch.Tensor, block: int = 32, elem: torch.dtype = torch.floa
         x2 = x.reshape(-1, x.shape[-1])
         d2 = data.view(-1, x.shape[-1])
         rows, cols = x2.shape
-        scale = torch.empty((*x.shape[:-1], triton.cdiv(cols, block)), dtype=torch.uint8, device=x.device)
+        scale = torch.empty((*x.shape[:-1], cdiv(cols, block)), dtype=torch.uint8, device=x.device)
         s2 = scale.view(rows, -1)
         strides = (x2.stride(0), x2.stride(1), d2.stride(0), d2.stride(1), s2.stride(0), s2.stride(1))
     elif axis == 0 and x.dim() == 2 and (x.stride(1) == 1 or x.shape[1] == 1) and x.numel():
         return _mx_quantize_axis0(x, consts, elem)
     elif axis == 0 and x.dim() == 2:  # columns not contiguous: the row kernel on swapped strides
         cols, rows = x.shape  # kernel rows = x's columns; blocks run down x's rows
-        scale = torch.empty((triton.cdiv(cols, block), rows), dtype=torch.uint8, device=x.device)
+        scale = torch.empty((cdiv(cols, block), rows), dtype=torch.uint8, device=x.device)
         strides = (x.stride(1), x.stride(0), data.stride(1), data.stride(0), scale.stride(1), scale.stride(0))
     else:
         raise ValueError(f"mx_quantize: blocks along axis {axis} of a {x.dim()}-d tensor are not supported; "
                          "use the last axis, or axis 0 of a 2-D tensor")
-    n_blocks = triton.cdiv(cols, block)
+    n_blocks = cdiv(cols, block)
     if x.numel() == 0:
         return data.view(elem), scale
     in_bf16 = x.dtype == torch.bfloat16
@@ -312,7 +312,7 @@ def mx_quantize(x: torch.Tensor, block: int = 32, elem: torch.dtype = torch.floa
 
     def run(cfg):
         block_r, blocks_c, warps = cfg
-        grid = (triton.cdiv(rows, block_r), triton.cdiv(n_blocks, blocks_c))
+        grid = (cdiv(rows, block_r), cdiv(n_blocks, blocks_c))
         _mx_quant_kernel[grid](xin, data, scale, rows, cols, n_blocks, *strides, BLOCK_R=block_r, BLOCKS_C=blocks_c,
                                IN_BF16=in_bf16, num_warps=warps, **consts)
 
@@ -326,12 +326,12 @@ def _mx_quantize_axis0(x: torch.Tensor, consts: dict, elem: torch.dtype) -> tupl
     rows, cols = x.shape
     block = consts["BLOCK"]
     data = torch.empty((rows, cols), dtype=torch.uint8, device=x.device)
-    scale = torch.empty((triton.cdiv(rows, block), cols), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((cdiv(rows, block), cols), dtype=torch.uint8, device=x.device)
     in_bf16 = x.dtype == torch.bfloat16
 
     def run(cfg):
         block_c, chunk, warps = cfg
-        grid = (triton.cdiv(rows, block), triton.cdiv(cols, block_c))
+        grid = (cdiv(rows, block), cdiv(cols, block_c))
         _mx_quant_axis0_kernel[grid](x.view(torch.int16) if in_bf16 else x, data, scale, rows, cols, x.stride(0),
                                      data.stride(0), scale.stride(0), BLOCK_C=block_c, CHUNK=min(chunk, block),
                                      IN_BF16=in_bf16, num_warps=warps, **consts)
@@ -357,7 +357,7 @@ def rmsnorm_mx_quantize(x: torch.Tensor, weight: torch.Tensor | None, eps: float
     rows, cols = x.shape
     if weight is not None and weight.shape != (cols,):
         raise ValueError(f"rmsnorm_mx_quantize: weight shape {tuple(weight.shape)} != ({cols},)")
-    n_blocks = triton.cdiv(cols, block)
+    n_blocks = cdiv(cols, block)
     data = torch.empty((rows, cols), dtype=torch.uint8, device=x.device)
     scale = torch.empty((rows, n_blocks), dtype=torch.uint8, device=x.device)
     normed = torch.empty((rows, cols) if return_normed else (1, 1), dtype=x.dtype, device=x.device)
@@ -366,11 +366,11 @@ def rmsnorm_mx_quantize(x: torch.Tensor, weight: torch.Tensor | None, eps: float
 
         def run(cfg):
             block_r, warps = cfg
-            _rmsnorm_mx_quant_kernel[(triton.cdiv(rows, block_r),)](
+            _rmsnorm_mx_quant_kernel[(cdiv(rows, block_r),)](
                 x.view(torch.int16) if x.dtype == torch.bfloat16 else x, w, normed, data, scale, rows, cols, n_blocks, eps,
                 x.stride(0), normed.stride(0), data.stride(0), scale.stride(0),
                 WRITE_Y=return_normed, HAS_W=weight is not None, IN_BF16=x.dtype == torch.bfloat16, BLOCK_R=block_r,
-                BLOCKS_C=triton.next_power_of_2(n_blocks), num_warps=warps, **consts)
+                BLOCKS_C=next_pow2(n_blocks), num_warps=warps, **consts)
 
         key = ("rmsnorm_mx", bucket_len(rows), cols, x.dtype, return_normed, consts["BIT_CAST"])
         run(pick_config(key, _NORM_CANDIDATES, run, _NORM_INTERPRET))

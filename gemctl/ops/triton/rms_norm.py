@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemctl.ops.triton.common import bucket_len, pick_config
+from gemctl.ops.triton.common import bucket_len, cdiv, next_pow2, pick_config
 
 ROWS_IN_REGISTERS = 8192  # the widest rows held whole
 ROWS_PER_PROGRAM = 64  # ~1024 programs at 65,536 rows; the partial sums are [programs, C] float32
@@ -83,14 +83,14 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, wei
     rstd = rstd.float().contiguous()
     dx = torch.empty_like(x)
     rows = ROWS_PER_PROGRAM
-    n_prog = triton.cdiv(r, rows)
+    n_prog = cdiv(r, rows)
     dwp = torch.empty((n_prog, c), dtype=torch.float32, device=x.device) if need_dw else rstd
     if r:
         def run(cfg):
             br, warps = cfg
             _rms_norm_bwd_kernel[(n_prog,)](
                 dy, x, rstd, w, dx, dwp, r, c, dy.stride(0), x.stride(0), dx.stride(0), dwp.stride(0) if need_dw else 0,
-                BLOCK_R=br, BLOCK_C=triton.next_power_of_2(c), ITERS=rows // br, NEED_DW=need_dw, num_warps=warps)
+                BLOCK_R=br, BLOCK_C=next_pow2(c), ITERS=rows // br, NEED_DW=need_dw, num_warps=warps)
 
         key = ("rms_norm_bwd", bucket_len(r), bucket_len(c), x.dtype, need_dw)
         run(pick_config(key, _CANDIDATES, run, _INTERPRET_CONFIG))
