@@ -19,6 +19,7 @@ from gemctl.model.interaction import Interaction
 from gemctl.model.nonsequence import PMA, CrossAttention, FeatureTokens
 from gemctl.model.sequence import SequenceTower
 from gemctl.model.sparse import SparseArch
+from gemctl.ops.ranges import profiled
 
 
 class GemModel(nn.Module):
@@ -60,7 +61,7 @@ class GemModel(nn.Module):
 
     def forward(self, batch):
         offsets, max_len = batch.seq_offsets, batch.max_seq_len
-        with torch.profiler.record_function("gemctl.embedding"):
+        with profiled("gemctl.embedding"):
             seq_emb, ns_emb = self.sparse(batch)
         ns = self.ns_tokens(ns_emb, batch.dense)  # (B, n_ns, d)
         x = self.seq_in(seq_emb)  # (N, d)

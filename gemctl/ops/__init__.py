@@ -7,8 +7,8 @@ Python-int maximum lengths (computed once on the host). ``backend`` selects the 
 When ``"auto"`` wants a Triton kernel that is not available it falls back to the reference and
 says so once per op.
 
-Each call runs inside a ``gemctl.attention.<op>`` profiler range, so `gemctl profile` can tell
-attention time from the GEMMs around it. This package imports nothing from the rest of gemctl.
+Each call runs inside a ``gemctl.attention.<op>`` profiler range while a profiler runs
+(gemctl.ops.ranges), so `gemctl profile` can tell attention time from the GEMMs around it. This package imports nothing from the rest of gemctl.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import sys
 import torch
 
 from gemctl.ops.bias import RelativePositionBias, relative_position_bucket
+from gemctl.ops.ranges import profiled
 from gemctl.ops.reference.attention import check_window, jagged_attention_reference
 from gemctl.ops.reference.block import apply_rope, block_attention_reference
 from gemctl.ops.reference.gdpa import gdpa_reference
@@ -141,7 +142,7 @@ def jagged_attention(
             fn = functools.partial(jagged_attention_reference, operand_quant=operand_quant)
     else:
         fn = _pick("jagged_attention", backend, q.device) or jagged_attention_reference
-    with torch.profiler.record_function("gemctl.attention.jagged_attention"):
+    with profiled("gemctl.attention.jagged_attention"):
         return fn(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias=bias, causal=causal, scale=scale,
                   window=None if window is None else int(window))
 
@@ -155,7 +156,7 @@ def gdpa(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, activation="gel
     """
     kernel = _pick("gdpa", backend, q.device)
     fn = kernel or gdpa_reference
-    with torch.profiler.record_function("gemctl.attention.gdpa"):
+    with profiled("gemctl.attention.gdpa"):
         return fn(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, activation=activation, scale=scale)
 
 
@@ -170,5 +171,5 @@ def block_attention(q, k, v, offsets, max_len, *, block_size=64, rope=None, back
     if kernel is None and rope is not None and not isinstance(rope, (tuple, list)):
         raise TypeError("block_attention: the PyTorch reference takes rope=(cos, sin) tables, not a base frequency")
     fn = kernel or block_attention_reference
-    with torch.profiler.record_function("gemctl.attention.block_attention"):
+    with profiled("gemctl.attention.block_attention"):
         return fn(q, k, v, offsets, max_len, block_size=block_size, rope=rope)

@@ -14,7 +14,6 @@ GEMCTL_AUTOTUNE_CACHE=0 turns it off), so a later run on the same machine kind s
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
@@ -167,12 +166,6 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (n >= 1), in host code (see cdiv)."""
     return 1 << (n - 1).bit_length()
-
-
-def profiled(name: str):
-    """A profiler range named ``name`` while a profiler runs (``gemctl profile`` sorts kernel time
-    by these), nothing otherwise: opening a range costs ~2-3 us of host time per call."""
-    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 def bucket_len(n: int) -> int:
