@@ -8,7 +8,8 @@ When ``"auto"`` wants a Triton kernel that is not available it falls back to the
 says so once per op.
 
 Each call runs inside a ``gemctl.attention.<op>`` profiler range while a profiler runs
-(gemctl.ops.ranges), so `gemctl profile` can tell attention time from the GEMMs around it. This package imports nothing from the rest of gemctl.
+(gemctl.ops.ranges), so `gemctl profile` can tell attention time from the GEMMs around it. This
+package imports nothing from the rest of gemctl.
 """
 
 from __future__ import annotations
