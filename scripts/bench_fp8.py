@@ -431,12 +431,12 @@ def main() -> None:
     meta["pending_autotune"] = args.pending
     result = {"meta": meta}
     path = Path(args.out)
+    widths = [int(w) for w in args.widths.split(",") if w]
     sections = {"accuracy": accuracy_rows, "outliers": outlier_rows, "accumulation": accumulation_rows,
                 "cast": lambda: cast_rows(args.tokens, meta["copy_tbps"], [int(w) for w in args.cast_widths.split(",")]),
-                "gemm": lambda: gemm_rows(args.tokens, args.grans.split(","), [int(w) for w in args.widths.split(",") if w]),
-                "mlp": lambda: mlp_rows(args.tokens, [v for v in args.mlp.split(",") if v],
-                                        [int(w) for w in args.widths.split(",") if w]),
-                "profile": lambda: profile_rows(args.tokens, [int(w) for w in args.widths.split(",") if w])}
+                "gemm": lambda: gemm_rows(args.tokens, args.grans.split(","), widths),
+                "mlp": lambda: mlp_rows(args.tokens, [v for v in args.mlp.split(",") if v], widths),
+                "profile": lambda: profile_rows(args.tokens, widths)}
     unknown = [p for p in parts if p not in sections]
     if unknown:
         raise SystemExit(f"bench_fp8: --only {','.join(unknown)}: unknown; allowed: {', '.join(sections)}")

@@ -170,7 +170,7 @@ def next_pow2(n: int) -> int:
 
 def bucket_len(n: int) -> int:
     """Autotune key of a length: the next power of two (no re-tune for every new batch)."""
-    return 1 << max(0, int(n - 1).bit_length())
+    return next_pow2(int(n))
 
 
 @triton.jit

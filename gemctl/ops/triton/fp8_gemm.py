@@ -47,10 +47,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from gemctl.ops.ranges import profiled
 from gemctl.ops.triton.common import (
     INTERPRET, bucket_len, cdiv, config_field, gpu_checked, next_pow2, num_programs, pick_config,
 )
-from gemctl.ops.ranges import profiled
 from gemctl.ops.triton.mx_quant import _block_scales, _quantize_elems
 from gemctl.ops.triton.rms_norm import applied_weight
 
