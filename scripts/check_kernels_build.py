@@ -109,6 +109,35 @@ def kernels():
     yield ba._block_attn_bwd, ba_tiles, dict(HEAD_DIM=128, BLOCK=64, ROPE=True, TMA=True)
 
 
+def column_cast_stores(target) -> list[str]:
+    """The FP8 column casts compiled as a jagged token count launches them (R not a multiple of 16;
+    pointers, strides, widths and the padded R_PAD multiples of 16, as Triton specializes them):
+    their transposed stores must stay 16-byte vectors (bounded by R they became byte stores)."""
+    import re
+
+    import triton
+    from triton.compiler import ASTSource
+
+    from gemctl.ops.triton import fp8_gemm as f8
+
+    io = dict(X="*i16", DATA_T="*u8", SCALE="*u8", PART="*u8", NW="*fp32", RSTD="*fp32")
+    aligned = ("X", "DATA_T", "SCALE", "PART", "NW", "RSTD", "R_PAD", "Cn", "stride_xr", "stride_dt", "stride_p")
+    cast = dict(ACT=1, IN_BF16=True, BIT_CAST=False, CHUNK=4096, BLOCK_R=64, BLOCK_C=64)
+    lines = []
+    for fn, consts in ((f8._cast_cols_kernel, cast), (f8._cast_cols_amax_kernel, dict(cast, PARTS=64, PART_BLOCK=64,
+                                                                                      SPLIT=4)),
+                       (f8._cast_cols_amax_kernel, dict(cast, ACT=0, PARTS=32, PART_BLOCK=32, NORM=True))):
+        consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
+        names = list(fn.arg_names)
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if n in names}
+        src = ASTSource(fn=fn, signature=_signature(fn, io, consts), constexprs=consts, attrs=attrs)
+        ptx = triton.compile(src, target=target, options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+        vec, byte = len(re.findall(r"st\.global\.v4\.b32", ptx)), len(re.findall(r"st\.global\.b8", ptx))
+        verdict = "vector" if vec and byte <= 1 else "BYTE STORES"  # one byte store: the chunk's scale bytes
+        lines.append(f"{fn.__name__:<24} jagged R: {vec} st.global.v4.b32, {byte} st.global.b8: {verdict}")
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", type=int, default=90)
@@ -133,7 +162,9 @@ def main() -> int:
         if "BLOCK" in consts:
             flags = f"BLOCK={consts['BLOCK']},{flags}"
         print(f"{fn.__name__:<24} {flags:<30} sm_{args.arch}: ok ({time.time() - t0:.1f} s, {compiled.metadata.shared} B shared)")
-    return 0
+    stores = column_cast_stores(target)
+    print("\n".join(stores))
+    return 1 if any(ln.endswith("BYTE STORES") for ln in stores) else 0
 
 
 if __name__ == "__main__":

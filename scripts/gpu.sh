@@ -38,13 +38,15 @@
 #             cache: two or three recipes per 10-minute call; carry .autotune to the next call
 #
 # Packages the GPU image lacks travel as wheels in .whl/ (shared/gpu-wheels/README.md). Tuned kernel
-# configs go to .autotune/ (GEMCTL_CACHE_DIR) and are copied to $OUT/autotune at the end: carried
-# back to the next call (the device tool's carry), the kernels whose source did not change start
-# tuned instead of compiling and timing every candidate again.
+# configs go to .autotune/ (GEMCTL_CACHE_DIR) and come back in one file, $OUT/autotune.tar (a call
+# returns a few files only): unpacked into .autotune and carried to the next call (the device
+# tool's carry), the kernels whose source did not change start tuned instead of compiling and
+# timing every candidate again.
 set -o pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export GEMCTL_CACHE_DIR=${GEMCTL_CACHE_DIR:-$PWD/.autotune}
-trap 'mkdir -p "$OUT/autotune" && cp "$GEMCTL_CACHE_DIR"/autotune-*.json "$OUT/autotune/" 2>/dev/null' EXIT
+OUT=$(cd "$OUT" && pwd)
+trap '(cd "$GEMCTL_CACHE_DIR" 2>/dev/null && tar -cf "$OUT/autotune.tar" autotune-*.json 2>/dev/null)' EXIT
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD

@@ -72,7 +72,11 @@ _GEMM_CANDIDATES = [
 # A seventh field: persistent TMA programs per SM (default 1). The 4-warp 128 x 128 tiles fit two
 # per SM (sm_90 ptxas, Triton 3.6: 186-255 registers, 74-107 KB of shared memory), so one
 # program's epilogue (the silu' epilogue reads and writes a bf16 tile) can run while the other's
-# MMAs do; the 8-warp and 128 x 256 tiles fit one. Pinned-only until the GPU tier passes them.
+# MMAs do; the 8-warp and 128 x 256 tiles fit one. H200, 2026-11-30 (tree 5d33fd3), GPU tier
+# passed; pinned at d=1024, 65,536 tokens, TF/s against autotuned one-per-SM: up forward 1089 /
+# 952 vs 1041, down forward 1212 / 1077 vs 1243, up dgrad 1185 / 1064 vs 1203, down dgrad 960 /
+# 854 vs 1030 (with silu' 679 / 578 vs 678). The 128-deep tile joins autotuning (_GPU_CHECKED)
+# for the shapes it wins; the 64-deep one lost everywhere and stays pinned-only.
 _GEMM_TWO_PER_SM = [(128, 128, 128, 4, 3, True, 2), (128, 128, 64, 4, 4, True, 2)]
 _GEMM_INTERPRET = (16, 16, 32, 1, 1, False)
 # Tried and dropped (2026-11-30): the persistent TMA kernel's tile loop warp-specialized
@@ -100,7 +104,7 @@ _COLS_INTERPRET = (8, 16, 1, 0)
 # Configs with a nonzero last field (two blocks in flight, split chunks) run the same code on the
 # CPU tier; they join autotuning once the GPU tier's pinned tests have passed them (_GPU_CHECKED),
 # as the attention kernels' TMA configs do; _PENDING_AUTOTUNE times them all (benchmarks).
-_GPU_CHECKED: set = set()
+_GPU_CHECKED: set = {(128, 128, 128, 4, 3, True, 2)}
 _PENDING_AUTOTUNE = False
 _ROWS_IN_REGISTERS = 8192
 
@@ -408,12 +412,17 @@ def _cast_rows_kernel(
 
 
 @triton.jit
-def _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g, start, end, split, stride_xr,
-                               stride_dt, stride_sc, ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr,
-                               BLOCK_R: tl.constexpr, NORM: tl.constexpr):
+def _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g, start, end, store_end, split,
+                               stride_xr, stride_dt, stride_sc, ACT: tl.constexpr, IN_BF16: tl.constexpr,
+                               BIT_CAST: tl.constexpr, BLOCK_R: tl.constexpr, NORM: tl.constexpr):
     """Rows [start, end) of chunk g of columns cc, given the columns' scales over the chunk (byte,
     2^-shared, NaN flag): the codes written to DATA_T [Cn, R] through a register transpose (each
-    column's run of rows one contiguous store), and the bytes by the chunk's first program (split 0)."""
+    column's run of rows one contiguous store), and the bytes by the chunk's first program (split 0).
+    The stores run to store_end, the range's end bounded by R_PAD (R rounded up to 16: DATA_T's rows
+    are padded to it, and the zeros written past R are never read, the GEMM's K being R): a bound
+    the compiler knows to be a multiple of 16 keeps them 16-byte vector stores. Bounded by R itself,
+    any jagged R not a multiple of 16 made them byte stores (sm_90 PTX: 33 st.global.b8 for 2 st.global.v4.b32; H200, [89569, 3072]:
+    1.45 ms, 7x the copy time)."""
     tl.store(SCALE + cc.to(tl.int64) * stride_sc + g, byte.to(tl.uint8), mask=cmask & (cc * 0 + split == 0))
     nw = tl.load(NW + cc, mask=cmask, other=0.0) if NORM else 0.0
     for r0 in range(start, end, BLOCK_R):
@@ -421,7 +430,8 @@ def _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, c
         mask = (rr[:, None] < end) & cmask[None, :]
         x = _load_cols(X, RSTD, nw, rr, cc, mask, end, stride_xr, ACT, IN_BF16, NORM, BIT_CAST)
         code = _quantize(x, inv[None, :], nan[None, :], BIT_CAST)
-        tl.store(DATA_T + cc.to(tl.int64)[:, None] * stride_dt + rr[None, :], tl.trans(code), mask=tl.trans(mask))
+        st_mask = cmask[:, None] & (rr[None, :] < store_end)
+        tl.store(DATA_T + cc.to(tl.int64)[:, None] * stride_dt + rr[None, :], tl.trans(code), mask=st_mask)
 
 
 @triton.jit
@@ -437,7 +447,7 @@ def _load_cols(X, RSTD, nw, rr, cc, mask, end, stride_xr, ACT: tl.constexpr, IN_
 
 @triton.jit
 def _cast_cols_kernel(
-    X, DATA_T, SCALE, NW, RSTD, R, Cn, stride_xr, stride_dt, stride_sc,
+    X, DATA_T, SCALE, NW, RSTD, R, R_PAD, Cn, stride_xr, stride_dt, stride_sc,
     ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr = False,
 ):
@@ -455,13 +465,14 @@ def _cast_cols_kernel(
         x = _load_cols(X, RSTD, nw, rr, cc, mask, end, stride_xr, ACT, IN_BF16, NORM, BIT_CAST)
         amax = tl.maximum(amax, tl.max(_abs_bits(x, mask), axis=0))
     byte, inv, nan = _scale_from_amax(amax)
-    _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g, g * CHUNK, end, 0, stride_xr,
-                               stride_dt, stride_sc, ACT, IN_BF16, BIT_CAST, BLOCK_R, NORM)
+    _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g, g * CHUNK, end,
+                               tl.minimum(g * CHUNK + CHUNK, R_PAD), 0, stride_xr, stride_dt, stride_sc, ACT, IN_BF16,
+                               BIT_CAST, BLOCK_R, NORM)
 
 
 @triton.jit
 def _cast_cols_amax_kernel(
-    X, DATA_T, SCALE, PART, NW, RSTD, R, Cn, n_part, stride_xr, stride_dt, stride_sc, stride_p,
+    X, DATA_T, SCALE, PART, NW, RSTD, R, R_PAD, Cn, n_part, stride_xr, stride_dt, stride_sc, stride_p,
     ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr,
     CHUNK: tl.constexpr, PARTS: tl.constexpr, PART_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     NORM: tl.constexpr = False, SPLIT: tl.constexpr = 1,
@@ -484,8 +495,8 @@ def _cast_cols_amax_kernel(
     split = tl.program_id(2)
     start = g * CHUNK + split * (CHUNK // SPLIT)
     _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g, start,
-                               tl.minimum(start + CHUNK // SPLIT, R), split, stride_xr, stride_dt, stride_sc, ACT,
-                               IN_BF16, BIT_CAST, BLOCK_R, NORM)
+                               tl.minimum(start + CHUNK // SPLIT, R), tl.minimum(start + CHUNK // SPLIT, R_PAD), split,
+                               stride_xr, stride_dt, stride_sc, ACT, IN_BF16, BIT_CAST, BLOCK_R, NORM)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -604,7 +615,8 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
     n_chunks = max(cdiv(r, chunk), 1)
     # rows padded to 16 bytes: the weight-gradient GEMM contracts over R (tokens, jagged) and reads
     # its operands by TMA only where each row starts 16-byte aligned
-    data = torch.empty((c, -(-r // 16) * 16), dtype=torch.uint8, device=x.device)[:, :r]
+    r_pad = -(-r // 16) * 16
+    data = torch.empty((c, r_pad), dtype=torch.uint8, device=x.device)[:, :r]
     scale = torch.empty((c, n_chunks), dtype=torch.uint8, device=x.device)
     amax_rows = amax_rows_for(chunk, r) if amax_rows is None else amax_rows
     parts = chunk // amax_rows if amax_rows else 0
@@ -625,11 +637,11 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
                 if chunk % split:
                     raise ValueError(f"fp8_cast_cols: {split} programs per chunk do not divide its {chunk} rows")
                 _cast_cols_amax_kernel[(*grid, split)](
-                    xin, data, scale, part, nw, rstd, r, c, part.shape[0], xin.stride(0), data.stride(0), scale.stride(0),
+                    xin, data, scale, part, nw, rstd, r, r_pad, c, part.shape[0], xin.stride(0), data.stride(0), scale.stride(0),
                     part.stride(0), PARTS=parts, PART_BLOCK=min(parts, 64), SPLIT=split, **common)
             else:
-                _cast_cols_kernel[grid](xin, data, scale, nw, rstd, r, c, xin.stride(0), data.stride(0), scale.stride(0),
-                                        **common)
+                _cast_cols_kernel[grid](xin, data, scale, nw, rstd, r, r_pad, c, xin.stride(0), data.stride(0),
+                                        scale.stride(0), **common)
 
         key = ("fp8_cast_cols", bucket_len(r), bucket_len(c), x.dtype, act, chunk, use_part, norm is not None)
         def candidates():
