@@ -78,6 +78,8 @@ def cmd_profile(args, console: Console) -> int:
     prepare_process()
     report = profile(Trainer(cfg, console=console), console=console)
     console.print(profile_table(report))
+    if report.get("top_kernels"):
+        console.print(kernels_table(report))
     console.print(f"profile: {report['run_dir']}/profile.json, trace.json, breakdown.png, waterfall.png")
     return 0
 
@@ -108,6 +110,21 @@ def profile_table(report: dict) -> Table:
     table.add_row("E2E MFU", f"{100 * report['e2e_mfu']:.2f}%", "", "")
     table.add_row("QPS", f"{report['qps']:,.1f}", "", "")
     table.add_row("peak memory", f"{report['peak_memory_gib']:.2f} GiB", "", "")
+    return table
+
+
+def kernels_table(report: dict) -> Table:
+    """The kernels (on a CPU, operators) that take the most device time a step."""
+    what = "kernel" if report.get("device_type") == "cuda" else "operator"
+    table = Table(title=f"top {len(report['top_kernels'])} {what}s by {'device' if what == 'kernel' else 'self CPU'} "
+                        "time a step")
+    table.add_column(what)
+    table.add_column("calls / step", justify="right")
+    table.add_column("ms / step", justify="right")
+    table.add_column("share", justify="right")
+    for k in report["top_kernels"]:
+        name = k["name"] if len(k["name"]) <= 80 else k["name"][:77] + "..."
+        table.add_row(name, f"{k['calls_per_step']:g}", f"{k['ms_per_step']:.2f}", f"{100 * k['share']:.1f}%")
     return table
 
 

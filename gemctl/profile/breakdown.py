@@ -14,6 +14,14 @@ How an operator gets its category, first rule that applies:
    embedding, everything else -> norm/elementwise.
 Each operator's *self* time is counted once, so categories never double count (the test suite
 checks that categories + idle add up to the measured step time).
+
+On a GPU an operator's self time is the kernels linked to it, and a Triton kernel is linked to
+the innermost *operator* around its launch (a custom op, an autograd node), never to a
+``record_function`` range: the profiler links kernels by the correlation ids of operators alone
+(H200, torch 2.11: an fp8_gemm kernel inside a ``gemctl.gemm.*`` range and no operator had no
+CPU parent; in the model the FP8 GEMMs' kernels belong to the FP8 linears' autograd nodes, whose
+category is norm/elementwise). So kernels named in ``GEMM_KERNELS`` count as gemm whichever
+operator they are linked to; the operator keeps the rest of its self time.
 """
 
 from __future__ import annotations
@@ -38,6 +46,13 @@ _COMM_MARKERS = ("nccl", "c10d::", "record_param_comms", "all_reduce", "allreduc
 _ATTENTION_MARKERS = ("scaled_dot_product", "flash_attention", "efficient_attention", "gemctl::jagged_attention", "gemctl::gdpa", "gemctl::block_attention")
 _EMBEDDING_MARKERS = ("aten::embedding", "embedding_bag", "fbgemm::")
 _BACKWARD_NODE = "autograd::engine::evaluate_function: "
+# Our Triton GEMM kernels (gemctl.ops.triton.fp8_gemm), by the prefix of the kernel's name.
+GEMM_KERNELS = ("_fp8_gemm_kernel", "_fp8_gemm_tma_kernel")
+
+
+def _gemm_kernel_us(event) -> float:
+    """Device time of the GEMM kernels (GEMM_KERNELS) linked to ``event`` itself."""
+    return sum(k.duration for k in getattr(event, "kernels", ()) or () if k.name.startswith(GEMM_KERNELS))
 
 
 def _by_name(name: str) -> str | None:
@@ -174,16 +189,18 @@ def breakdown(events, steps: int, device: str, window_us: float | None = None) -
     for e in events:
         starts.append(e.time_range.start)
         ends.append(e.time_range.end)
+        gemm_us = 0.0
         if device == "cuda":
             self_us = e.self_device_time_total
+            gemm_us = min(_gemm_kernel_us(e), max(self_us, 0.0))
         elif e.name.startswith(("gemctl.", "ProfilerStep", _BACKWARD_NODE)):
             self_us = 0.0  # ranges and autograd nodes: their self time is Python/dispatch -> idle
         else:
             self_us = e.self_cpu_time_total
         if self_us <= 0:
             continue
-        category = _category(e, forward)
-        per_category[category] += self_us
+        per_category["gemm"] += gemm_us
+        per_category[_category(e, forward)] += self_us - gemm_us
         module = _module_of(e, forward_modules)
         if module is not None:
             per_module[module] += self_us
@@ -198,3 +215,29 @@ def breakdown(events, steps: int, device: str, window_us: float | None = None) -
         idle_s=max(window - busy, 0.0) * scale,
         window_s=window * scale,
     )
+
+
+def top_kernels(events, steps: int, device: str, n: int = 15) -> list[dict]:
+    """The ``n`` kernels (GPU; on a CPU, operators by self time) that take the most time a step:
+    ``{"name", "calls_per_step", "ms_per_step", "share"}``, share of all kernel time. Read from
+    the device's own events, so a kernel linked to no operator counts too; profiler ranges on the
+    device timeline (``gemctl.*``, ProfilerStep) are not kernels."""
+    per: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        on_gpu = str(getattr(e, "device_type", "")).endswith("CUDA")
+        if device == "cuda" and on_gpu:
+            us = e.device_time_total
+        elif device != "cuda" and not on_gpu:
+            us = 0.0 if e.name.startswith(("gemctl.", "ProfilerStep", _BACKWARD_NODE)) else e.self_cpu_time_total
+        else:
+            continue
+        if us <= 0 or e.name.startswith(("gemctl.", "ProfilerStep")):
+            continue
+        row = per[e.name]
+        row[0] += 1
+        row[1] += us
+    total = sum(us for _, us in per.values()) or 1.0
+    steps = max(steps, 1)
+    ranked = sorted(per.items(), key=lambda kv: -kv[1][1])[:n]
+    return [{"name": name, "calls_per_step": calls / steps, "ms_per_step": us / steps / 1e3, "share": us / total}
+            for name, (calls, us) in ranked]

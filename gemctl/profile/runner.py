@@ -31,7 +31,7 @@ from gemctl.data.loader import TrainLoader
 from gemctl.metrics import mfu as mfu_lib
 from gemctl.metrics.flops import gem_flops
 from gemctl.metrics.sinks import RunDir
-from gemctl.profile.breakdown import CATEGORIES, breakdown
+from gemctl.profile.breakdown import CATEGORIES, breakdown, top_kernels
 
 # Top-level modules of GemModel timed separately (forward ranges; backward ops are attributed to
 # the module of the forward op they differentiate).
@@ -116,7 +116,9 @@ def profile(trainer, out_root: str | None = None, console=None, run_dir: str | N
             h.remove()
     trace_name = f"trace-rank{ctx.rank}.json" if ctx.sharded else "trace.json"
     prof.export_chrome_trace(str(run.path / trace_name))
-    bd = breakdown(prof.events(), pcfg.steps, device.type)
+    events = prof.events()
+    bd = breakdown(events, pcfg.steps, device.type)
+    kernels = top_kernels(events, pcfg.steps, device.type)
 
     peak = trainer.peak
     mine = {"rank": ctx.rank, "step_time_s": measured_s, "data_stall_s": wait / pcfg.steps,
@@ -157,6 +159,7 @@ def profile(trainer, out_root: str | None = None, console=None, run_dir: str | N
     report = {
         "recipe": cfg.run.name,
         "device": mfu_lib.device_name(device),
+        "device_type": device.type,
         "peak": peak.describe(),
         "peak_tflops": peak.tflops,
         "steps": pcfg.steps,
@@ -185,6 +188,7 @@ def profile(trainer, out_root: str | None = None, console=None, run_dir: str | N
         },
         "flops_by_category": {"gemm": gemm_flops, "attention": attn_flops},
         "modules_s": bd.module_s,
+        "top_kernels": kernels,
         "waterfall": _waterfall(cat, idle, gemm_flops, attn_flops, peak.tflops * 1e12),
     }
     report["run_dir"] = str(run.path)
