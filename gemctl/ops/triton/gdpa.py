@@ -65,7 +65,6 @@ _FWD_CANDIDATES = [
     (64, 32, 4, 3, 0, 4), (64, 32, 4, 4, 0, 4), (64, 32, 4, 3, 0, 8), (32, 32, 2, 3, 0, 8), (64, 32, 4, 2, 0, 4),
     (128, 32, 8, 4, 0, 4), (128, 32, 8, 3, 0, 4), (64, 64, 4, 3, 0, 4),
     (64, 128, 4, 3, 0, 4), (128, 128, 8, 3, 0, 2), (64, 256, 8, 2, 0, 2), (64, 32, 4, 3, 2, 4),
-    (64, 128, 4, 2, 0, 4), (64, 128, 8, 2, 0, 4),
     (64, 32, 4, 3, 0, 0, 1), (64, 64, 4, 3, 0, 0, 1), (128, 32, 8, 3, 0, 0, 1), (64, 32, 4, 3, 2, 0, 1),
     (64, 32, 4, 2, 0, 0, 0, 128), (128, 32, 8, 2, 0, 0, 0, 128),
 ]
@@ -74,7 +73,9 @@ _FWD_CANDIDATES = [
 # (H200, 2026-11-29, docs/runs/2026-11-29_bench_gdpa_06dc2d4.json): 123 KB of shared memory leave
 # one 4-warp program per SM, whose activation and MMAs run in sequence. With 2 stages
 # it takes 106 KB (4 warps, 176 registers) or 115 KB (8 warps, 126 registers): two programs per SM
-# (sm_90 ptxas, Triton 3.6), so one's activation can overlap the other's MMAs. Not yet timed.
+# (sm_90 ptxas, Triton 3.6), so one's activation could overlap the other's MMAs. Tried and dropped
+# (H200, 2026-11-30, tree 5d33fd3; both passed the every-candidate test): cross-128 forward 45.8%
+# (4 warps) and 40.6% (8 warps) of the roofline against 49.6% for the capped 64x32 tile loop.
 _GPU_CHECKED: set = {(64, 32, 4, 2, 0, 0, 0, 128)}  # configs with optional fields the GPU tier has passed
 _PENDING_AUTOTUNE = False  # True: autotuning times every candidate (benchmarks of unchecked ones)
 _DKDV_CANDIDATES = [
