@@ -80,6 +80,8 @@ def cmd_profile(args, console: Console) -> int:
     console.print(profile_table(report))
     if report.get("top_kernels"):
         console.print(kernels_table(report))
+    if (report.get("idle_by_host") or {}).get("rows"):
+        console.print(idle_table(report))
     console.print(f"profile: {report['run_dir']}/profile.json, trace.json, breakdown.png, waterfall.png")
     return 0
 
@@ -125,6 +127,21 @@ def kernels_table(report: dict) -> Table:
     for k in report["top_kernels"]:
         name = k["name"] if len(k["name"]) <= 80 else k["name"][:77] + "..."
         table.add_row(name, f"{k['calls_per_step']:g}", f"{k['ms_per_step']:.2f}", f"{100 * k['share']:.1f}%")
+    return table
+
+
+def idle_table(report: dict) -> Table:
+    """GPU idle gaps of the profiled steps by what the launching host thread ran during them."""
+    idle = report["idle_by_host"]
+    table = Table(title=f"GPU idle {1e3 * idle['gap_ms_per_step']:.2f} ms a step in {idle['gaps_per_step']:g} gaps: "
+                        "what the host ran meanwhile")
+    table.add_column("host (innermost event)")
+    table.add_column("ms / step", justify="right")
+    table.add_column("share", justify="right")
+    table.add_column("gaps / step", justify="right")
+    for r in idle["rows"]:
+        name = r["host"] if len(r["host"]) <= 80 else r["host"][:77] + "..."
+        table.add_row(name, f"{1e3 * r['ms_per_step']:.2f}", f"{100 * r['share']:.1f}%", f"{r['gaps_per_step']:g}")
     return table
 
 

@@ -119,6 +119,11 @@ def profile(trainer, out_root: str | None = None, console=None, run_dir: str | N
     events = prof.events()
     bd = breakdown(events, pcfg.steps, device.type)
     kernels = top_kernels(events, pcfg.steps, device.type)
+    idle_host = None
+    if device.type == "cuda":  # what the host ran while the GPU waited (the trace's own timeline)
+        from gemctl.profile.gaps import idle_by_host
+
+        idle_host = idle_by_host(json.loads((run.path / trace_name).read_text()), pcfg.steps)
 
     peak = trainer.peak
     mine = {"rank": ctx.rank, "step_time_s": measured_s, "data_stall_s": wait / pcfg.steps,
@@ -189,6 +194,7 @@ def profile(trainer, out_root: str | None = None, console=None, run_dir: str | N
         "flops_by_category": {"gemm": gemm_flops, "attention": attn_flops},
         "modules_s": bd.module_s,
         "top_kernels": kernels,
+        "idle_by_host": idle_host,
         "waterfall": _waterfall(cat, idle, gemm_flops, attn_flops, peak.tflops * 1e12),
     }
     report["run_dir"] = str(run.path)
