@@ -115,34 +115,35 @@ def profile_table(report: dict) -> Table:
     return table
 
 
+def _ranked_table(title: str, columns: tuple, rows) -> Table:
+    """A table of named rows, most first: the name column left, the numbers right-aligned."""
+    table = Table(title=title)
+    table.add_column(columns[0])
+    for column in columns[1:]:
+        table.add_column(column, justify="right")
+    for name, *cells in rows:
+        table.add_row(name if len(name) <= 80 else name[:77] + "...", *cells)
+    return table
+
+
 def kernels_table(report: dict) -> Table:
     """The kernels (on a CPU, operators) that take the most device time a step."""
-    what = "kernel" if report.get("device_type") == "cuda" else "operator"
-    table = Table(title=f"top {len(report['top_kernels'])} {what}s by {'device' if what == 'kernel' else 'self CPU'} "
-                        "time a step")
-    table.add_column(what)
-    table.add_column("calls / step", justify="right")
-    table.add_column("ms / step", justify="right")
-    table.add_column("share", justify="right")
-    for k in report["top_kernels"]:
-        name = k["name"] if len(k["name"]) <= 80 else k["name"][:77] + "..."
-        table.add_row(name, f"{k['calls_per_step']:g}", f"{k['ms_per_step']:.2f}", f"{100 * k['share']:.1f}%")
-    return table
+    gpu = report.get("device_type") == "cuda"
+    what, clock = ("kernel", "device") if gpu else ("operator", "self CPU")
+    rows = [(k["name"], f"{k['calls_per_step']:g}", f"{k['ms_per_step']:.2f}", f"{100 * k['share']:.1f}%")
+            for k in report["top_kernels"]]
+    return _ranked_table(f"top {len(rows)} {what}s by {clock} time a step", (what, "calls / step", "ms / step", "share"),
+                         rows)
 
 
 def idle_table(report: dict) -> Table:
     """GPU idle gaps of the profiled steps by what the launching host thread ran during them."""
     idle = report["idle_by_host"]
-    table = Table(title=f"GPU idle {1e3 * idle['gap_ms_per_step']:.2f} ms a step in {idle['gaps_per_step']:g} gaps: "
-                        "what the host ran meanwhile")
-    table.add_column("host (innermost event)")
-    table.add_column("ms / step", justify="right")
-    table.add_column("share", justify="right")
-    table.add_column("gaps / step", justify="right")
-    for r in idle["rows"]:
-        name = r["host"] if len(r["host"]) <= 80 else r["host"][:77] + "..."
-        table.add_row(name, f"{1e3 * r['ms_per_step']:.2f}", f"{100 * r['share']:.1f}%", f"{r['gaps_per_step']:g}")
-    return table
+    rows = [(r["host"], f"{1e3 * r['ms_per_step']:.2f}", f"{100 * r['share']:.1f}%", f"{r['gaps_per_step']:g}")
+            for r in idle["rows"]]
+    return _ranked_table(f"GPU idle {1e3 * idle['gap_ms_per_step']:.2f} ms a step in {idle['gaps_per_step']:g} gaps: "
+                         "what the host ran meanwhile", ("host (innermost event)", "ms / step", "share", "gaps / step"),
+                         rows)
 
 
 def summary_table(cfg, result) -> Table:

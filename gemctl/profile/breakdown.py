@@ -6,8 +6,8 @@ time is kernel time; on a CPU it is the time inside top-level operators.
 
 How an operator gets its category, first rule that applies:
 1. profiler ranges it runs under: ``gemctl.attention.*`` (the gemctl.ops dispatcher),
-   ``gemctl.gemm.*`` (our Triton GEMMs, e.g. the FP8 linears'), ``gemctl.embedding`` (the sparse
-   arch), ``gemctl.optimizer``, ``gemctl.data``;
+   ``gemctl.gemm.*`` (operators in it; Triton GEMM kernels: see below), ``gemctl.embedding``
+   (the sparse arch), ``gemctl.optimizer``, ``gemctl.data``;
 2. a backward operator inherits the category of the forward operator it differentiates
    (autograd records the forward op's sequence number on the backward node);
 3. its name: collectives -> communication, matrix products -> gemm, embedding lookups ->
@@ -19,9 +19,9 @@ On a GPU an operator's self time is the kernels linked to it, and a Triton kerne
 the innermost *operator* around its launch (a custom op, an autograd node), never to a
 ``record_function`` range: the profiler links kernels by the correlation ids of operators alone
 (H200, torch 2.11: an fp8_gemm kernel inside a ``gemctl.gemm.*`` range and no operator had no
-CPU parent; in the model the FP8 GEMMs' kernels belong to the FP8 linears' autograd nodes, whose
-category is norm/elementwise). So kernels named in ``GEMM_KERNELS`` count as gemm whichever
-operator they are linked to; the operator keeps the rest of its self time.
+CPU parent; in the model the FP8 GEMMs' kernels landed in norm/elementwise, with the operators
+around the FP8 linears). So kernels named in ``GEMM_KERNELS`` count as gemm whichever operator
+they are linked to; the operator keeps the rest of its self time.
 """
 
 from __future__ import annotations
