@@ -139,12 +139,17 @@ def main() -> None:
     ap.add_argument("--grid-only", action="store_true",
                     help="time the forward configs (--grid-configs, default all) and nothing else")
     ap.add_argument("--grid-configs", nargs="*", default=[], metavar="CFG",
-                    help="with --grids: these forward configs only (comma-separated fields, e.g. 64,32,4,2,0,0,0,128)")
+                    help="with --grids or --grid-only: these forward configs only (comma-separated fields, e.g. 64,32,4,2,0,0,0,128)")
     ap.add_argument("--only", nargs="*", help="workload names to run (default: all)")
     ap.add_argument("--profile-step", metavar="WORKLOAD",
                     help="one GDPA forward+backward of WORKLOAD between profiler start and stop (ncu), nothing else")
     add_pin_argument(ap)
     args = ap.parse_args()
+    try:
+        grid_configs = [tuple(int(f) for f in c.split(",")) for c in args.grid_configs]
+    except ValueError:
+        raise SystemExit(f"bench_gdpa: --grid-configs {' '.join(args.grid_configs)}: each config is comma-separated "
+                         "integers, e.g. 64,32,4,2,0,0,0,128")
     pins = parse_pins(args.pin, bool(args.profile_step))
     workloads = [pma_workload(256, 32), cross_workload(256, 32), cross_workload(256, 128), self_workload(256, 1000)]
     if args.profile_step:
@@ -165,7 +170,7 @@ def main() -> None:
         row = {"workload": w.name, "pairs": pairs, "fwd_flops": f_flops, "bytes": bytes_moved,
                "intensity_flop_per_byte": intensity, "roofline_tflops": roof}
         if args.grid_only:  # the forward configs alone, against this run's roofline
-            row["grid_sweep"] = grid_sweep(w, [tuple(int(f) for f in c.split(",")) for c in args.grid_configs])
+            row["grid_sweep"] = grid_sweep(w, grid_configs)
             for r in row["grid_sweep"]:
                 if "fwd_graph_ms" in r:
                     r["fwd_graph_tflops"] = tflops(f_flops, r["fwd_graph_ms"])
@@ -187,7 +192,7 @@ def main() -> None:
             torch.cuda.empty_cache()
         row["configs"] = picked_configs(("gdpa_fwd", "gdpa_dkdv", "gdpa_dq"))  # this workload's and earlier ones
         if args.grids:
-            row["grid_sweep"] = grid_sweep(w, [tuple(int(f) for f in c.split(",")) for c in args.grid_configs])
+            row["grid_sweep"] = grid_sweep(w, grid_configs)
         rows.append(row)
         ours = row["ours"]
         lines = [f"{w.name}: intensity {intensity:.1f} FLOP/B, roofline {roof:.0f} TF/s"]

@@ -22,6 +22,11 @@ def _signature(fn, types: dict, consts: dict) -> dict:
     return {name: "constexpr" if name in consts else types.get(name, "i32") for name in fn.arg_names}
 
 
+def _with_defaults(fn, consts: dict) -> dict:
+    """``consts`` plus the kernel's constexpr parameters left at their defaults (compiled with them)."""
+    return {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
+
+
 def kernels():
     from gemctl.ops.triton import block_attention as ba
     from gemctl.ops.triton import fp8_gemm as f8
@@ -127,7 +132,7 @@ def column_cast_stores(target) -> list[str]:
     for fn, consts in ((f8._cast_cols_kernel, cast), (f8._cast_cols_amax_kernel, dict(cast, PARTS=64, PART_BLOCK=64,
                                                                                       SPLIT=4)),
                        (f8._cast_cols_amax_kernel, dict(cast, ACT=0, PARTS=32, PART_BLOCK=32, NORM=True))):
-        consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
+        consts = _with_defaults(fn, consts)
         names = list(fn.arg_names)
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if n in names}
         src = ASTSource(fn=fn, signature=_signature(fn, io, consts), constexprs=consts, attrs=attrs)
@@ -152,8 +157,7 @@ def main() -> int:
     target = GPUTarget("cuda", args.arch, 32)
     for fn, types, consts in kernels():
         t0 = time.time()
-        # constexpr parameters left at their defaults are compiled with them
-        consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
+        consts = _with_defaults(fn, consts)
         # tensor-descriptor arguments of a kernel compiled without TMA are passed as None
         consts.update({n: None for n in fn.arg_names if n.endswith("_DESC") and n not in types and n not in consts})
         src = ASTSource(fn=fn, signature=_signature(fn, types, consts), constexprs=consts)

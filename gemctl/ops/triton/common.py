@@ -230,7 +230,10 @@ def num_programs(n_items: int, per_sm: int, device) -> int:
     return max(1, min(n_items, per_sm * _sm_count(device)))
 
 
+@functools.lru_cache(maxsize=None)
 def _sm_count(device) -> int:
+    """Streaming multiprocessors of ``device``, read once (the persistent kernels size their grid
+    from it on every launch of the training step)."""
     device = torch.device(device)
     if device.type != "cuda":
         return 2  # interpreter: a tiny persistent grid, so tests exercise the dealing

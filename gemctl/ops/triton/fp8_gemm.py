@@ -421,8 +421,8 @@ def _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, c
     The stores run to store_end, the range's end bounded by R_PAD (R rounded up to 16: DATA_T's rows
     are padded to it, and the zeros written past R are never read, the GEMM's K being R): a bound
     the compiler knows to be a multiple of 16 keeps them 16-byte vector stores. Bounded by R itself,
-    any jagged R not a multiple of 16 made them byte stores (sm_90 PTX: 33 st.global.b8 for 2 st.global.v4.b32; H200, [89569, 3072]:
-    1.45 ms, 7x the copy time)."""
+    any jagged R not a multiple of 16 made them byte stores (sm_90 PTX: 33 st.global.b8 for 2
+    st.global.v4.b32; H200, [89569, 3072]: 1.45 ms, 7x the copy time)."""
     tl.store(SCALE + cc.to(tl.int64) * stride_sc + g, byte.to(tl.uint8), mask=cmask & (cc * 0 + split == 0))
     nw = tl.load(NW + cc, mask=cmask, other=0.0) if NORM else 0.0
     for r0 in range(start, end, BLOCK_R):
@@ -494,9 +494,10 @@ def _cast_cols_amax_kernel(
     byte, inv, nan = _scales_from_byte(col)
     split = tl.program_id(2)
     start = g * CHUNK + split * (CHUNK // SPLIT)
-    _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g, start,
-                               tl.minimum(start + CHUNK // SPLIT, R), tl.minimum(start + CHUNK // SPLIT, R_PAD), split,
-                               stride_xr, stride_dt, stride_sc, ACT, IN_BF16, BIT_CAST, BLOCK_R, NORM)
+    stop = start + CHUNK // SPLIT
+    _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g, start, tl.minimum(stop, R),
+                               tl.minimum(stop, R_PAD), split, stride_xr, stride_dt, stride_sc, ACT, IN_BF16, BIT_CAST,
+                               BLOCK_R, NORM)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -615,7 +616,7 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
     n_chunks = max(cdiv(r, chunk), 1)
     # rows padded to 16 bytes: the weight-gradient GEMM contracts over R (tokens, jagged) and reads
     # its operands by TMA only where each row starts 16-byte aligned
-    r_pad = -(-r // 16) * 16
+    r_pad = cdiv(r, 16) * 16
     data = torch.empty((c, r_pad), dtype=torch.uint8, device=x.device)[:, :r]
     scale = torch.empty((c, n_chunks), dtype=torch.uint8, device=x.device)
     amax_rows = amax_rows_for(chunk, r) if amax_rows is None else amax_rows
