@@ -137,11 +137,12 @@ def kernels_table(report: dict) -> Table:
 
 
 def idle_table(report: dict) -> Table:
-    """GPU idle gaps of the profiled steps by what the launching host thread ran during them."""
+    """GPU idle gaps of the profiled steps by what the launching host thread ran during them (the
+    report's values are already in milliseconds, as gaps.idle_by_host returns them)."""
     idle = report["idle_by_host"]
-    rows = [(r["host"], f"{1e3 * r['ms_per_step']:.2f}", f"{100 * r['share']:.1f}%", f"{r['gaps_per_step']:g}")
+    rows = [(r["host"], f"{r['ms_per_step']:.2f}", f"{100 * r['share']:.1f}%", f"{r['gaps_per_step']:g}")
             for r in idle["rows"]]
-    return _ranked_table(f"GPU idle {1e3 * idle['gap_ms_per_step']:.2f} ms a step in {idle['gaps_per_step']:g} gaps: "
+    return _ranked_table(f"GPU idle {idle['gap_ms_per_step']:.2f} ms a step in {idle['gaps_per_step']:g} gaps: "
                          "what the host ran meanwhile", ("host (innermost event)", "ms / step", "share", "gaps / step"),
                          rows)
 

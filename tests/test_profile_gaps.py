@@ -61,8 +61,8 @@ def test_profile_prints_the_idle_and_kernel_tables():
 
     report = {"device_type": "cuda",
               "top_kernels": [{"name": "_fp8_gemm_tma_kernel", "calls_per_step": 48, "ms_per_step": 15.6, "share": 0.23}],
-              "idle_by_host": {"gap_ms_per_step": 0.029, "gaps_per_step": 310,
-                               "rows": [{"host": "aten::copy_", "ms_per_step": 0.012, "share": 0.41, "gaps_per_step": 20}]}}
+              "idle_by_host": {"gap_ms_per_step": 29.0, "gaps_per_step": 310,
+                               "rows": [{"host": "aten::copy_", "ms_per_step": 12.0, "share": 0.41, "gaps_per_step": 20}]}}
     console = Console(record=True, width=160)
     console.print(kernels_table(report))
     console.print(idle_table(report))
