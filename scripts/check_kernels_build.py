@@ -143,6 +143,59 @@ def column_cast_stores(target) -> list[str]:
     return lines
 
 
+PER_BATCH = {  # module: {kernel: its integer arguments that change with every batch}
+    "fp8_gemm": {"_fp8_gemm_kernel": ("M",), "_fp8_gemm_tma_kernel": ("M", "K"), "_cast_rows_kernel": ("R",),
+                 "_cast_cols_kernel": ("R",), "_cast_cols_amax_kernel": ("R", "n_part")},
+    "gdpa": {"_gdpa_fwd": ("n_items",), "_gdpa_bwd_dkdv": ("n_items",), "_gdpa_bwd_dq": ("n_items",)},
+    "rms_norm": {"_rms_norm_bwd_kernel": ("R",)},
+    "mx_quant": {"_mx_quant_axis0_kernel": ("rows",), "_rmsnorm_mx_quant_kernel": ("rows",)},
+    "jagged_attention": {"_bwd_delta": ("n_rows",)},
+}
+
+
+def per_batch_specialization(target) -> list[str]:
+    """Triton's own argument binder (what a launch runs) on each kernel with a per-batch size at
+    4096, 4097 and 1: the specialization must not change, or a jagged batch compiles the kernel
+    again mid-training (common.py, "Specialization"). Control: the kernel's first stride does
+    change between 4096 and 4097 (specialized, as it should be), so the check can fail."""
+    import importlib
+
+    import torch
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(target)
+    aligned = torch.empty(64, dtype=torch.uint8)
+    lines = []
+    for module, kernels_ in PER_BATCH.items():
+        mod = importlib.import_module(f"gemctl.ops.triton.{module}")
+        for name, sizes in kernels_.items():
+            fn = getattr(mod, name)
+            binder = create_function_from_signature(fn.signature, fn.params, backend)
+
+            def spec(**override):
+                args = []
+                for p in fn.params:
+                    if p.is_constexpr:
+                        args.append(p.default if p.has_default else 1)
+                    elif p.name in override:
+                        args.append(override[p.name])
+                    elif p.name[0].isupper() or p.name.endswith("_desc"):
+                        args.append(aligned)
+                    elif p.name in ("eps", "scale", "qk_scale"):
+                        args.append(1.0)
+                    else:
+                        args.append(4096)
+                return str(binder(*args)[1])
+
+            stable = all(spec(**{n: v}) == spec(**{n: 4096}) for n in sizes for v in (4097, 1))
+            stride = next(p.name for p in fn.params if p.name.startswith("stride"))
+            control = spec(**{stride: 4097}) != spec(**{stride: 4096})
+            verdict = "stable" if stable and control else ("SPECIALIZED" if not stable else "CONTROL FAILED")
+            lines.append(f"{name:<24} per-batch {','.join(sizes)}: {verdict}")
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", type=int, default=90)
@@ -168,7 +221,9 @@ def main() -> int:
         print(f"{fn.__name__:<24} {flags:<30} sm_{args.arch}: ok ({time.time() - t0:.1f} s, {compiled.metadata.shared} B shared)")
     stores = column_cast_stores(target)
     print("\n".join(stores))
-    return 1 if any(ln.endswith("BYTE STORES") for ln in stores) else 0
+    specs = per_batch_specialization(target)
+    print("\n".join(specs))
+    return 1 if any(ln.endswith("BYTE STORES") for ln in stores) or any(not ln.endswith(": stable") for ln in specs) else 0
 
 
 if __name__ == "__main__":

@@ -31,3 +31,35 @@ def test_kernels_compile_for_sm90():
     # the FP8 column casts at a jagged token count (not a multiple of 16) keep 16-byte vector stores
     stores = [ln for ln in proc.stdout.splitlines() if "jagged R:" in ln]
     assert len(stores) == 3 and all(ln.endswith(": vector") for ln in stores), proc.stdout
+    # a size that changes with every batch never changes a kernel's specialization (no compile
+    # mid-training when a jagged token count happens to be a multiple of 16)
+    specs = [ln for ln in proc.stdout.splitlines() if " per-batch " in ln]
+    assert len(specs) == 12 and all(ln.endswith(": stable") for ln in specs), proc.stdout
+
+
+def test_compile_time_is_counted_outside_tuning(monkeypatch):
+    """Triton's compile hooks time each compile; compiles while pick_config tunes are tuning time
+    already; a hook installed before ours still runs, and its answer (skip the compile) stands."""
+    import time
+
+    import triton
+
+    from gemctl.ops.triton import common
+
+    runtime = triton.knobs.runtime
+    seen = []
+    monkeypatch.setattr(runtime, "jit_cache_hook", lambda *a, **k: seen.append("before") or "skip")
+    monkeypatch.setattr(runtime, "jit_post_compile_hook", lambda *a, **k: seen.append("after"))
+    monkeypatch.setattr(common, "_compile_s", 0.0)
+    common._install_compile_hooks()
+    assert runtime.jit_cache_hook(key="k") == "skip"
+    time.sleep(0.05)
+    runtime.jit_post_compile_hook(key="k")
+    assert seen == ["before", "after"] and 0.04 < common.compile_seconds() < 1.0
+    counted = common.compile_seconds()
+    monkeypatch.setattr(common, "_tuning_now", True)
+    runtime.jit_cache_hook(key="k")
+    time.sleep(0.02)
+    runtime.jit_post_compile_hook(key="k")
+    assert common.compile_seconds() == counted  # inside tuning: not counted twice
+    assert common.setup_seconds() == common.tuning_seconds() + counted

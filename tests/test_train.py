@@ -119,7 +119,7 @@ def test_run_directory_contents(tmp_path):
     assert 0 < summary["eval"]["ctr"]["auc"] <= 1
 
 
-def test_autotuning_is_taken_out_of_step_times(tmp_path, monkeypatch):
+def test_kernel_tuning_and_compiles_are_taken_out_of_step_times(tmp_path, monkeypatch):
     """A Triton kernel tuning a new shape in a timed step (here: 1 s faked inside step 6) is not
     step time: its window's step time leaves it out, reports it, and the summary sums it."""
     import time
@@ -137,13 +137,13 @@ def test_autotuning_is_taken_out_of_step_times(tmp_path, monkeypatch):
         return real_step(self, batch)
 
     monkeypatch.setattr(trainer_mod.Trainer, "train_step", step)
-    monkeypatch.setattr(trainer_mod, "_tuning_seconds", lambda: tuned["s"])
+    monkeypatch.setattr(trainer_mod, "_setup_seconds", lambda: tuned["s"])
     result = _run(tmp_path, ["train.steps=12", "train.log_every=4", "train.warmup_timing_steps=4", "train.eval_batches=1"])
     records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     train_recs = [r for r in records if r["kind"] == "train"]
-    assert [r["tuning_s"] for r in train_recs] == [0.0, 1.0, 0.0]
+    assert [r["setup_s"] for r in train_recs] == [0.0, 1.0, 0.0]
     assert train_recs[1]["step_time_ms"] < 250  # the 1 s left out (it would add 250 ms a step)
-    assert result.perf["tuning_s_in_timed_steps"] == 1.0
+    assert result.perf["setup_s_in_timed_steps"] == 1.0
     assert result.perf["step_time_ms"] < 250
 
 

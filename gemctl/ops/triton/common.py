@@ -10,6 +10,17 @@ picks between tile shapes that sum in different orders, so tuned runs of one see
 last bits and, after a few hundred steps, in NE. Tuned picks persist on disk per kernel module, GPU
 model, CUDA, Triton and kernel source (GEMCTL_CACHE_DIR, default ~/.cache/gemctl;
 GEMCTL_AUTOTUNE_CACHE=0 turns it off), so a later run on the same machine kind starts tuned.
+
+Specialization: Triton compiles one variant of a kernel per specialization of its arguments
+(an integer equal to 1, a multiple of 16 or not; a pointer 16-byte aligned or not). Sizes that
+change with every batch (token counts, work-list lengths) are declared ``do_not_specialize`` at
+their kernels, where they only bound rows or loops: otherwise a jagged count that happens to be a
+multiple of 16 compiles the kernel again in the middle of training (on the H200, three column-cast
+compiles at step 79 of a run took 1.4 s and put one logging window at 220 ms a step instead of
+75). Strides and padded sizes stay specialized: they are fixed per layer, and their divisibility
+is what lets loads and stores vectorize. What still compiles during training (a new shape,
+dtype or config) is timed by Triton's compile hooks (compile_seconds) and, like autotuning, taken
+out of the trainer's step times.
 """
 
 from __future__ import annotations
@@ -37,6 +48,9 @@ _config_cache: dict = {}
 _forced: list = []  # configs pinned by forced_config(), innermost last
 _autotune: bool | None = None  # set_autotune(); None: GEMCTL_AUTOTUNE decides
 _tuning_s = 0.0  # wall seconds spent timing candidates (compilation included), all kernels
+_tuning_now = False  # pick_config is timing candidates: their compiles are tuning time already
+_compile_s = 0.0  # wall seconds of Triton compiles outside tuning (see compile_seconds)
+_compile_t0: list = []  # start times of the compiles in progress (nested: one per kernel)
 _disk: dict = {}  # cache file -> its entries, each file read once per process
 
 
@@ -114,6 +128,47 @@ def tuning_seconds() -> float:
     candidates compiled and timed, the GPU drained first): the trainer takes them out of the step
     times of the windows they fell in."""
     return _tuning_s
+
+
+def compile_seconds() -> float:
+    """Wall seconds Triton has spent compiling our kernels (or loading them from its disk cache)
+    outside autotuning, so far in this process: new specializations, shapes or configs met during
+    training. 0 where Triton has no compile hooks (before 3.4) or under the interpreter."""
+    return _compile_s
+
+
+def setup_seconds() -> float:
+    """One-off kernel work so far: autotuning plus the compiles outside it (the time the trainer
+    leaves out of the step times of the windows it fell in)."""
+    return _tuning_s + _compile_s
+
+
+def _install_compile_hooks() -> None:
+    """Time every Triton compile through ``knobs.runtime.jit_cache_hook`` (called before a compile;
+    a true return would skip it) and ``jit_post_compile_hook`` (after); hooks already installed by
+    someone else keep running, ours only observe."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_cache_hook") or not hasattr(runtime, "jit_post_compile_hook"):
+        return
+    before, after = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+
+    def started(*args, **kwargs):
+        _compile_t0.append(time.perf_counter())
+        return before(*args, **kwargs) if before is not None else False
+
+    def finished(*args, **kwargs):
+        global _compile_s
+        if _compile_t0:
+            seconds = time.perf_counter() - _compile_t0.pop()
+            if not _tuning_now:
+                _compile_s += seconds
+        return after(*args, **kwargs) if after is not None else None
+
+    runtime.jit_cache_hook, runtime.jit_post_compile_hook = started, finished
+
+
+if not INTERPRET:
+    _install_compile_hooks()
 
 
 def set_autotune(enabled: bool | None) -> None:
@@ -350,7 +405,7 @@ def pick_config(key, candidates, run, interpret_config: tuple = _INTERPRET_CONFI
     list order: no timing, so the choice does not depend on the machine's load). ``candidates``: a
     list, or a function returning it, called only when the key is not decided yet (the per-launch
     path in the training step then builds no list)."""
-    global _tuning_s
+    global _tuning_s, _tuning_now
     if _forced:
         forced = _forced[-1]
         if not isinstance(forced, dict):
@@ -377,19 +432,23 @@ def pick_config(key, candidates, run, interpret_config: tuple = _INTERPRET_CONFI
             torch.cuda.synchronize()  # the step's queued work is not tuning time
     t_tune = time.perf_counter()
     best, best_t = None, float("inf")
-    for cfg in candidates:
-        try:  # a config may not fit this shape's shared memory: the next one then
-            if tuned:
-                t = _time(lambda: run(cfg))
-            else:
-                run(cfg)
-                t = 0.0
-        except Exception:
-            continue
-        if t < best_t:
-            best, best_t = cfg, t
-        if not tuned:
-            break  # untuned: the first candidate that runs
+    _tuning_now = tuned
+    try:
+        for cfg in candidates:
+            try:  # a config may not fit this shape's shared memory: the next one then
+                if tuned:
+                    t = _time(lambda: run(cfg))
+                else:
+                    run(cfg)
+                    t = 0.0
+            except Exception:
+                continue
+            if t < best_t:
+                best, best_t = cfg, t
+            if not tuned:
+                break  # untuned: the first candidate that runs
+    finally:
+        _tuning_now = False
     if tuned:
         _tuning_s += time.perf_counter() - t_tune
     if best is None:

@@ -243,7 +243,7 @@ def _epilogue(acc, pid_m, pid_n, M, N, C, SA, SB, PRE, stride_cm, stride_pm, ROW
     tl.store(C + rm64[:, None] * stride_cm + rn[None, :], acc.to(C.dtype.element_ty), mask=cmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # per-batch sizes: common.py, "Specialization"
 def _fp8_gemm_kernel(
     A, B, C, SA, SB, PRE,
     M, N, K,
@@ -287,7 +287,7 @@ def _fp8_gemm_kernel(
     _epilogue(acc, pid_m, pid_n, M, N, C, SA, SB, PRE, stride_cm, stride_pm, GROUP_K == 0, EPI, BLOCK_M, BLOCK_N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "K"])  # per-batch sizes: common.py, "Specialization"
 def _fp8_gemm_tma_kernel(
     a_desc, b_desc, C, SA, SB, PRE,
     M, N, K,
@@ -331,7 +331,7 @@ def _fp8_gemm_tma_kernel(
                   BLOCK_N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # per-batch sizes: common.py, "Specialization"
 def _cast_rows_kernel(
     X, DATA, SCALE, PART, NW, RSTD, R, Cn, stride_xr, stride_dr, stride_p, eps,
     ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr,
@@ -445,7 +445,7 @@ def _load_cols(X, RSTD, nw, rr, cc, mask, end, stride_xr, ACT: tl.constexpr, IN_
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # per-batch sizes: common.py, "Specialization"
 def _cast_cols_kernel(
     X, DATA_T, SCALE, NW, RSTD, R, R_PAD, Cn, stride_xr, stride_dt, stride_sc,
     ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr,
@@ -470,7 +470,7 @@ def _cast_cols_kernel(
                                BIT_CAST, BLOCK_R, NORM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "n_part"])  # per-batch sizes: common.py, "Specialization"
 def _cast_cols_amax_kernel(
     X, DATA_T, SCALE, PART, NW, RSTD, R, R_PAD, Cn, n_part, stride_xr, stride_dt, stride_sc, stride_p,
     ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr,

@@ -160,7 +160,7 @@ def _act_and_grad(s, ACT: tl.constexpr):
 # is the plain one-program-per-tile launch; G = a few programs per SM is the persistent grid.
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_items"])  # per-batch sizes: common.py, "Specialization"
 def _gdpa_fwd(
     Q, K, V, O, Q_OFFSETS, K_OFFSETS, WORK, K_DESC, V_DESC, n_items, num_heads,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, scale,
@@ -222,7 +222,7 @@ def _load_cols(PTR, start, cols, length, stride_n, head_offset, offs_d):
     return tl.load(ptrs, mask=(cols < length)[None, :], other=0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_items"])  # per-batch sizes: common.py, "Specialization"
 def _gdpa_bwd_dkdv(
     Q, K, V, DO, DK, DV, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
@@ -277,7 +277,7 @@ def _gdpa_bwd_dkdv(
                     store_rows(DV, dv, k_start, offs_n, k_len, stride_dvn, h * stride_dvh, offs_d)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_items"])  # per-batch sizes: common.py, "Specialization"
 def _gdpa_bwd_dq(
     Q, K, V, DO, DQ, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,

@@ -540,7 +540,7 @@ def _jagged_attn_bwd_dq(
         tl.store(DBIAS + (pid * num_heads + h) * NUM_BUCKETS + bucket_ids, dbias)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # per-batch sizes: common.py, "Specialization"
 def _bwd_delta(O, DO, DELTA, n_rows, num_heads, stride_on, stride_oh, stride_don, stride_doh,
                HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
     # DELTA: fp32 [N, H] = rowsum(dO * O) per row and head (the softmax backward's correction),

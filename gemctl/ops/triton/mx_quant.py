@@ -150,7 +150,7 @@ def _quantize_tile(x, EMAX: tl.constexpr, ELEM_MAX: tl.constexpr, E5M2: tl.const
     return _quantize_elems(x, inv[:, :, None], nan[:, :, None], ELEM_MAX, E5M2, BIT_CAST), scale
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # per-batch sizes: common.py, "Specialization"
 def _mx_quant_axis0_kernel(
     X,  # [rows, cols] input with unit stride along cols (stride_x between rows; bf16 as int16)
     DATA,  # [rows, cols] uint8 FP8 bytes (stride_d)
@@ -225,7 +225,7 @@ def _mx_quant_kernel(
     tl.store(SCALE + r[:, None].to(tl.int64) * stride_sr + b[None, :].to(tl.int64) * stride_sb, scale, mask=smask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # per-batch sizes: common.py, "Specialization"
 def _rmsnorm_mx_quant_kernel(
     X,  # [rows, cols] input rows (stride_xr; unit stride along cols; bf16 as int16)
     W,  # [cols] norm weight

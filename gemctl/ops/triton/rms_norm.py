@@ -29,7 +29,7 @@ _CANDIDATES = [(1, 4), (2, 4), (4, 4), (1, 8), (2, 8), (4, 8), (1, 2), (2, 2)]
 _INTERPRET_CONFIG = (2, 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # per-batch sizes: common.py, "Specialization"
 def _rms_norm_bwd_kernel(
     DY, X, RSTD, W, DX, DWP, R, Cn, stride_dy, stride_x, stride_dx, stride_dwp,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ITERS: tl.constexpr, NEED_DW: tl.constexpr,
