@@ -101,6 +101,8 @@ def profile_table(report: dict) -> Table:
     table.add_row("data stall", f"{1e3 * report['data_stall_s']:.2f}", f"{100 * report['data_stall_s'] / accounted:.1f}%", "")
     table.add_row("exposed communication", f"{1e3 * report['exposed_communication_s']:.2f}", "", "")
     table.add_row("straggler wait", f"{1e3 * report['straggler_wait_s']:.2f}", "", "")
+    if report.get("setup_s_in_timed_steps"):
+        table.add_row("kernel tuning/compiles (left out)", f"{1e3 * report['setup_s_in_timed_steps']:.2f} total", "", "")
     if report.get("ranks", 1) > 1:
         sk = report["straggler_skew"]
         table.add_row(f"skew over {report['ranks']} ranks (max/mean)", f"work {sk['work_time']:.3f}", f"FLOPs {sk['flops']:.3f}", "")

@@ -132,3 +132,29 @@ def test_ranges_open_only_while_profiling():
     assert isinstance(profiled("gemctl.gemm.x"), contextlib.nullcontext)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         assert not isinstance(profiled("gemctl.gemm.x"), contextlib.nullcontext)
+
+
+def test_kernel_setup_in_the_timed_steps_is_left_out(tmp_path, monkeypatch):
+    """A compile or autotuning that lands in the profile's timed steps (a shape the warmup missed)
+    is not step time: 1 s of it over 2 steps would add 500 ms to each."""
+    import time
+
+    from gemctl.profile import runner
+
+    clock = {"s": 0.0, "calls": 0}
+    real_step = Trainer.train_step
+
+    def step(self, batch):
+        clock["calls"] += 1
+        if clock["calls"] == 3:  # the first timed step (after 2 warmup steps)
+            time.sleep(1.0)
+            clock["s"] += 1.0
+        return real_step(self, batch)
+
+    monkeypatch.setattr(Trainer, "train_step", step)
+    monkeypatch.setattr(runner, "kernel_setup_seconds", lambda: clock["s"])
+    cfg = compose(["profile.steps=2", "profile.warmup_steps=2", "run.progress=false"])
+    validate(cfg)
+    out = profile(Trainer(cfg), out_root=str(tmp_path))
+    assert out["setup_s_in_timed_steps"] == 1.0
+    assert out["step_time_s"] < 0.5, out["step_time_s"]

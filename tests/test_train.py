@@ -137,7 +137,7 @@ def test_kernel_tuning_and_compiles_are_taken_out_of_step_times(tmp_path, monkey
         return real_step(self, batch)
 
     monkeypatch.setattr(trainer_mod.Trainer, "train_step", step)
-    monkeypatch.setattr(trainer_mod, "_setup_seconds", lambda: tuned["s"])
+    monkeypatch.setattr(trainer_mod, "kernel_setup_seconds", lambda: tuned["s"])
     result = _run(tmp_path, ["train.steps=12", "train.log_every=4", "train.warmup_timing_steps=4", "train.eval_batches=1"])
     records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     train_recs = [r for r in records if r["kind"] == "train"]

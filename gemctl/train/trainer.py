@@ -225,14 +225,14 @@ class Trainer:
             flops = sum(gem_flops(self.cfg.model, self.spec, b.seq_lengths_cpu()).train_total for b in batches)
             self._sync()
             t0 = time.perf_counter()
-            tune0 = _setup_seconds()
+            setup0 = kernel_setup_seconds()
             for batch in batches:
                 single.train_step(batch)
             self._sync()
-            tuning = _setup_seconds() - tune0
-            seconds = max(time.perf_counter() - t0 - tuning, 1e-9)
+            setup = kernel_setup_seconds() - setup0
+            seconds = max(time.perf_counter() - t0 - setup, 1e-9)
             result = {"steps": steps, "step_time_ms": 1e3 * seconds / steps, "model_tflops": flops / seconds / 1e12,
-                      "setup_s": tuning}
+                      "setup_s": setup}
             del single, batches
         if self.ctx.world_size > 1:
             import torch.distributed as dist
@@ -307,8 +307,8 @@ class Trainer:
         checkpoint_s = 0.0  # time training waited for checkpoints
         t_start = time.perf_counter()
         t_window = t_start
-        tune_window = _setup_seconds()
-        tuning_timed = 0.0  # autotuning and compiles inside timed windows, taken out of their time
+        setup_window = kernel_setup_seconds()
+        setup_timed = 0.0  # autotuning and compiles inside timed windows, taken out of their time
         with TrainProgress(tcfg.steps, enabled=cfg.run.progress and self.console is not None, console=self.console) as progress:
             try:
                 for step in range(start, tcfg.steps):
@@ -340,10 +340,10 @@ class Trainer:
                         # Triton autotuning of a new shape (candidates compiled and timed) and
                         # compiles of a new specialization are not step time: they are taken out
                         # of the window they fell in, and reported
-                        tuning = _setup_seconds() - tune_window
-                        elapsed = max(now - t_window - tuning, 1e-9)
+                        setup = kernel_setup_seconds() - setup_window
+                        elapsed = max(now - t_window - setup, 1e-9)
                         rec = self._global(window).record(step + 1, elapsed, self.peak, ctx.world_size)
-                        rec["setup_s"] = tuning
+                        rec["setup_s"] = setup
                         finite = [x for x in losses if math.isfinite(x)]  # skipped steps are reported apart
                         rec["loss"] = sum(finite) / len(finite) if finite else float("nan")
                         rec["lr"] = self.schedule.get_last_lr()[0]
@@ -352,17 +352,17 @@ class Trainer:
                         sink.write({"kind": "train", **rec})
                         if step + 1 > tcfg.warmup_timing_steps:
                             totals.merge(window, elapsed)
-                            if tuning and not tuning_timed:
+                            if setup and not setup_timed:
                                 self._say(f"[yellow]Triton autotuning or compiling ran after the {tcfg.warmup_timing_steps} "
-                                          f"untimed steps ({tuning:.1f} s by step {step + 1}, new shapes); taken out of the "
+                                          f"untimed steps ({setup:.1f} s by step {step + 1}, new shapes); taken out of the "
                                           "step times (perf.setup_s_in_timed_steps). More "
                                           "train.warmup_timing_steps tunes before timing.[/yellow]")
-                            tuning_timed += tuning
+                            setup_timed += setup
                         mfu = rec["local_mfu"] if rec["local_mfu"] is not None else rec["e2e_mfu"]
                         progress.update(step + 1, loss=rec["loss"], qps=rec["qps"], mfu=mfu)
                         window = _Window()
                         t_window = time.perf_counter()
-                        tune_window = _setup_seconds()
+                        setup_window = kernel_setup_seconds()
                     else:
                         progress.advance(step + 1)
                     if tcfg.checkpoint_every and (step + 1) % tcfg.checkpoint_every == 0:
@@ -375,7 +375,7 @@ class Trainer:
                         ev = self.evaluate()
                         sink.write({"kind": "eval", "step": step + 1, **ev})
                         t_window = time.perf_counter()  # keep eval time (and its tuning) out of throughput
-                        tune_window = _setup_seconds()
+                        setup_window = kernel_setup_seconds()
                 t_save = time.perf_counter()
                 checkpoint.finish(self)  # the last asynchronous checkpoint, published
                 checkpoint_s += time.perf_counter() - t_save
@@ -405,7 +405,7 @@ class Trainer:
             table_plan=self.table_plan,
             train_wall_s=train_wall,
             timed_steps=totals.steps,
-            setup_s_in_timed_steps=tuning_timed,
+            setup_s_in_timed_steps=setup_timed,
             peak=self.peak.describe(),
             peak_tflops=self.peak.tflops,
             device=mfu_lib.device_name(self.device),
@@ -421,7 +421,7 @@ class Trainer:
         return result
 
 
-def _setup_seconds() -> float:
+def kernel_setup_seconds() -> float:
     """Seconds the Triton kernels have spent autotuning and compiling in this process (0 without
     Triton): one-off work, left out of the step times."""
     try:
