@@ -39,7 +39,8 @@ def test_kernels_compile_for_sm90():
 
 def test_compile_time_is_counted_outside_tuning(monkeypatch):
     """Triton's compile hooks time each compile; compiles while pick_config tunes are tuning time
-    already; a hook installed before ours still runs, and its answer (skip the compile) stands."""
+    already; a hook installed before ours still runs, and its answer (skip the compile) stands
+    without leaving a start time behind."""
     import time
 
     import triton
@@ -52,7 +53,12 @@ def test_compile_time_is_counted_outside_tuning(monkeypatch):
     monkeypatch.setattr(runtime, "jit_post_compile_hook", lambda *a, **k: seen.append("after"))
     monkeypatch.setattr(common, "_compile_s", 0.0)
     common._install_compile_hooks()
-    assert runtime.jit_cache_hook(key="k") == "skip"
+    assert runtime.jit_cache_hook(key="k") == "skip"  # skipped: no post-compile call follows
+    assert seen == ["before"] and not common._compile_t0
+    monkeypatch.setattr(runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(runtime, "jit_post_compile_hook", lambda *a, **k: seen.append("after"))
+    common._install_compile_hooks()
+    assert not runtime.jit_cache_hook(key="k")
     time.sleep(0.05)
     runtime.jit_post_compile_hook(key="k")
     assert seen == ["before", "after"] and 0.04 < common.compile_seconds() < 1.0

@@ -20,7 +20,8 @@ compiles at step 79 of a run took 1.4 s and put one logging window at 220 ms a s
 75). Strides and padded sizes stay specialized: they are fixed per layer, and their divisibility
 is what lets loads and stores vectorize. What still compiles during training (a new shape,
 dtype or config) is timed by Triton's compile hooks (compile_seconds) and, like autotuning, taken
-out of the trainer's step times.
+out of the trainer's step times (without a sync first, unlike tuning: the GPU may still run queued
+work during a compile, so a window can lose up to that much, about a step, in exchange).
 """
 
 from __future__ import annotations
@@ -153,8 +154,10 @@ def _install_compile_hooks() -> None:
     before, after = runtime.jit_cache_hook, runtime.jit_post_compile_hook
 
     def started(*args, **kwargs):
-        _compile_t0.append(time.perf_counter())
-        return before(*args, **kwargs) if before is not None else False
+        skip = before(*args, **kwargs) if before is not None else False
+        if not skip:  # a skipped compile gets no post-compile call
+            _compile_t0.append(time.perf_counter())
+        return skip
 
     def finished(*args, **kwargs):
         global _compile_s
