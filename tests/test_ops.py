@@ -4,6 +4,8 @@ CPU tier: float32 inputs, tight tolerance. GPU tier (marked gpu): bf16 inputs on
 relative to the float64 loop within the bf16 band.
 """
 
+import sys
+
 import pytest
 import torch
 
@@ -308,6 +310,37 @@ def test_tuned_configs_persist_on_disk(monkeypatch, tmp_path):
     fp8_sources = ["fp8_gemm.py", "common.py", "mx_quant.py", "rms_norm.py"]
     assert [p.name for p in common._kernel_sources(fp8_gemm.__file__)] == fp8_sources
     assert [p.name for p in common._kernel_sources(gdpa.__file__)] == ["gdpa.py", "common.py"]
+
+
+def test_tuned_configs_survive_host_edits_not_kernel_edits(tmp_path, monkeypatch):
+    """The on-disk configs are keyed by a module's device code: editing its host code (even lines
+    that move the kernel further down the file) keeps them, editing a kernel or a constexpr the
+    kernels read starts over."""
+    import importlib.util
+
+    from gemctl.ops.triton import common
+
+    kernel = """
+@triton.jit
+def _scale_kernel(X, n, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(X + o, tl.load(X + o, mask=o < n) * {factor}, mask=o < n)
+"""
+
+    def digest(name: str, host: str, factor: str = "2", width: int = 128) -> str:
+        path = tmp_path / f"{name}.py"
+        path.write_text(f"import triton\nimport triton.language as tl\n{host}\nWIDTH = tl.constexpr({width})\n"
+                        + kernel.format(factor=factor))
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, name, module)
+        spec.loader.exec_module(module)
+        return common._source_digest(str(path))
+
+    base = digest("mod_a", "def launch(x):\n    return x")
+    assert digest("mod_b", "# a comment\n\n\ndef launch(x, grid=None):\n    return x  # new host code") == base
+    assert digest("mod_c", "def launch(x):\n    return x", factor="3") != base  # the kernel changed
+    assert digest("mod_d", "def launch(x):\n    return x", width=256) != base  # a constexpr global changed
 
 
 def test_untuned_config_is_the_first_that_runs(monkeypatch):

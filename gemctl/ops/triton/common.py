@@ -8,8 +8,9 @@ batch does not re-tune. Under TRITON_INTERPRET=1 one small config runs; GEMCTL_A
 set_autotune(False), which train.deterministic=true does on CUDA) takes the first candidate: timing
 picks between tile shapes that sum in different orders, so tuned runs of one seed differ in the
 last bits and, after a few hundred steps, in NE. Tuned picks persist on disk per kernel module, GPU
-model, CUDA, Triton and kernel source (GEMCTL_CACHE_DIR, default ~/.cache/gemctl;
-GEMCTL_AUTOTUNE_CACHE=0 turns it off), so a later run on the same machine kind starts tuned.
+model, CUDA, Triton and device code (the @triton.jit sources, not the host code around them;
+GEMCTL_CACHE_DIR, default ~/.cache/gemctl; GEMCTL_AUTOTUNE_CACHE=0 turns it off), so a later run
+on the same machine kind starts tuned.
 
 Specialization: Triton compiles one variant of a kernel per specialization of its arguments
 (an integer equal to 1, a multiple of 16 or not; a pointer 16-byte aligned or not). Sizes that
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -67,22 +69,52 @@ def _kernel_sources(module_file: str) -> tuple[Path, ...]:
     return tuple([Path(module_file)] + sorted(here / f"{n}.py" for n in names if (here / f"{n}.py").is_file()))
 
 
+def _module_of(path: Path):
+    """The imported module whose file is ``path`` (None if none is)."""
+    path = path.resolve()
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None)
+        if file and Path(file).resolve() == path:
+            return module
+    return None
+
+
+def _device_code(path: Path) -> bytes:
+    """What of a kernel module the GPU runs: the source text of each @triton.jit function defined
+    in it and its tl.constexpr globals. Host code (launchers, docs, helpers) is left out, and so
+    are line numbers, so editing it keeps the tuned configs; the whole file when the module is not
+    imported."""
+    module = _module_of(path)
+    if module is None:
+        return path.read_bytes()
+    parts = []
+    for name, obj in sorted(vars(module).items()):
+        fn = getattr(obj, "fn", None)
+        if isinstance(obj, triton.runtime.jit.KernelInterface) and getattr(fn, "__module__", None) == module.__name__:
+            parts.append(f"{name}\n{inspect.getsource(fn)}")
+        elif isinstance(obj, tl.constexpr):
+            parts.append(f"{name} = {obj.value!r}")
+    return "\n".join(parts).encode()
+
+
 @functools.lru_cache(maxsize=None)
 def _source_digest(module_file: str) -> str:
-    """GPU model, CUDA, Triton and the kernel sources a module's configs were timed on."""
+    """GPU model, CUDA, Triton and the device code of the kernel modules a module's configs were
+    timed on (_kernel_sources, _device_code)."""
     digest = hashlib.sha256()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     digest.update(f"{gpu}|{torch.version.cuda}|{triton.__version__}".encode())
     for source in _kernel_sources(module_file):
-        digest.update(source.read_bytes())
+        digest.update(_device_code(source))
     return digest.hexdigest()[:16]
 
 
 def _disk_cache_path(module_file: str) -> Path | None:
     """Where tuned configs persist across processes: GEMCTL_CACHE_DIR (default ~/.cache/gemctl),
-    one file per kernel module and _source_digest (an edited kernel file starts a new file for the
-    modules that use it, so a config is never reused for code it was not timed on). None: off
-    (GEMCTL_AUTOTUNE_CACHE=0)."""
+    one file per kernel module and _source_digest (an edited kernel starts a new file for the
+    modules that use it, so a config is never reused for device code it was not timed on; an
+    edited launcher keeps the file: every config read back must still be one of the launcher's
+    candidates). None: off (GEMCTL_AUTOTUNE_CACHE=0)."""
     if os.environ.get("GEMCTL_AUTOTUNE_CACHE", "1") == "0":
         return None
     root = Path(os.environ.get("GEMCTL_CACHE_DIR") or Path.home() / ".cache" / "gemctl")
