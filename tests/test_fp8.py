@@ -82,6 +82,13 @@ def test_cast_cols_from_many_runs():
     assert torch.equal(_bytes(dt), _bytes(cd.t().contiguous())) and torch.equal(sc, cs.t())
 
 
+def _same_values(a, b):
+    """Equal tensors, the run bytes compared as integers (uint8, or int32 from the atomic configs)."""
+    if a.dtype != b.dtype and not a.is_floating_point() and not b.is_floating_point():
+        a, b = a.to(torch.int64), b.to(torch.int64)
+    return torch.equal(a, b)
+
+
 def _rows_outputs(x, cfg, act=None, norm=False, amax_rows=8):
     """Every output of the row cast with column bytes (the RMSNorm-fused one with norm), cfg pinned."""
     from gemctl.ops.triton.fp8_gemm import fp8_rmsnorm_cast_rows
@@ -102,6 +109,22 @@ def test_cast_rows_two_blocks_in_flight(act, norm):
     x = _hostile(37, 70, torch.bfloat16)
     for got, want in zip(_rows_outputs(x, (2, 1, 1), act, norm), _rows_outputs(x, (2, 1, 0), act, norm)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("act,norm", [(None, False), ("silu", False), (None, True)], ids=["plain", "silu", "norm"])
+def test_cast_rows_atomic_column_bytes(act, norm):
+    """One block per program with the column bytes folded by atomic max (four programs per run of
+    8 rows, the last run partial): the same codes, scales, rstd and run bytes as the looping cast,
+    and the column cast reads the int32 bytes as it reads the uint8 ones."""
+    x = _hostile(37, 70, torch.bfloat16)
+    got, want = _rows_outputs(x, (2, 1, 0, 1), act, norm), _rows_outputs(x, (2, 1, 0), act, norm)
+    assert got[-1].dtype == torch.int32 and want[-1].dtype == torch.uint8
+    for g, w in zip(got, want):
+        assert _same_values(g, w)
+    extra = {"norm": (want[2], torch.linspace(0.5, 2.0, x.shape[1]))} if norm else {}
+    cols = [fp8_cast_cols(x, 16, act=act, part=p, amax_rows=8, **extra) for p in (got[-1], want[-1])]
+    for g, w in zip(*cols):
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
 
 
 @pytest.mark.parametrize("act,norm", [(None, False), ("silu", False), (None, True)], ids=["plain", "silu", "norm"])
@@ -139,13 +162,14 @@ def test_new_cast_candidates_wait_for_the_gpu_tier(monkeypatch):
     fp8_cast_rows(x, col_amax=True, amax_rows=16)
     fp8_cast_cols(x, 64, part=torch.zeros(16, 64, dtype=torch.uint8), amax_rows=16)
     rows, cols = seen
-    assert rows and all(c[2] == 0 for c in rows) and cols and all(c[3] == 0 for c in cols)
+    assert rows and not any(any(c[2:]) for c in rows) and cols and all(c[3] == 0 for c in cols)
     monkeypatch.setattr(fp8_kernels, "_PENDING_AUTOTUNE", True)
     seen.clear()
     fp8_cast_rows(x, col_amax=True, amax_rows=16)
     fp8_cast_cols(x, 64, part=torch.zeros(16, 64, dtype=torch.uint8), amax_rows=16)
     rows, cols = seen
-    assert any(c[2] for c in rows) and any(c[3] == fp8_kernels._COLS_SPLIT for c in cols)
+    assert any(c[2] for c in rows) and any(c[3:] == (1,) for c in rows)  # two blocks in flight, atomic
+    assert any(c[3] == fp8_kernels._COLS_SPLIT for c in cols)
     assert common.gpu_checked([(1, 4, 1)], 2, {(1, 4, 1)}) == [(1, 4, 1)]
 
 
@@ -887,6 +911,19 @@ def test_cast_rows_two_blocks_in_flight_gpu(cfg):
         deep = _rows_outputs(x, (*cfg, 1), act, norm, amax_rows=64)
         for got, want in zip(deep, _rows_outputs(x, (*cfg, 0), act, norm, amax_rows=64)):
             assert torch.equal(got, want), (act, norm)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", fp8_kernels._ROWS_ATOMIC, ids=lambda c: f"{c[0]}_{c[1]}")
+def test_cast_rows_atomic_gpu(cfg):
+    """Each atomic column-bytes candidate pinned, on hostile values, runs of 64 rows and a partial
+    last run: the outputs of the looping cast, plain, silu and RMSNorm."""
+    x = _hostile(8192 + 37, 1024, torch.bfloat16, device="cuda")
+    for act, norm in ((None, False), ("silu", False), (None, True)):
+        got = _rows_outputs(x, (*cfg, 0, 1), act, norm, amax_rows=64)
+        want = _rows_outputs(x, (*cfg, 0), act, norm, amax_rows=64)
+        for g, w in zip(got, want):
+            assert _same_values(g, w), (act, norm)
 
 
 @pytest.mark.gpu

@@ -95,6 +95,13 @@ _ROWS_CANDIDATES = [(2, 4), (1, 4), (4, 4), (4, 8), (2, 8), (8, 8), (1, 8), (16,
 # yet reach 65-69%: the loop's serial load -> reduce -> store chain, not issue, holds them.
 # Row-cast configs are (rows, warps, deep): deep = 1 runs DEPTH 2 (these shapes only).
 _ROWS_DEEP = [(2, 4), (1, 4), (4, 8), (2, 8), (1, 8), (1, 2), (1, 1)]  # (1, 8): 91 registers at C=4096 with silu
+# ... or one block per program, the column bytes folded by atomic max into int32 run maxima
+# (rows, warps) -> (rows, warps, 0, 1): the plain cast's parallelism (at [89,569, 768] it ran at 91%
+# of copy, the looping one with 64-row runs at 63%, H200), at the cost of Cn atomics per block of
+# rows and a zeroed maxima buffer. sm_90 ptxas (Triton 3.6), C=1024, registers per thread: (4, 8)
+# and (8, 16) 61-64, (8, 8) 117-122, (16, 16) 109-111, no spills (plain, silu, RMSNorm); (16, 8)
+# 229-238 and (32, 8) 255 with spills are left out. Not yet timed: pinned-only (_GPU_CHECKED).
+_ROWS_ATOMIC = [(4, 8), (8, 8), (8, 16), (16, 16), (8, 4)]
 _ROWS_INTERPRET = (2, 1, 0)
 # Chunked column casts: (BLOCK_R, BLOCK_C, warps).
 _COLS_CANDIDATES = [(64, 64, 4), (128, 32, 4), (64, 128, 8), (32, 128, 4), (128, 64, 8), (256, 32, 8), (128, 128, 8),
@@ -331,12 +338,33 @@ def _fp8_gemm_tma_kernel(
                   BLOCK_N)
 
 
+@triton.jit
+def _cast_row_block(X, DATA, SCALE, RSTD, raw, rr, cc, cmask, nw, R, Cn, stride_dr, eps, ACT: tl.constexpr,
+                    IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr, NORM: tl.constexpr):
+    """One block of whole rows loaded (raw): act or RMSNorm applied, each row's E8M0 byte and E4M3
+    codes stored (rstd too with NORM); returns the magnitudes' bits (0 where masked) for the
+    column bytes."""
+    rmask = rr < R
+    mask = rmask[:, None] & cmask
+    x = _widen_act(raw, ACT, IN_BF16)
+    if NORM:
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / Cn + eps)
+        tl.store(RSTD + rr, rstd, mask=rmask)
+        x = _normed(X, x, rstd, nw, IN_BF16, BIT_CAST)
+    bits = _abs_bits(x, mask)
+    byte, inv, nan = _scale_from_amax(tl.max(bits, axis=1))
+    tl.store(DATA + rr.to(tl.int64)[:, None] * stride_dr + cc[None, :],
+             _quantize(x, inv[:, None], nan[:, None], BIT_CAST), mask=mask)
+    tl.store(SCALE + rr, byte.to(tl.uint8), mask=rmask)
+    return bits
+
+
 @triton.jit(do_not_specialize=["R"])  # per-batch sizes: common.py, "Specialization"
 def _cast_rows_kernel(
     X, DATA, SCALE, PART, NW, RSTD, R, Cn, stride_xr, stride_dr, stride_p, eps,
     ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ONE_SWEEP: tl.constexpr, ITERS: tl.constexpr,
-    COL_AMAX: tl.constexpr, NORM: tl.constexpr = False, DEPTH: tl.constexpr = 1,
+    COL_AMAX: tl.constexpr, NORM: tl.constexpr = False, DEPTH: tl.constexpr = 1, ATOMIC: tl.constexpr = False,
 ):
     """Whole rows, ITERS blocks of BLOCK_R rows per program. ONE_SWEEP (BLOCK_C covers the row):
     one read, the rows held in registers; otherwise (ITERS == 1) a sweep for the amax and a second
@@ -346,9 +374,23 @@ def _cast_rows_kernel(
     the byte of a chunk is the largest of its runs' bytes). NORM (ONE_SWEEP, ACT 0): the
     rows are RMS-normalized first, y = x * rstd * NW (float32 NW [Cn]), rounded to X's dtype
     (what the unfused norm would store), and rstd = 1 / sqrt(mean(x^2) + eps) goes to RSTD [R].
-    DEPTH (ITERS > 1): blocks of rows in flight while one is reduced and stored."""
+    DEPTH (ITERS > 1): blocks of rows in flight while one is reduced and stored. ATOMIC (with
+    COL_AMAX): one block of BLOCK_R rows per program, ITERS programs per run of rows, each
+    folding its column bytes into the run's by an atomic max on PART [runs, Cn] int32 (zeroed
+    first): as many programs as the plain row cast, no loop."""
     pid = tl.program_id(0)
-    if ONE_SWEEP:
+    if ONE_SWEEP and ATOMIC:
+        cc = tl.arange(0, BLOCK_C)
+        cmask = (cc < Cn)[None, :]
+        nw = tl.load(NW + cc, mask=cc < Cn, other=0.0) if NORM else 0.0
+        rr = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+        raw = _load_raw(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], (rr < R)[:, None] & cmask)
+        bits = _cast_row_block(X, DATA, SCALE, RSTD, raw, rr, cc, cmask, nw, R, Cn, stride_dr, eps, ACT, IN_BF16,
+                               BIT_CAST, NORM)
+        col_byte, _, _ = _scale_from_amax(tl.max(bits, axis=0))
+        tl.atomic_max(PART + (pid // ITERS).to(tl.int64) * stride_p + cc, col_byte.to(tl.int32), mask=cc < Cn,
+                      sem="relaxed")
+    elif ONE_SWEEP:
         cc = tl.arange(0, BLOCK_C)
         cmask = (cc < Cn)[None, :]
         nw = tl.load(NW + cc, mask=cc < Cn, other=0.0) if NORM else 0.0
@@ -371,18 +413,8 @@ def _cast_rows_kernel(
                                     (far < R)[:, None] & cmask & (i + DEPTH < ITERS))
             else:
                 nxt, raw_far = rr, raw
-            rmask = rr < R
-            mask = rmask[:, None] & cmask
-            x = _widen_act(raw, ACT, IN_BF16)
-            if NORM:
-                rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / Cn + eps)
-                tl.store(RSTD + rr, rstd, mask=rmask)
-                x = _normed(X, x, rstd, nw, IN_BF16, BIT_CAST)
-            bits = _abs_bits(x, mask)
-            byte, inv, nan = _scale_from_amax(tl.max(bits, axis=1))
-            tl.store(DATA + rr.to(tl.int64)[:, None] * stride_dr + cc[None, :],
-                     _quantize(x, inv[:, None], nan[:, None], BIT_CAST), mask=mask)
-            tl.store(SCALE + rr, byte.to(tl.uint8), mask=rmask)
+            bits = _cast_row_block(X, DATA, SCALE, RSTD, raw, rr, cc, cmask, nw, R, Cn, stride_dr, eps, ACT, IN_BF16,
+                                   BIT_CAST, NORM)
             if COL_AMAX:
                 col = tl.maximum(col, bits)
             if DEPTH == 2:
@@ -540,9 +572,9 @@ def fp8_cast_rows(x: torch.Tensor, *, act: str | None = None, col_amax: bool = F
 
     ``col_amax``: returns ``(data, scale, part)`` with ``part [ceil(R / amax_rows), C]`` uint8,
     every column's E8M0 scale byte over each run of ``amax_rows`` rows (default: amax_rows_for
-    the default TOKEN_CHUNK); ``fp8_cast_cols`` of the same tensor takes its chunk scales from it
-    and reads the tensor once instead of twice. ``part`` is None for rows wider than the registers
-    hold (8192 values)."""
+    the default TOKEN_CHUNK; int32 holding the same bytes where an atomic config ran);
+    ``fp8_cast_cols`` of the same tensor takes its chunk scales from it and reads the tensor once
+    instead of twice. ``part`` is None for rows wider than the registers hold (8192 values)."""
     data, scale, _, part = _cast_rows(x, act, col_amax, amax_rows, bit_cast, None)
     return (data, scale, part) if col_amax else (data, scale)
 
@@ -572,26 +604,35 @@ def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
     scale = torch.empty(r, dtype=torch.uint8, device=x.device)
     one_sweep = c <= _ROWS_IN_REGISTERS
     with_part = col_amax and one_sweep
-    part = torch.empty((cdiv(r, amax_rows), c), dtype=torch.uint8, device=x.device) if with_part else None
+    n_runs = cdiv(r, amax_rows) if with_part else 0
+    part = torch.empty((n_runs, c), dtype=torch.uint8, device=x.device) if with_part else None
     rstd = torch.empty(r, dtype=torch.float32, device=x.device) if norm else None
     nw, eps = norm if norm else (scale, 0.0)  # placeholders the kernel does not read without NORM
     if x.numel():
         def run(cfg):
-            br, warps, deep = cfg
-            iters = amax_rows // br if with_part else 1
+            nonlocal part
+            br, warps, deep = cfg[:3]
+            atomic = with_part and config_field(cfg, 3)
+            iters = amax_rows // br if with_part else 1  # with ATOMIC: programs per run
             if with_part and amax_rows % br:
                 raise ValueError(f"fp8_cast_rows: amax_rows={amax_rows} is not a multiple of BLOCK_R={br}")
-            _cast_rows_kernel[(cdiv(r, br * iters),)](
+            if with_part:  # the atomic configs fold their bytes into zeroed int32 maxima
+                part = (torch.zeros((n_runs, c), dtype=torch.int32, device=x.device) if atomic
+                        else torch.empty((n_runs, c), dtype=torch.uint8, device=x.device))
+            _cast_rows_kernel[(cdiv(r, br) if atomic else cdiv(r, br * iters),)](
                 xin, data, scale, part if with_part else scale, nw, rstd if norm else scale, r, c, xin.stride(0),
                 data.stride(0), part.stride(0) if with_part else 0, eps, ACT=ACTS[act],
                 IN_BF16=x.dtype == torch.bfloat16, BIT_CAST=_bit_cast(bit_cast), BLOCK_R=br,
                 BLOCK_C=next_pow2(c) if one_sweep else 2048, ONE_SWEEP=one_sweep, ITERS=iters,
-                COL_AMAX=with_part, NORM=norm is not None, DEPTH=2 if deep and iters > 1 else 1, num_warps=warps)
+                COL_AMAX=with_part, NORM=norm is not None, DEPTH=2 if deep and iters > 1 and not atomic else 1,
+                ATOMIC=bool(atomic), num_warps=warps)
 
         key = ("fp8_cast_rows", bucket_len(r), bucket_len(c), x.dtype, act, with_part and amax_rows, norm is not None)
         def candidates():
             deep = [(br, w, 1) for br, w in _ROWS_DEEP if amax_rows // br > 1] if with_part else []
-            return gpu_checked([(br, w, 0) for br, w in _ROWS_CANDIDATES] + deep, 2, _GPU_CHECKED, _PENDING_AUTOTUNE)
+            atomic = [(br, w, 0, 1) for br, w in _ROWS_ATOMIC if amax_rows % br == 0] if with_part else []
+            return gpu_checked([(br, w, 0) for br, w in _ROWS_CANDIDATES] + deep + atomic, 2, _GPU_CHECKED,
+                               _PENDING_AUTOTUNE)
 
         run(pick_config(key, candidates, run, _ROWS_INTERPRET))
     return data.view(torch.float8_e4m3fn), scale, rstd, part
