@@ -70,8 +70,12 @@ def _kernel_sources(module_file: str) -> tuple[Path, ...]:
 
 
 def _module_of(path: Path):
-    """The imported module whose file is ``path`` (None if none is)."""
+    """The imported module whose file is ``path`` (None if none is): a kernel module by its name,
+    anything else by a scan of the imported modules."""
     path = path.resolve()
+    module = sys.modules.get(f"gemctl.ops.triton.{path.stem}")
+    if module is not None and Path(module.__file__).resolve() == path:
+        return module
     for module in list(sys.modules.values()):
         file = getattr(module, "__file__", None)
         if file and Path(file).resolve() == path:

@@ -605,7 +605,8 @@ def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
     one_sweep = c <= _ROWS_IN_REGISTERS
     with_part = col_amax and one_sweep
     n_runs = cdiv(r, amax_rows) if with_part else 0
-    part = torch.empty((n_runs, c), dtype=torch.uint8, device=x.device) if with_part else None
+    # allocated by the launch (its dtype depends on the config); empty bytes for an empty x
+    part = torch.empty((n_runs, c), dtype=torch.uint8, device=x.device) if with_part and not x.numel() else None
     rstd = torch.empty(r, dtype=torch.float32, device=x.device) if norm else None
     nw, eps = norm if norm else (scale, 0.0)  # placeholders the kernel does not read without NORM
     if x.numel():
