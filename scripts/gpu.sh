@@ -21,6 +21,8 @@
 #   tests-precision  the GPU tier of the FP8, MX and MX-attention tests alone (~1-2 minutes)
 #   bench-fp8 scripts/bench_fp8.py --only cast,mlp --pending: the FP8 casts vs copy, the MLP block vs
 #             BF16, the cast configs the GPU tier has not passed yet autotuned too (JSON: configs)
+#   bench-fp8-model  the casts at small_h200's shapes (89,569 jagged tokens; d_model 768 and its
+#             3072-wide MLP), pending configs included
 #   sweep     scripts/bench_jagged_attention.py --sweep fwd/dkdv/dq: every candidate of each pass timed
 #   ncu       Nsight Compute counters of one autotuned forward+backward: jagged attention self-1000,
 #             GDPA cross-128, block attention (64, RoPE) self-1000. Autotuning under ncu can pick other
@@ -35,7 +37,8 @@
 #   precision-speed  small_h200 once per precision recipe (PRECISION_RECIPES, default bf16,fp8_tower,
 #             fp8_mlp,fp8), autotuned, 80 steps (40 untimed) and smaller item/user tables (the step
 #             compares recipes, not the baseline). Each FP8 recipe tunes for ~70-250 s from a cold
-#             cache: two or three recipes per 10-minute call; carry .autotune to the next call
+#             cache: two or three recipes per 10-minute call; carry .autotune to the next call.
+#             PRECISION_OVERRIDES adds overrides to every job (e.g. "model.d_model=1536 model.num_heads=12")
 #
 # Packages the GPU image lacks travel as wheels in .whl/ (shared/gpu-wheels/README.md). Tuned kernel
 # configs go to .autotune/ (GEMCTL_CACHE_DIR) and come back in one file, $OUT/autotune.tar (a call
@@ -88,6 +91,9 @@ for stage in "$@"; do
       python3 -m pytest -v -m gpu $par tests/test_fp8.py tests/test_mx.py tests/test_mx_attention.py -p no:cacheprovider -rf 2>&1 \
         | grep -E "PASSED|FAILED|ERROR|passed|failed" | tee "$OUT/gpu_tests_precision.log" ;;
     bench-fp8) python3 scripts/bench_fp8.py --only cast,mlp --pending --out "$OUT/bench_fp8.json" 2>&1 | quiet | tee "$OUT/bench_fp8.log" ;;
+    bench-fp8-model)
+      python3 scripts/bench_fp8.py --only cast --pending --cast-widths 768,3072 --tokens 89569 \
+        --out "$OUT/bench_fp8_model_shapes.json" 2>&1 | quiet | tee "$OUT/bench_fp8_model_shapes.log" ;;
     tests-multi-gpu)
       python3 -m pytest -v -s -m gpu tests/test_parallel.py -k two_gpus -p no:cacheprovider -rf 2>&1 \
         | grep -E "PASSED|FAILED|ERROR|Error|passed|failed|skipped|relative loss" | tee "$OUT/gpu_tests_multi_gpu.log" ;;
@@ -121,8 +127,9 @@ for stage in "$@"; do
       # 40 untimed steps: at 30 steps (10 untimed) fp8_tower measured 431 ms against 381 at steady
       # state (H200, 2026-11-30). Each job's summary is copied out, so a job the call's limit cuts
       # does not take the finished ones with it.
+      # shellcheck disable=SC2086  # PRECISION_OVERRIDES: words, one override each
       python3 -m gemctl train --recipe small_h200 -m precision="${PRECISION_RECIPES:-bf16,fp8_tower,fp8_mlp,fp8}" \
-        run.progress=false train.steps=80 train.warmup_timing_steps=40 data.synthetic.num_items=100000 \
+        ${PRECISION_OVERRIDES:-} run.progress=false train.steps=80 train.warmup_timing_steps=40 data.synthetic.num_items=100000 \
         data.synthetic.num_users=100000 run.output_dir=runs/precision-speed 2>&1 | quiet | tail -12 \
         | tee "$OUT/precision_speed.log"
       d=$(ls -d runs/precision-speed/small_h200/multirun-* | tail -1)
@@ -138,6 +145,6 @@ for stage in "$@"; do
         parallel.topology.gpus_per_node=$ngpu run.name=small_h200-fsdp$ngpu 2>&1 | quiet | tee "$OUT/profile_fsdp$ngpu.log"
       d=$(ls -d runs/small_h200-fsdp$ngpu-profile/* | tail -1)
       cp "$d/profile.json" "$OUT/profile_fsdp$ngpu.json"; cp "$d/breakdown.png" "$OUT/breakdown_fsdp$ngpu.png" ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, sweep-block, bench-mx, tests-precision, bench-fp8, ncu, precision-speed, profile, tests-multi-gpu, scaling, profile-multi-gpu)" >&2; exit 2 ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, sweep-block, bench-mx, tests-precision, bench-fp8, bench-fp8-model, ncu, precision-speed, profile, tests-multi-gpu, scaling, profile-multi-gpu)" >&2; exit 2 ;;
   esac
 done
