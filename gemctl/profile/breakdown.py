@@ -46,6 +46,9 @@ _COMM_MARKERS = ("nccl", "c10d::", "record_param_comms", "all_reduce", "allreduc
 _ATTENTION_MARKERS = ("scaled_dot_product", "flash_attention", "efficient_attention", "gemctl::jagged_attention", "gemctl::gdpa", "gemctl::block_attention")
 _EMBEDDING_MARKERS = ("aten::embedding", "embedding_bag", "fbgemm::")
 _BACKWARD_NODE = "autograd::engine::evaluate_function: "
+# Events that are not work of their own: profiler ranges, step markers, autograd nodes (their self
+# time is Python and dispatch, counted as idle).
+_NOT_OPERATORS = ("gemctl.", "ProfilerStep", _BACKWARD_NODE)
 # Our Triton GEMM kernels (gemctl.ops.triton.fp8_gemm), by the prefix of the kernel's name.
 GEMM_KERNELS = ("_fp8_gemm_kernel", "_fp8_gemm_tma_kernel")
 
@@ -193,7 +196,7 @@ def breakdown(events, steps: int, device: str, window_us: float | None = None) -
         if device == "cuda":
             self_us = e.self_device_time_total
             gemm_us = min(_gemm_kernel_us(e), max(self_us, 0.0))
-        elif e.name.startswith(("gemctl.", "ProfilerStep", _BACKWARD_NODE)):
+        elif e.name.startswith(_NOT_OPERATORS):
             self_us = 0.0  # ranges and autograd nodes: their self time is Python/dispatch -> idle
         else:
             self_us = e.self_cpu_time_total
@@ -225,13 +228,10 @@ def top_kernels(events, steps: int, device: str, n: int = 15) -> list[dict]:
     per: dict[str, list] = defaultdict(lambda: [0, 0.0])
     for e in events:
         on_gpu = str(getattr(e, "device_type", "")).endswith("CUDA")
-        if device == "cuda" and on_gpu:
-            us = e.device_time_total
-        elif device != "cuda" and not on_gpu:
-            us = 0.0 if e.name.startswith(("gemctl.", "ProfilerStep", _BACKWARD_NODE)) else e.self_cpu_time_total
-        else:
+        if on_gpu != (device == "cuda") or e.name.startswith(_NOT_OPERATORS):
             continue
-        if us <= 0 or e.name.startswith(("gemctl.", "ProfilerStep")):
+        us = e.device_time_total if on_gpu else e.self_cpu_time_total
+        if us <= 0:
             continue
         row = per[e.name]
         row[0] += 1

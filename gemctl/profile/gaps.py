@@ -93,7 +93,14 @@ def idle_by_host(trace: dict | list, steps: int, min_gap_us: float = 5.0, top: i
     kernels.sort()
     segments = {key: _segments(evs) for key, evs in host.items()}
     seg_starts = {key: [s[0] for s in segs] for key, segs in segments.items()}
-    per: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    per: dict[str, list] = defaultdict(lambda: [0.0, 0])  # label -> [us, gaps it was seen in]
+
+    def add(label: str, us: float, seen: set) -> None:
+        per[label][0] += us
+        if label not in seen:
+            seen.add(label)
+            per[label][1] += 1
+
     total, n_gaps = 0.0, 0
     busy_end = kernels[0][1]
     for start, end, corr in kernels[1:]:
@@ -102,29 +109,23 @@ def idle_by_host(trace: dict | list, steps: int, min_gap_us: float = 5.0, top: i
             total += g1 - g0
             n_gaps += 1
             launch = launches.get(corr)
+            seen: set = set()
             if launch is None:
-                per[NO_LAUNCH][0] += g1 - g0
-                per[NO_LAUNCH][1] += 1
+                add(NO_LAUNCH, g1 - g0, seen)
             else:
                 key = launch[0]
                 segs, starts = segments[key], seg_starts[key]
                 i = max(bisect.bisect_right(starts, g0) - 1, 0)
-                covered, seen = 0.0, set()
+                covered = 0.0
                 while i < len(segs) and segs[i][0] < g1:
                     a, b, name = segs[i]
                     overlap = min(b, g1) - max(a, g0)
                     if overlap > 0:
-                        label = _label(name)
-                        per[label][0] += overlap
+                        add(_label(name), overlap, seen)
                         covered += overlap
-                        if label not in seen:
-                            seen.add(label)
-                            per[label][1] += 1
                     i += 1
                 if g1 - g0 - covered > 1e-9:  # no profiled event open on the thread: Python
-                    per[BETWEEN_OPS][0] += g1 - g0 - covered
-                    if BETWEEN_OPS not in seen:
-                        per[BETWEEN_OPS][1] += 1
+                    add(BETWEEN_OPS, g1 - g0 - covered, seen)
         busy_end = max(busy_end, end)
     if not n_gaps:
         return empty
