@@ -807,8 +807,9 @@ def test_fp8_mlp_recipe_routes_only_the_mlp_blocks():
     assert not any(hasattr(m, "fp8_recipe") for m in model.tower.layers[0].attn.modules())
 
 
-def test_fp8_mlp_safe_recipe_keeps_the_last_mlp_and_weight_gradients_bf16():
-    cfg, model, linears = _routed_tiny_model("fp8_mlp_safe")
+@pytest.mark.parametrize("name, wgrad", [("fp8_mlp_safe", "bf16"), ("fp8_mlp_tail", "fp8")])
+def test_fp8_mlp_safe_and_tail_recipes_keep_the_last_mlp_bf16(name, wgrad):
+    cfg, model, linears = _routed_tiny_model(name)
     last = cfg.model.num_layers - 1
     fp8 = {p for p, f in linears.items() if f == "fp8"}
     assert fp8 == {p for p in linears if p.startswith("tower.layers.") and ".mlp." in p
@@ -816,7 +817,7 @@ def test_fp8_mlp_safe_recipe_keeps_the_last_mlp_and_weight_gradients_bf16():
     assert fp8 and all(linears[p] == "bf16" for p in linears if p.startswith(f"tower.layers.{last}."))
     assert all(linears[p] == "fp32" for p in linears if p.startswith("heads."))
     assert not hasattr(model.tower.layers[last].mlp, "fp8_recipe") and hasattr(model.tower.layers[0].mlp, "fp8_recipe")
-    assert cfg.precision.fp8.wgrad == "bf16"
+    assert cfg.precision.fp8.wgrad == wgrad
 
 
 def test_config_and_kernels_name_the_same_granularities():
