@@ -66,6 +66,19 @@ BF16 = torch.bfloat16
 
 
 
+_ON_ROW = None  # set by main(): called with a section's rows after each row is added
+
+
+class _Rows(list):
+    """A section's rows; each append hands them to main(), which rewrites the JSON, so a run cut
+    by its time limit keeps every row it timed, not only the sections it finished."""
+
+    def append(self, row) -> None:
+        super().append(row)
+        if _ON_ROW is not None:
+            _ON_ROW(self)
+
+
 def operands(t: torch.Tensor, group: int):
     """(data, scale) of a K-major tensor for ``fp8_gemm`` at this granularity."""
     if group == 0:
@@ -94,7 +107,7 @@ def two_per_sm(row: dict, name: str, flops: int, call) -> None:
 
 
 def gemm_rows(tokens: int, grans=tuple(GRANULARITIES), widths=None) -> list[dict]:
-    out = []
+    out = _Rows()
     for d, h in MLP_WIDTHS:
         if widths and d not in widths:
             continue
@@ -174,7 +187,7 @@ def mlp_variants(d: int, h: int):
 
 
 def mlp_rows(tokens: int, only=None, widths=None) -> list[dict]:
-    out = []
+    out = _Rows()
     for d, h in MLP_WIDTHS:
         if widths and d not in widths:
             continue
@@ -228,7 +241,7 @@ def cast_rows(tokens: int, copy: float, widths=(1024, 4096, 8192)) -> list[dict]
     """Bytes: read 2 B (bf16), write 1 B per element, 1 B per scale; the column scale bytes a row
     cast leaves for the column cast (1 B per column and run of amax_rows_for rows, the run length
     the linears use) are written by one and read by the other."""
-    out = []
+    out = _Rows()
     runs = amax_rows_for(TOKEN_CHUNK, tokens)
     for cols in widths:
         x = torch.randn(tokens, cols, device="cuda", dtype=BF16)
@@ -274,7 +287,7 @@ def cast_rows(tokens: int, copy: float, widths=(1024, 4096, 8192)) -> list[dict]
 
 
 def accuracy_rows() -> list[dict]:
-    out = []
+    out = _Rows()
     gen = torch.Generator(device="cuda").manual_seed(0)
     m, k, n = 4096, 2048, 2048
     w = torch.randn(n, k, device="cuda", generator=gen) / k**0.5
@@ -309,7 +322,7 @@ def outlier_rows() -> list[dict]:
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(device)
     formats = {"row": (0, 0), "block128": (128, 0), "mx32": (32, 0), "row + hadamard 32": (0, 32),
                "row + hadamard 128": (0, 128)}
-    out = []
+    out = _Rows()
     for scale in (1.0, 1e2, 1e3, 1e4, 1e5):
         x = torch.randn(m, k, generator=gen)
         outliers = torch.randperm(k, generator=gen)[:8]
@@ -342,7 +355,7 @@ def accumulation_rows() -> list[dict]:
     cuBLAS ``_scaled_mm`` (fast accumulation on and off) against float64 products of the
     dequantized operands, for contraction lengths of the MLP's GEMMs (the wgrad sums 65536
     tokens). Compare with the quantization error itself (~3.8% relative, section accuracy)."""
-    out = []
+    out = _Rows()
     gen = torch.Generator(device="cuda").manual_seed(1)
     for k in (1024, 4096, 16384, 65536):
         a = torch.randn(512, k, device="cuda", generator=gen).to(BF16)
@@ -373,7 +386,7 @@ def profile_rows(tokens: int, widths=None) -> list[dict]:
     """Where the fused FP8 MLP's forward+backward time goes: CUDA time per kernel (torch.profiler,
     5 steps after 3 warm-up steps), per width; then the torch ops that launched device work, with
     their input shapes (which op a non-Triton kernel, e.g. an elementwise copy, comes from)."""
-    out = []
+    out = _Rows()
     for d, h in MLP_WIDTHS:
         if widths and d not in widths:
             continue
@@ -446,10 +459,16 @@ def main() -> None:
     unknown = [p for p in parts if p not in sections]
     if unknown:
         raise SystemExit(f"bench_fp8: --only {','.join(unknown)}: unknown; allowed: {', '.join(sections)}")
-    for part in parts:  # in the order given, so a run cut by its time limit keeps the first ones
-        result[part] = sections[part]()
+    global _ON_ROW
+
+    def write(part: str, rows: list) -> None:  # partial results survive a timeout
+        result[part] = rows
         result["configs"] = picked_configs(("fp8_cast_rows", "fp8_cast_cols", "fp8_gemm"))  # what was timed
-        path.write_text(json.dumps(result, indent=1))  # partial results survive a timeout
+        path.write_text(json.dumps(result, indent=1))
+
+    for part in parts:  # in the order given
+        _ON_ROW = lambda rows, part=part: write(part, rows)  # noqa: E731
+        write(part, sections[part]())
     print(json.dumps(result, indent=1))
 
 
