@@ -34,7 +34,7 @@ def test_kernels_compile_for_sm90():
     # a size that changes with every batch never changes a kernel's specialization (no compile
     # mid-training when a jagged token count happens to be a multiple of 16)
     specs = [ln for ln in proc.stdout.splitlines() if " per-batch " in ln]
-    assert len(specs) == 12 and all(ln.endswith(": stable") for ln in specs), proc.stdout
+    assert len(specs) == 13 and all(ln.endswith(": stable") for ln in specs), proc.stdout
 
 
 def test_compile_time_is_counted_outside_tuning(monkeypatch):
@@ -42,12 +42,14 @@ def test_compile_time_is_counted_outside_tuning(monkeypatch):
     already; a hook installed before ours still runs, and its answer (skip the compile) stands
     without leaving a start time behind."""
     import time
+    import types
 
     import triton
 
     from gemctl.ops.triton import common
 
     runtime = triton.knobs.runtime
+    monkeypatch.setattr(common, "_compile_t0", {})
     seen = []
     monkeypatch.setattr(runtime, "jit_cache_hook", lambda *a, **k: seen.append("before") or "skip")
     monkeypatch.setattr(runtime, "jit_post_compile_hook", lambda *a, **k: seen.append("after"))
@@ -69,3 +71,44 @@ def test_compile_time_is_counted_outside_tuning(monkeypatch):
     runtime.jit_post_compile_hook(key="k")
     assert common.compile_seconds() == counted  # inside tuning: not counted twice
     assert common.setup_seconds() == common.tuning_seconds() + counted
+    monkeypatch.setattr(common, "_tuning_now", False)
+    # paired by kernel and key: a compile that raised leaves its start, and neither a finish of
+    # another key nor a finish without a start picks it up
+    fn_a, fn_b = types.SimpleNamespace(jit_function=object()), types.SimpleNamespace(jit_function=object())
+    runtime.jit_cache_hook(key=("a",), fn=fn_a)  # raised: no post-compile call
+    time.sleep(0.05)
+    runtime.jit_post_compile_hook(key=("a",), fn=fn_b)  # another kernel's finish, never started
+    runtime.jit_cache_hook(key=("b",), fn=fn_a)
+    runtime.jit_post_compile_hook(key=("b",), fn=fn_a)
+    assert common.compile_seconds() - counted < 0.01
+    runtime.jit_cache_hook(key=("a",), fn=fn_a)  # compiled again: the new start replaces the old
+    runtime.jit_post_compile_hook(key=("a",), fn=fn_a)
+    assert common.compile_seconds() - counted < 0.01 and not common._compile_t0
+
+
+@pytest.mark.gpu
+def test_a_real_compile_is_timed_by_the_hooks():
+    """Triton itself calls the hooks (the kwargs they pair by included): a kernel compiled for a
+    constexpr value no run has used adds its compile time, its second launch adds nothing."""
+    import time
+
+    import torch
+    import triton
+    import triton.language as tl
+
+    from gemctl.ops.triton import common
+
+    @triton.jit
+    def _fill(X, VALUE: tl.constexpr):
+        tl.store(X + tl.arange(0, 16), tl.full((16,), VALUE, tl.float32))
+
+    x = torch.empty(16, device="cuda")
+    value = float(time.time_ns() % 100_000)  # a specialization no earlier run compiled
+    before = common.compile_seconds()
+    _fill[(1,)](x, VALUE=value)
+    torch.cuda.synchronize()
+    compiled = common.compile_seconds()
+    assert compiled > before and not common._compile_t0
+    _fill[(1,)](x, VALUE=value)
+    torch.cuda.synchronize()
+    assert common.compile_seconds() == compiled and torch.all(x == value)

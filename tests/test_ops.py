@@ -271,8 +271,9 @@ def test_tuning_time_is_counted_once_per_key(monkeypatch):
 
 def test_tuned_configs_persist_on_disk(monkeypatch, tmp_path):
     """A tuned pick is written to the on-disk cache and a later process (its in-memory cache empty)
-    takes it without timing; another candidate list is tuned again; a changed kernel source gives
-    another file; an unreadable file is tuned over."""
+    takes it without timing (one launch checks that it still runs); another candidate list is
+    tuned again; a changed kernel source gives another file; an unreadable file is tuned over; a
+    pick that the launcher now rejects is tuned over."""
     from gemctl.ops.triton import common
 
     monkeypatch.setenv("GEMCTL_AUTOTUNE_CACHE", "1")
@@ -290,18 +291,27 @@ def test_tuned_configs_persist_on_disk(monkeypatch, tmp_path):
         assert len(files) == 1 and "torch.bfloat16" in files[0].read_text()
         monkeypatch.setattr(common, "_config_cache", {})  # a new process
         monkeypatch.setattr(common, "_disk", {})
-        assert common.pick_config(key, [(1, 2), (3, 4)], timed.append) == (3, 4) and len(timed) == 2
+        assert common.pick_config(key, [(1, 2), (3, 4)], timed.append) == (3, 4) and timed[2:] == [(3, 4)]
         monkeypatch.setattr(common, "_config_cache", {})  # another candidate list: tuned again
-        assert common.pick_config(key, [(1, 2), (5, 6)], timed.append) == (5, 6) and len(timed) == 4
+        assert common.pick_config(key, [(1, 2), (5, 6)], timed.append) == (5, 6) and len(timed) == 5
+        monkeypatch.setattr(common, "_config_cache", {})  # the launcher now rejects the stored (5, 6)
+        monkeypatch.setattr(common, "_disk", {})
+
+        def edited(cfg):
+            if cfg == (5, 6):
+                raise ValueError("BLOCK_R no longer divides the run")
+            timed.append(cfg)
+
+        assert common.pick_config(key, [(1, 2), (5, 6)], edited) == (1, 2) and timed[5:] == [(1, 2)]
         files[0].write_text("{half")
         monkeypatch.setattr(common, "_config_cache", {})
         monkeypatch.setattr(common, "_disk", {})
-        assert common.pick_config(key, [(1, 2), (3, 4)], timed.append) == (3, 4) and len(timed) == 6
+        assert common.pick_config(key, [(1, 2), (3, 4)], timed.append) == (3, 4) and len(timed) == 8
         monkeypatch.setattr(common, "_source_digest", lambda module_file: "other")  # an edited kernel source
         monkeypatch.setattr(common, "_config_cache", {})
         monkeypatch.setattr(common, "_disk", {})
         common.pick_config(key, [(1, 2), (3, 4)], timed.append)
-        assert len(timed) == 8
+        assert len(timed) == 10
     finally:
         common.set_autotune(None)
     from gemctl.ops.triton import fp8_gemm, gdpa

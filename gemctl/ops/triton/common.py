@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import inspect
 import json
 import os
@@ -53,7 +54,7 @@ _autotune: bool | None = None  # set_autotune(); None: GEMCTL_AUTOTUNE decides
 _tuning_s = 0.0  # wall seconds spent timing candidates (compilation included), all kernels
 _tuning_now = False  # pick_config is timing candidates: their compiles are tuning time already
 _compile_s = 0.0  # wall seconds of Triton compiles outside tuning (see compile_seconds)
-_compile_t0: list = []  # start times of the compiles in progress (nested: one per kernel)
+_compile_t0: dict = {}  # start time of each compile in progress, by (kernel, specialization key)
 _disk: dict = {}  # cache file -> its entries, each file read once per process
 
 
@@ -70,12 +71,14 @@ def _kernel_sources(module_file: str) -> tuple[Path, ...]:
 
 
 def _module_of(path: Path):
-    """The imported module whose file is ``path`` (None if none is): a kernel module by its name,
-    anything else by a scan of the imported modules."""
+    """The module whose file is ``path`` (None if none is imported): one of our kernel modules by
+    its name, imported if it is not yet (so a module's digest does not depend on what else the
+    process imported), anything else by a scan of the imported modules."""
     path = path.resolve()
-    module = sys.modules.get(f"gemctl.ops.triton.{path.stem}")
-    if module is not None and Path(module.__file__).resolve() == path:
-        return module
+    if path.parent == Path(__file__).resolve().parent:
+        module = importlib.import_module(f"gemctl.ops.triton.{path.stem}")
+        if Path(module.__file__).resolve() == path:
+            return module
     for module in list(sys.modules.values()):
         file = getattr(module, "__file__", None)
         if file and Path(file).resolve() == path:
@@ -118,7 +121,7 @@ def _disk_cache_path(module_file: str) -> Path | None:
     one file per kernel module and _source_digest (an edited kernel starts a new file for the
     modules that use it, so a config is never reused for device code it was not timed on; an
     edited launcher keeps the file: every config read back must still be one of the launcher's
-    candidates). None: off (GEMCTL_AUTOTUNE_CACHE=0)."""
+    candidates, and run once, before it is taken). None: off (GEMCTL_AUTOTUNE_CACHE=0)."""
     if os.environ.get("GEMCTL_AUTOTUNE_CACHE", "1") == "0":
         return None
     root = Path(os.environ.get("GEMCTL_CACHE_DIR") or Path.home() / ".cache" / "gemctl")
@@ -168,9 +171,10 @@ def tuning_seconds() -> float:
 
 
 def compile_seconds() -> float:
-    """Wall seconds Triton has spent compiling our kernels (or loading them from its disk cache)
-    outside autotuning, so far in this process: new specializations, shapes or configs met during
-    training. 0 where Triton has no compile hooks (before 3.4) or under the interpreter."""
+    """Wall seconds Triton has spent compiling kernels (or loading them from its disk cache) outside
+    our autotuning, so far in this process: new specializations, shapes or configs met during
+    training. Every Triton compile in the process counts, ours or another library's. 0 where
+    Triton has no compile hooks (before 3.4) or under the interpreter."""
     return _compile_s
 
 
@@ -178,6 +182,18 @@ def setup_seconds() -> float:
     """One-off kernel work so far: autotuning plus the compiles outside it (the time the trainer
     leaves out of the step times of the windows it fell in)."""
     return _tuning_s + _compile_s
+
+
+def _compile_id(hook_kwargs: dict) -> tuple:
+    """Which compile a hook call is about: the JITFunction (``fn.jit_function``) and its
+    specialization ``key``, as Triton 3.4-3.9 pass them."""
+    fn = hook_kwargs.get("fn")
+    key = hook_kwargs.get("key")
+    try:
+        hash(key)
+    except TypeError:
+        key = repr(key)
+    return id(getattr(fn, "jit_function", fn)), key
 
 
 def _install_compile_hooks() -> None:
@@ -192,15 +208,17 @@ def _install_compile_hooks() -> None:
     def started(*args, **kwargs):
         skip = before(*args, **kwargs) if before is not None else False
         if not skip:  # a skipped compile gets no post-compile call
-            _compile_t0.append(time.perf_counter())
+            _compile_t0[_compile_id(kwargs)] = time.perf_counter()
         return skip
 
     def finished(*args, **kwargs):
         global _compile_s
-        if _compile_t0:
-            seconds = time.perf_counter() - _compile_t0.pop()
-            if not _tuning_now:
-                _compile_s += seconds
+        # Paired by kernel and key: a compile that raised (no post-compile call) leaves a start
+        # that the next compile of the same kernel and key replaces, and a post-compile call
+        # without a start (another caller of the hook) counts nothing.
+        t0 = _compile_t0.pop(_compile_id(kwargs), None)
+        if t0 is not None and not _tuning_now:
+            _compile_s += time.perf_counter() - t0
         return after(*args, **kwargs) if after is not None else None
 
     runtime.jit_cache_hook, runtime.jit_post_compile_hook = started, finished
@@ -438,6 +456,17 @@ class forced_config:
         _forced.pop()
 
 
+def _runs(run, cfg) -> bool:
+    """Whether ``run(cfg)`` runs: a config read back from disk was tuned on the same device code,
+    but the launcher around it may have changed since (a new check that rejects it); one launch
+    tells, and a config that fails is tuned again instead of failing the step."""
+    try:
+        run(cfg)
+    except Exception:
+        return False
+    return True
+
+
 def pick_config(key, candidates, run, interpret_config: tuple = _INTERPRET_CONFIG):
     """The fastest candidate for this key, timed once on the first call (not under the interpreter;
     with autotune off (GEMCTL_AUTOTUNE=0, set_autotune(False)) the first candidate that runs, in
@@ -464,7 +493,7 @@ def pick_config(key, candidates, run, interpret_config: tuple = _INTERPRET_CONFI
         caller = sys._getframe(1).f_globals.get("__file__")  # the kernel module asking
         disk = _disk_cache_path(caller) if caller else None
         known = _disk_lookup(disk, key, candidates)
-        if known is not None and known in candidates:
+        if known is not None and known in candidates and _runs(run, known):
             _config_cache[cache_key] = known  # tuned by an earlier run on this GPU and kernel source
             return known
         if torch.cuda.is_available():
