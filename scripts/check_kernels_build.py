@@ -151,7 +151,7 @@ PER_BATCH = {  # module: {kernel: its integer arguments that change with every b
                  "_cast_cols_kernel": ("R",), "_cast_cols_amax_kernel": ("R", "n_part")},
     "gdpa": {"_gdpa_fwd": ("n_items",), "_gdpa_bwd_dkdv": ("n_items",), "_gdpa_bwd_dq": ("n_items",)},
     "rms_norm": {"_rms_norm_bwd_kernel": ("R",)},
-    "mx_quant": {"_mx_quant_axis0_kernel": ("rows",), "_rmsnorm_mx_quant_kernel": ("rows",)},
+    "mx_quant": {"_mx_quant_kernel": ("rows",), "_mx_quant_axis0_kernel": ("rows",), "_rmsnorm_mx_quant_kernel": ("rows",)},
     "jagged_attention": {"_bwd_delta": ("n_rows",)},
 }
 

@@ -250,6 +250,10 @@ def _epilogue(acc, pid_m, pid_n, M, N, C, SA, SB, PRE, stride_cm, stride_pm, ROW
     tl.store(C + rm64[:, None] * stride_cm + rn[None, :], acc.to(C.dtype.element_ty), mask=cmask)
 
 
+# K stays specialized here: it masks the K-major loads, and its divisibility is what vectorizes
+# them. In a weight-gradient GEMM K is the token count, so this kernel (the untuned first
+# candidate that train.deterministic runs) can compile again when a batch's count turns a multiple
+# of 16. Tuned runs have picked the TMA kernel for these GEMMs so far; its K is not specialized.
 @triton.jit(do_not_specialize=["M"])  # per-batch sizes: common.py, "Specialization"
 def _fp8_gemm_kernel(
     A, B, C, SA, SB, PRE,

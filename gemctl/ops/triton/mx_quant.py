@@ -199,7 +199,10 @@ def _mx_quant_axis0_kernel(
     tl.store(SCALE + pid_b.to(tl.int64) * stride_s + c, scale, mask=c < cols)
 
 
-@triton.jit
+# rows: per batch where rows are tokens (do_not_specialize, common.py "Specialization"); cols stays
+# specialized, its divisibility vectorizes the loads along the row (on the column-quantize path,
+# strides swapped, cols is the token count and a new divisibility compiles again).
+@triton.jit(do_not_specialize=["rows"])
 def _mx_quant_kernel(
     X,  # input, rows x cols addressed by (stride_xr, stride_xc): blocks run along cols (bf16 as int16)
     DATA,  # uint8 FP8 bytes, same logical shape as X (strides stride_dr, stride_dc)
