@@ -224,8 +224,8 @@ class Trainer:
             batches = batches[warm:]
             flops = sum(gem_flops(self.cfg.model, self.spec, b.seq_lengths_cpu()).train_total for b in batches)
             self._sync()
+            setup0 = kernel_setup_seconds()  # first: its first call may import Triton, not step time
             t0 = time.perf_counter()
-            setup0 = kernel_setup_seconds()
             for batch in batches:
                 single.train_step(batch)
             self._sync()
@@ -305,9 +305,9 @@ class Trainer:
         pending: list[torch.Tensor] = []
         pending_ids: list[torch.Tensor] = []  # first sample ids of each pending step (fault reports)
         checkpoint_s = 0.0  # time training waited for checkpoints
+        setup_window = kernel_setup_seconds()
         t_start = time.perf_counter()
         t_window = t_start
-        setup_window = kernel_setup_seconds()
         setup_timed = 0.0  # autotuning and compiles inside timed windows, taken out of their time
         with TrainProgress(tcfg.steps, enabled=cfg.run.progress and self.console is not None, console=self.console) as progress:
             try:
