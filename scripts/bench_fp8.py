@@ -450,9 +450,16 @@ def main() -> None:
     meta["pending_autotune"] = args.pending
     result = {"meta": meta}
     path = Path(args.out)
-    widths = [int(w) for w in args.widths.split(",") if w]
+    def int_list(flag: str, text: str) -> list[int]:
+        try:
+            return [int(w) for w in text.split(",") if w]
+        except ValueError:
+            ap.error(f"{flag} {text}: comma-separated integers expected")  # one line, exit code 2
+
+    widths = int_list("--widths", args.widths)
+    cast_widths = int_list("--cast-widths", args.cast_widths)
     sections = {"accuracy": accuracy_rows, "outliers": outlier_rows, "accumulation": accumulation_rows,
-                "cast": lambda: cast_rows(args.tokens, meta["copy_tbps"], [int(w) for w in args.cast_widths.split(",")]),
+                "cast": lambda: cast_rows(args.tokens, meta["copy_tbps"], cast_widths),
                 "gemm": lambda: gemm_rows(args.tokens, args.grans.split(","), widths),
                 "mlp": lambda: mlp_rows(args.tokens, [v for v in args.mlp.split(",") if v], widths),
                 "profile": lambda: profile_rows(args.tokens, widths)}
