@@ -293,6 +293,12 @@ def cmd_recipes(args, console: Console) -> int:
     return 0
 
 
+def cmd_compare(args, console: Console) -> int:
+    from gemctl.launch.multirun import compare
+
+    return compare([Path(p) for p in args.runs], args.baseline, Path(args.out) if args.out else None, console)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gemctl", description="Train GEM-like recommendation models.")
     sub = parser.add_subparsers(dest="verb", required=True)
@@ -318,6 +324,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["show", "validate"])
     with_overrides(p)
     p.set_defaults(func=cmd_config)
+    p = sub.add_parser("compare", help="the tables of one multirun over the jobs of several (NE over seeds vs a baseline)")
+    p.add_argument("runs", nargs="+", help="multirun directories (runs/<name>/multirun-<stamp>) or their sweep.json")
+    p.add_argument("--baseline", help="the first setting containing this text is the baseline (default: the first job's)")
+    p.add_argument("--out", help="also write the tables as JSON to this file")
+    p.set_defaults(func=cmd_compare)
     p = sub.add_parser("recipes", help="list, show or copy recipes")
     p.add_argument("action", choices=["list", "show", "cp"])
     p.add_argument("name", nargs="?")

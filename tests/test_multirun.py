@@ -131,3 +131,70 @@ def test_recipe_declares_its_sweep(tmp_path):
     assert "ctr NE" in proc.stdout and "step ms" in proc.stdout
     assert [g["model.attention"] for g in sweep["summary"]] == ["[full]", "[window:2]", "[block:4]"]
     assert "ctr NE vs first" in md and "ctr NE vs first" in proc.stdout
+
+
+def _sweep(path, jobs):
+    path.mkdir(parents=True)
+    (path / "sweep.json").write_text(json.dumps({"keys": ["train.seed"], "jobs": jobs}))
+    return path
+
+
+def _variant(i, overrides, seed, ctr_ne):
+    job = _job(i, "x", seed, ctr_ne)
+    job["overrides"] = [*overrides, f"train.seed={seed}", "data=movielens100k"]
+    return job
+
+
+def test_compare_merges_multiruns(tmp_path):
+    """`gemctl compare`: the jobs of several multiruns as one, a setting named by the overrides
+    the jobs do not all share, the baseline chosen by name, a setting and seed met twice kept apart."""
+    from gemctl.cli import main
+    from gemctl.errors import UserError
+    from gemctl.launch.multirun import merge_sweeps
+
+    a = _sweep(tmp_path / "multirun-a", [_variant(i, ["precision=bf16"], i, 0.70 + i / 100) for i in range(3)]
+               + [_variant(3 + i, ["precision=fp8_mlp"], i, 0.72 + i / 100) for i in range(3)])
+    b = _sweep(tmp_path / "multirun-b", [_variant(i, ["precision=fp8_mlp", "precision.fp8.wgrad=bf16"], i,
+                                                  0.70 + i / 100) for i in range(3)])
+    keys, rows, groups = merge_sweeps([b, a / "sweep.json"], baseline="precision=bf16")
+    assert keys == ["setting", "train.seed"]
+    assert [g["setting"] for g in groups] == ["precision=bf16", "precision=fp8_mlp precision.fp8.wgrad=bf16",
+                                               "precision=fp8_mlp"]  # data=movielens100k is shared: left out
+    assert rows[0]["job"] == "multirun-a/0" and groups[1]["ctr.verdict"] == "neutral"
+    assert groups[2]["ctr.paired_mean"] == pytest.approx(0.02)
+    # the same setting and seed in two runs: two settings, the later one named after its run
+    again = _sweep(tmp_path / "multirun-c", [_variant(0, ["precision=bf16"], 0, 0.69)])
+    _, rows, _ = merge_sweeps([a, again])
+    assert rows[-1]["setting"] == "precision=bf16 [multirun-c]"
+    with pytest.raises(UserError, match=r"--baseline bf16: names more than one setting; settings: precision=bf16; "):
+        merge_sweeps([a, b], baseline="bf16")  # precision=bf16, and precision.fp8.wgrad=bf16
+    assert merge_sweeps([a], baseline="fp8_mlp")[1][0]["setting"] == "precision=fp8_mlp"  # a value, unambiguous
+    # a job that only the shared overrides would name: every setting keeps its whole list
+    plain = _sweep(tmp_path / "multirun-d", [_variant(0, [], 0, 0.7)])
+    _, rows, _ = merge_sweeps([plain, b])
+    assert [r["setting"] for r in rows[:2]] == ["data=movielens100k",
+                                                "precision=fp8_mlp precision.fp8.wgrad=bf16 data=movielens100k"]
+    out = tmp_path / "cmp.json"
+    assert main(["compare", str(a), str(b), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["summary"][0]["setting"] == "precision=bf16"
+
+
+@pytest.mark.parametrize("what, message", [
+    ("missing", "gemctl: error: gemctl compare: {p}: no such file or directory (give a multirun directory or its "
+                "sweep.json)"),
+    ("not a sweep", "gemctl: error: gemctl compare: {p}/sweep.json: not the sweep.json of a gemctl multirun"),
+    ("baseline", "gemctl: error: gemctl compare: --baseline fp16: names no setting; settings: precision=bf16 "
+                 "data=movielens100k"),
+])
+def test_compare_errors_are_one_line(tmp_path, capsys, what, message):
+    from gemctl.cli import main
+
+    p = tmp_path / "run"
+    if what == "not a sweep":
+        p.mkdir()
+        (p / "sweep.json").write_text('{"table": []}')
+    elif what == "baseline":
+        _sweep(p, [_variant(0, ["precision=bf16"], 0, 0.7)])
+    args = ["compare", str(p)] + (["--baseline", "fp16"] if what == "baseline" else [])
+    assert main(args) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [message.format(p=p)]

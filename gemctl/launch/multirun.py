@@ -325,3 +325,88 @@ def sweep_table(keys: list[str], results: list[dict]):
     for row in rows:
         table.add_row(*(escape(c) for c in _cells(keys, cols, row)))  # '[full]' is a value, not rich markup
     return table
+
+
+def _load_sweep(path: Path) -> list[dict]:
+    """The jobs of one multirun: its sweep.json, or the multirun directory holding it."""
+    from gemctl.errors import UserError
+
+    if not path.exists():
+        raise UserError(f"gemctl compare: {path}: no such file or directory (give a multirun directory or its sweep.json)")
+    file = path / "sweep.json" if path.is_dir() else path
+    try:
+        data = json.loads(file.read_text())
+        jobs = data["jobs"]
+        if not isinstance(jobs, list) or not all("overrides" in j and "exit_code" in j for j in jobs):
+            raise KeyError("jobs")
+    except FileNotFoundError:
+        raise UserError(f"gemctl compare: {file}: no such file (give a multirun directory or its sweep.json)") from None
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"gemctl compare: {file}: not the sweep.json of a gemctl multirun") from None
+    return jobs
+
+
+def merge_sweeps(paths: list[Path], baseline: str | None = None) -> tuple[list[str], list[dict], list[dict]]:
+    """Several multiruns compared as one: ``(keys, rows, summary)`` as a single multirun's tables.
+
+    A job's setting is its overrides other than the seed, less those every merged job shares (so
+    ``precision=bf16`` from one run and ``precision=fp8_mlp precision.fp8.wgrad=bf16`` from another
+    read as such), unless that would leave a job without any: then every setting is its whole
+    list. A setting and seed met in two runs stay apart: the later one's setting is suffixed with
+    its run's name, never silently merged. The baseline is the first job's setting, or the one
+    that ``baseline`` names: the whole setting, one of its overrides (``precision=bf16``), or,
+    where that is unambiguous, one of their values (``bf16``)."""
+    from gemctl.errors import UserError
+
+    results = []
+    for path in paths:
+        # a run's name: its directory, or the file's own name where it is not a sweep.json
+        name = path.name if path.is_dir() else path.parent.name if path.name == "sweep.json" else path.stem
+        for job in _load_sweep(path):
+            results.append({**job, "job": f"{name}/{job.get('job', len(results))}", "source": name})
+    if not results:
+        raise UserError("gemctl compare: the multiruns given hold no jobs")
+
+    def rest(job):
+        return [o for o in job["overrides"] if o.split("=", 1)[0] != SEED_KEY]
+
+    shared = set(rest(results[0])).intersection(*(set(rest(j)) for j in results[1:]))
+    if any(set(rest(j)) <= shared for j in results):
+        shared = set()  # some job would have no name left
+    seen: dict[tuple, str] = {}
+    for job in results:
+        setting = " ".join(_value_of(o, key=True) for o in rest(job) if o not in shared) or "(no overrides)"
+        seed = next((_value_of(o) for o in job["overrides"] if o.split("=", 1)[0] == SEED_KEY), "")
+        if seen.setdefault((setting, seed), job["source"]) != job["source"]:
+            setting = f"{setting} [{job['source']}]"
+        job["overrides"] = [f"setting={setting}", *(o for o in job["overrides"] if o.split("=", 1)[0] == SEED_KEY)]
+    keys = ["setting", SEED_KEY] if any(SEED_KEY in " ".join(j["overrides"]) for j in results) else ["setting"]
+    rows = comparison_rows(keys, results)
+    if baseline is not None:
+        settings = list(dict.fromkeys(r["setting"] for r in rows))
+        named = ([s for s in settings if s == baseline] or [s for s in settings if baseline in s.split(" ")]
+                 or [s for s in settings if baseline in (t.split("=", 1)[-1] for t in s.split(" "))])
+        if len(named) != 1:
+            raise UserError(f"gemctl compare: --baseline {baseline}: "
+                            + ("names no setting" if not named else "names more than one setting")
+                            + "; settings: " + "; ".join(named or settings))
+        chosen = named[0]
+        rows = [r for r in rows if r["setting"] == chosen] + [r for r in rows if r["setting"] != chosen]
+    return keys, rows, summary_rows(keys, rows)
+
+
+def compare(paths: list[Path], baseline: str | None, out: Path | None, console) -> int:
+    """`gemctl compare RUN...`: the tables of a multirun over the jobs of several."""
+    keys, rows, groups = merge_sweeps(paths, baseline)
+    console.print(f"compare: {len(rows)} jobs from {len(paths)} multiruns: {', '.join(str(p) for p in paths)}",
+                  markup=False, soft_wrap=True)
+    console.print(markdown_table(keys, rows), markup=False, highlight=False, soft_wrap=True)
+    if groups:
+        console.print(summary_markdown(keys, groups), markup=False, highlight=False, soft_wrap=True)
+    else:
+        console.print("one setting only (or no baseline job ran): nothing to compare over seeds", markup=False)
+    if out is not None:
+        out.write_text(json.dumps({"sources": [str(p) for p in paths], "keys": keys, "table": rows,
+                                   "summary": groups}, indent=1))
+        console.print(f"comparison: {out}", markup=False, soft_wrap=True)
+    return 0
