@@ -3,15 +3,14 @@ metadata (GPU, versions, date), so every table states the same things the same w
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 import triton
 import triton.testing
+
+from gemctl.metrics.provenance import source_commit
 
 
 def bench(fn, grad_to_none=None, rep: int = 100) -> float:
@@ -102,22 +101,6 @@ def copy_tbps() -> float:
     x = torch.randn(2**29, device="cuda", dtype=torch.bfloat16)
     y = torch.empty_like(x)
     return 2 * x.numel() * 2 / (bench(lambda: y.copy_(x)) * 1e-3) / 1e12
-
-
-def source_commit() -> str:
-    """The commit the numbers belong to: $GEMCTL_COMMIT when set (a copy of the tree whose git
-    metadata is stale or absent, e.g. on a lent GPU machine), else ``git rev-parse --short HEAD``
-    with "-dirty" when tracked files differ from it, else "unknown"."""
-    if os.environ.get("GEMCTL_COMMIT"):
-        return os.environ["GEMCTL_COMMIT"]
-    root = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=root).stdout
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
-                               cwd=root).stdout
-    except OSError:
-        return "unknown"
-    return (head.strip() + ("-dirty" if dirty.strip() else "")) if head.strip() else "unknown"
 
 
 def base_meta(**extra) -> dict:

@@ -35,6 +35,11 @@ def test_multirun_one_directory_per_job(tmp_path):
         assert job["exit_code"] == 0 and 0 < job["eval"]["ctr"]["auc"] < 1
         summary = json.loads((root / str(job["job"]) / "summary.json").read_text())
         assert summary["eval"] == job["eval"]
+        # what the numbers belong to: the code and the stack, in the run and in the sweep
+        import torch
+
+        assert summary["provenance"]["torch"] == torch.__version__ and summary["provenance"]["commit"]
+        assert job["provenance"] == summary["provenance"]
 
 
 def test_multirun_validates_every_job_first(tmp_path):
@@ -145,7 +150,7 @@ def _variant(i, overrides, seed, ctr_ne):
     return job
 
 
-def test_compare_merges_multiruns(tmp_path):
+def test_compare_merges_multiruns(tmp_path, capsys):
     """`gemctl compare`: the jobs of several multiruns as one, a setting named by the overrides
     the jobs do not all share, the baseline chosen by name, a setting and seed met twice kept apart."""
     from gemctl.cli import main
@@ -177,6 +182,16 @@ def test_compare_merges_multiruns(tmp_path):
     out = tmp_path / "cmp.json"
     assert main(["compare", str(a), str(b), "--out", str(out)]) == 0
     assert json.loads(out.read_text())["summary"][0]["setting"] == "precision=bf16"
+    assert "different code" not in capsys.readouterr().out  # no provenance recorded: nothing to say
+    # runs of two commits: said, with the number of jobs of each
+    for path, commit in ((a, "abc1234"), (b, "def5678")):
+        data = json.loads((path / "sweep.json").read_text())
+        for job in data["jobs"]:
+            job["provenance"] = {"commit": commit, "torch": "2.11.0", "triton": "3.6.0"}
+        (path / "sweep.json").write_text(json.dumps(data))
+    assert main(["compare", str(a), str(b)]) == 0
+    assert ("note: the jobs ran on different code or libraries (commit abc1234, torch 2.11.0, triton 3.6.0: 6 jobs; "
+            "commit def5678, torch 2.11.0, triton 3.6.0: 3 jobs)") in " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.parametrize("what, message", [
@@ -198,3 +213,13 @@ def test_compare_errors_are_one_line(tmp_path, capsys, what, message):
     args = ["compare", str(p)] + (["--baseline", "fp16"] if what == "baseline" else [])
     assert main(args) == 2
     assert capsys.readouterr().err.strip().splitlines() == [message.format(p=p)]
+
+
+def test_source_commit(monkeypatch):
+    from gemctl.metrics import provenance
+
+    monkeypatch.setenv("GEMCTL_COMMIT", "0123abc")  # a copied tree names its commit
+    assert provenance.provenance()["commit"] == "0123abc"
+    monkeypatch.delenv("GEMCTL_COMMIT")
+    monkeypatch.setattr(provenance, "_ROOT", provenance._ROOT / "no-such-checkout")
+    assert provenance.source_commit() == "unknown"  # an installed package without git

@@ -95,7 +95,8 @@ def run_sweep(overrides: list[str], recipe, console) -> int:
         row = {"job": i, "overrides": job, "exit_code": code, "run_dir": str(run_dir)}
         if code == 0 and summary.exists():
             data = json.loads(summary.read_text())
-            row.update(eval=data["eval"], perf={k: data["perf"].get(k) for k in PERF_KEYS})
+            row.update(eval=data["eval"], perf={k: data["perf"].get(k) for k in PERF_KEYS},
+                       provenance=data.get("provenance"))
         results.append(row)
         rows, groups = write_tables(root, keys, results)
     # The markdown tables, not rich ones: they never elide a number on a narrow console, and they
@@ -395,11 +396,29 @@ def merge_sweeps(paths: list[Path], baseline: str | None = None) -> tuple[list[s
     return keys, rows, summary_rows(keys, rows)
 
 
+def code_stacks(paths: list[Path]) -> dict[str, int]:
+    """Jobs per (commit, torch, Triton) among the multiruns' jobs that recorded it (summary.json's
+    provenance; older runs did not)."""
+    stacks: dict[str, int] = {}
+    for path in paths:
+        for job in _load_sweep(path):
+            p = job.get("provenance")
+            if p:
+                stack = f"commit {p.get('commit')}, torch {p.get('torch')}, triton {p.get('triton')}"
+                stacks[stack] = stacks.get(stack, 0) + 1
+    return stacks
+
+
 def compare(paths: list[Path], baseline: str | None, out: Path | None, console) -> int:
     """`gemctl compare RUN...`: the tables of a multirun over the jobs of several."""
     keys, rows, groups = merge_sweeps(paths, baseline)
     console.print(f"compare: {len(rows)} jobs from {len(paths)} multiruns: {', '.join(str(p) for p in paths)}",
                   markup=False, soft_wrap=True)
+    stacks = code_stacks(paths)
+    if len(stacks) > 1:
+        console.print("note: the jobs ran on different code or libraries (" + "; ".join(
+            f"{stack}: {n} jobs" for stack, n in stacks.items()) + "); deterministic runs repeat only on the same "
+            "code and kernel configs", markup=False, soft_wrap=True)
     console.print(markdown_table(keys, rows), markup=False, highlight=False, soft_wrap=True)
     if groups:
         console.print(summary_markdown(keys, groups), markup=False, highlight=False, soft_wrap=True)

@@ -27,6 +27,7 @@ from gemctl.data.source import build_source
 from gemctl.metrics import mfu as mfu_lib
 from gemctl.metrics.flops import gem_flops
 from gemctl.metrics.quality import auc, log_loss, normalized_entropy
+from gemctl.metrics.provenance import provenance
 from gemctl.metrics.sinks import JsonlSink, RunDir
 from gemctl.model import build_model
 from gemctl.parallel import ParallelContext, init_parallel, parallelize
@@ -413,7 +414,8 @@ class Trainer:
         if cuda:
             perf["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         result.perf = perf
-        summary = {"eval": result.eval, "baselines": result.baselines, "perf": perf, "losses": result.losses}
+        summary = {"eval": result.eval, "baselines": result.baselines, "perf": perf, "provenance": provenance(),
+                   "losses": result.losses}
         sink.write({"kind": "summary", **{k: v for k, v in summary.items() if k != "losses"}})
         if run:
             run.write_text("summary.json", json.dumps(summary, indent=2))
