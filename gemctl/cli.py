@@ -326,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_config)
     p = sub.add_parser("compare", help="the tables of one multirun over the jobs of several (NE over seeds vs a baseline)")
     p.add_argument("runs", nargs="+", help="multirun directories (runs/<name>/multirun-<stamp>) or their sweep.json")
-    p.add_argument("--baseline", help="the first setting containing this text is the baseline (default: the first job's)")
+    p.add_argument("--baseline", help="the baseline setting: a whole setting, one of its overrides (precision=bf16) or "
+                   "an unambiguous value (bf16); default: the first job's")
     p.add_argument("--out", help="also write the tables as JSON to this file")
     p.set_defaults(func=cmd_compare)
     p = sub.add_parser("recipes", help="list, show or copy recipes")

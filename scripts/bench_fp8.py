@@ -436,7 +436,21 @@ def main() -> None:
     ap.add_argument("--pending", action="store_true",
                     help="autotune the cast and GEMM configs the GPU tier has not passed yet too (fp8_gemm._GPU_CHECKED)")
     args = ap.parse_args()
+
+    def int_list(flag: str, text: str) -> list[int]:
+        try:
+            return [int(w) for w in text.split(",") if w]
+        except ValueError:
+            ap.error(f"{flag} {text}: comma-separated integers expected")  # one line, exit code 2
+
+    # the arguments checked before any GPU work
+    widths = int_list("--widths", args.widths)
+    cast_widths = int_list("--cast-widths", args.cast_widths)
+    names = ("accuracy", "outliers", "accumulation", "cast", "gemm", "mlp", "profile")
     parts = args.only.split(",")
+    unknown = [p for p in parts if p not in names]
+    if unknown:
+        ap.error(f"--only {','.join(unknown)}: unknown; allowed: {', '.join(names)}")
     if not torch.cuda.is_available():
         if parts != ["outliers"]:
             raise SystemExit("bench_fp8: needs a CUDA GPU (only --only outliers, emulated numerics, runs on a CPU)")
@@ -450,22 +464,12 @@ def main() -> None:
     meta["pending_autotune"] = args.pending
     result = {"meta": meta}
     path = Path(args.out)
-    def int_list(flag: str, text: str) -> list[int]:
-        try:
-            return [int(w) for w in text.split(",") if w]
-        except ValueError:
-            ap.error(f"{flag} {text}: comma-separated integers expected")  # one line, exit code 2
-
-    widths = int_list("--widths", args.widths)
-    cast_widths = int_list("--cast-widths", args.cast_widths)
     sections = {"accuracy": accuracy_rows, "outliers": outlier_rows, "accumulation": accumulation_rows,
                 "cast": lambda: cast_rows(args.tokens, meta["copy_tbps"], cast_widths),
                 "gemm": lambda: gemm_rows(args.tokens, args.grans.split(","), widths),
                 "mlp": lambda: mlp_rows(args.tokens, [v for v in args.mlp.split(",") if v], widths),
                 "profile": lambda: profile_rows(args.tokens, widths)}
-    unknown = [p for p in parts if p not in sections]
-    if unknown:
-        raise SystemExit(f"bench_fp8: --only {','.join(unknown)}: unknown; allowed: {', '.join(sections)}")
+    assert set(sections) == set(names)
     global _ON_ROW
 
     def write(part: str, rows: list) -> None:  # partial results survive a timeout

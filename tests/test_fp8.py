@@ -546,16 +546,18 @@ def test_fused_mlp_matches_emulated():
     check_mlp("cpu", torch.float32, t=70, d=32, hidden=64, tol=3e-3, chunk=64)  # two token chunks
 
 
-def test_bf16_weight_gradient_operands_recomputed_in_one_pass_are_the_float32_ones():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_bf16_weight_gradient_operands_recomputed_in_one_pass_are_the_float32_ones(device):
     # wgrad: bf16 rebuilds silu(pre) and the norm's output in the backward; each in one pass over
-    # its input, and bit for bit what float32 math rounded once to bf16 gives (every finite bf16)
+    # its input, and bit for bit what float32 math rounded once to bf16 gives (every finite bf16;
+    # torch's CPU and CUDA kernels each)
     from gemctl.precision.fp8_linear import _rms_normed
 
     every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    x = every[torch.isfinite(every)][: 1020 * 64].reshape(1020, 64)
+    x = every[torch.isfinite(every)][: 1020 * 64].reshape(1020, 64).to(device)
     assert torch.equal(F.silu(x).view(torch.int16), F.silu(x.float()).to(torch.bfloat16).view(torch.int16))
-    rstd = torch.rand(x.shape[0], generator=torch.Generator().manual_seed(0)) + 0.5
-    w = torch.linspace(0.5, 1.5, 64)
+    rstd = (torch.rand(x.shape[0], generator=torch.Generator().manual_seed(0)) + 0.5).to(device)
+    w = torch.linspace(0.5, 1.5, 64, device=device)
     want = (x.float() * rstd[:, None] * w.to(torch.bfloat16).float()).to(torch.bfloat16)
     assert torch.equal(_rms_normed(x, rstd, w).view(torch.int16), want.view(torch.int16))
 

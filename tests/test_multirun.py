@@ -38,7 +38,10 @@ def test_multirun_one_directory_per_job(tmp_path):
         # what the numbers belong to: the code and the stack, in the run and in the sweep
         import torch
 
-        assert summary["provenance"]["torch"] == torch.__version__ and summary["provenance"]["commit"]
+        from gemctl.metrics.provenance import source_commit
+
+        assert summary["provenance"]["torch"] == torch.__version__
+        assert summary["provenance"]["commit"] == source_commit()  # the checkout the run came from
         assert job["provenance"] == summary["provenance"]
 
 
@@ -167,10 +170,29 @@ def test_compare_merges_multiruns(tmp_path, capsys):
                                                "precision=fp8_mlp"]  # data=movielens100k is shared: left out
     assert rows[0]["job"] == "multirun-a/0" and groups[1]["ctr.verdict"] == "neutral"
     assert groups[2]["ctr.paired_mean"] == pytest.approx(0.02)
-    # the same setting and seed in two runs: two settings, the later one named after its run
-    again = _sweep(tmp_path / "multirun-c", [_variant(0, ["precision=bf16"], 0, 0.69)])
+    # the same setting and seed in two runs: the later run's jobs of that setting stay apart, all of them
+    again = _sweep(tmp_path / "multirun-c", [_variant(0, ["precision=bf16"], 0, 0.69),
+                                             _variant(1, ["precision=bf16"], 5, 0.69)])
     _, rows, _ = merge_sweeps([a, again])
-    assert rows[-1]["setting"] == "precision=bf16 [multirun-c]"
+    assert [r["setting"] for r in rows[-2:]] == ["precision=bf16 [multirun-c]"] * 2
+    # ... but a rerun of a failed seed fills it in
+    failed = _sweep(tmp_path / "multirun-e", [_variant(0, ["precision=bf16"], 0, 0.7),
+                                              {**_variant(1, ["precision=bf16"], 1, 0), "exit_code": 1}])
+    rerun = _sweep(tmp_path / "multirun-f", [_variant(0, ["precision=bf16"], 1, 0.71)])
+    _, rows, groups = merge_sweeps([failed, rerun])
+    assert {r["setting"] for r in rows} == {"precision=bf16 data=movielens100k"} and groups == []
+    # a run given twice, or under two spellings, would count twice
+    with pytest.raises(UserError, match=r"given twice"):
+        merge_sweeps([a, a / "sweep.json"])
+    # runs of different recipes differ in their setting even where their overrides agree
+    data = json.loads((again / "sweep.json").read_text())
+    (again / "sweep.json").write_text(json.dumps({**data, "recipe": "ablation_precision"}))
+    _, rows, _ = merge_sweeps([a, again])
+    assert rows[-1]["setting"] == "recipe=ablation_precision precision=bf16"
+    # same-named runs under different parents get their parent in the name
+    twin = _sweep(tmp_path / "other" / "multirun-a", [_variant(0, ["precision=fp8"], 0, 0.7)])
+    _, rows, _ = merge_sweeps([a, twin])
+    assert rows[0]["job"] == f"{tmp_path.name}/multirun-a/0" and rows[-1]["job"] == "other/multirun-a/0"
     with pytest.raises(UserError, match=r"--baseline bf16: names more than one setting; settings: precision=bf16; "):
         merge_sweeps([a, b], baseline="bf16")  # precision=bf16, and precision.fp8.wgrad=bf16
     assert merge_sweeps([a], baseline="fp8_mlp")[1][0]["setting"] == "precision=fp8_mlp"  # a value, unambiguous
@@ -182,7 +204,9 @@ def test_compare_merges_multiruns(tmp_path, capsys):
     out = tmp_path / "cmp.json"
     assert main(["compare", str(a), str(b), "--out", str(out)]) == 0
     assert json.loads(out.read_text())["summary"][0]["setting"] == "precision=bf16"
-    assert "different code" not in capsys.readouterr().out  # no provenance recorded: nothing to say
+    assert "different code" not in capsys.readouterr().out  # no run recorded provenance: nothing to say
+    assert main(["compare", str(a), "--out", str(tmp_path)]) == 2  # checked before any work
+    assert capsys.readouterr().err.strip() == f"gemctl: error: gemctl compare: --out {tmp_path}: a directory; give a file path"
     # runs of two commits: said, with the number of jobs of each
     for path, commit in ((a, "abc1234"), (b, "def5678")):
         data = json.loads((path / "sweep.json").read_text())
@@ -200,6 +224,7 @@ def test_compare_merges_multiruns(tmp_path, capsys):
     ("not a sweep", "gemctl: error: gemctl compare: {p}/sweep.json: not the sweep.json of a gemctl multirun"),
     ("baseline", "gemctl: error: gemctl compare: --baseline fp16: names no setting; settings: precision=bf16 "
                  "data=movielens100k"),
+    ("job shape", "gemctl: error: gemctl compare: {p}/sweep.json: not the sweep.json of a gemctl multirun"),
 ])
 def test_compare_errors_are_one_line(tmp_path, capsys, what, message):
     from gemctl.cli import main
@@ -208,6 +233,9 @@ def test_compare_errors_are_one_line(tmp_path, capsys, what, message):
     if what == "not a sweep":
         p.mkdir()
         (p / "sweep.json").write_text('{"table": []}')
+    elif what == "job shape":  # overrides as one string, an eval without perf
+        p.mkdir()
+        (p / "sweep.json").write_text(json.dumps({"jobs": [{"overrides": "precision=bf16", "exit_code": 0}]}))
     elif what == "baseline":
         _sweep(p, [_variant(0, ["precision=bf16"], 0, 0.7)])
     args = ["compare", str(p)] + (["--baseline", "fp16"] if what == "baseline" else [])
@@ -223,3 +251,22 @@ def test_source_commit(monkeypatch):
     monkeypatch.delenv("GEMCTL_COMMIT")
     monkeypatch.setattr(provenance, "_ROOT", provenance._ROOT / "no-such-checkout")
     assert provenance.source_commit() == "unknown"  # an installed package without git
+
+
+def test_source_commit_of_a_checkout(monkeypatch, tmp_path):
+    from gemctl.metrics import provenance
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "f.txt").write_text("a")
+    git("add", "f.txt")
+    git("commit", "-qm", "c")
+    monkeypatch.delenv("GEMCTL_COMMIT", raising=False)
+    monkeypatch.setattr(provenance, "_ROOT", tmp_path)
+    head = git("rev-parse", "--short", "HEAD")
+    assert provenance.source_commit() == head
+    (tmp_path / "f.txt").write_text("b")  # a tracked file edited: the numbers are not the commit's
+    assert provenance.source_commit() == f"{head}-dirty"

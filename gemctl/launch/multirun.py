@@ -98,7 +98,7 @@ def run_sweep(overrides: list[str], recipe, console) -> int:
             row.update(eval=data["eval"], perf={k: data["perf"].get(k) for k in PERF_KEYS},
                        provenance=data.get("provenance"))
         results.append(row)
-        rows, groups = write_tables(root, keys, results)
+        rows, groups = write_tables(root, keys, results, recipe)
     # The markdown tables, not rich ones: they never elide a number on a narrow console, and they
     # are the same text as sweep.md.
     console.print(markdown_table(keys, rows), markup=False, highlight=False, soft_wrap=True)
@@ -287,15 +287,15 @@ def summary_markdown(keys: list[str], groups: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_tables(root: Path, keys: list[str], results: list[dict]) -> tuple[list[dict], list[dict]]:
-    """sweep.json (the jobs, the comparison rows and the per-setting summary) and sweep.md,
+def write_tables(root: Path, keys: list[str], results: list[dict], recipe=None) -> tuple[list[dict], list[dict]]:
+    """sweep.json (the recipe, the jobs, the comparison rows and the per-setting summary) and sweep.md,
     rewritten after every job so an interrupted sweep keeps what it has; returns the rows and the
     summary."""
     rows = comparison_rows(keys, results)
     groups = summary_rows(keys, rows)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    (root / "sweep.json").write_text(json.dumps({"keys": keys, "jobs": results, "table": rows, "summary": groups,
-                                                 "updated": stamp}, indent=1))
+    (root / "sweep.json").write_text(json.dumps({"recipe": str(recipe) if recipe else None, "keys": keys, "jobs": results,
+                                                 "table": rows, "summary": groups, "updated": stamp}, indent=1))
     md = (f"# multirun {root.name}\n\nUpdated {stamp}. Step time and QPS: means over the timed steps of each job "
           f"(summary.json).\n\n" + markdown_table(keys, rows))
     if groups:
@@ -328,60 +328,102 @@ def sweep_table(keys: list[str], results: list[dict]):
     return table
 
 
-def _load_sweep(path: Path) -> list[dict]:
-    """The jobs of one multirun: its sweep.json, or the multirun directory holding it."""
+def _load_sweep(path: Path) -> tuple[list[dict], str | None]:
+    """The jobs of one multirun and its recipe (None where the sweep did not record one): its
+    sweep.json, or the multirun directory holding it."""
     from gemctl.errors import UserError
 
     if not path.exists():
         raise UserError(f"gemctl compare: {path}: no such file or directory (give a multirun directory or its sweep.json)")
     file = path / "sweep.json" if path.is_dir() else path
     try:
-        data = json.loads(file.read_text())
-        jobs = data["jobs"]
-        if not isinstance(jobs, list) or not all("overrides" in j and "exit_code" in j for j in jobs):
-            raise KeyError("jobs")
+        text = file.read_text()
     except FileNotFoundError:
         raise UserError(f"gemctl compare: {file}: no such file (give a multirun directory or its sweep.json)") from None
-    except (OSError, ValueError, KeyError, TypeError):
-        raise UserError(f"gemctl compare: {file}: not the sweep.json of a gemctl multirun") from None
-    return jobs
+    except OSError as err:
+        raise UserError(f"gemctl compare: {file}: cannot be read ({err.strerror or err})") from None
+    try:
+        data = json.loads(text)
+        jobs = data["jobs"]
+        ok = isinstance(jobs, list) and all(
+            isinstance(j, dict) and isinstance(j.get("overrides"), list) and all(isinstance(o, str) for o in j["overrides"])
+            and isinstance(j.get("exit_code"), int) and ("eval" not in j or isinstance(j.get("perf"), dict))
+            for j in jobs)
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise UserError(f"gemctl compare: {file}: not the sweep.json of a gemctl multirun")
+    return jobs, data.get("recipe")
+
+
+def _run_names(paths: list[Path]) -> list[str]:
+    """A short distinct name per run: its directory's (the file's own where it is not a
+    sweep.json), with parent directories added until the names differ."""
+    full = [(p if p.is_dir() else p.parent if p.name == "sweep.json" else p.with_suffix("")).resolve() for p in paths]
+    for depth in range(1, max(len(f.parts) for f in full) + 1):
+        names = ["/".join(f.parts[-depth:]) for f in full]
+        if len(set(names)) == len(names):
+            return names
+    return [str(f) for f in full]
+
+
+def _ok(job: dict) -> bool:
+    return job["exit_code"] == 0 and "eval" in job
 
 
 def merge_sweeps(paths: list[Path], baseline: str | None = None) -> tuple[list[str], list[dict], list[dict]]:
     """Several multiruns compared as one: ``(keys, rows, summary)`` as a single multirun's tables.
 
-    A job's setting is its overrides other than the seed, less those every merged job shares (so
-    ``precision=bf16`` from one run and ``precision=fp8_mlp precision.fp8.wgrad=bf16`` from another
-    read as such), unless that would leave a job without any: then every setting is its whole
-    list. A setting and seed met in two runs stay apart: the later one's setting is suffixed with
-    its run's name, never silently merged. The baseline is the first job's setting, or the one
-    that ``baseline`` names: the whole setting, one of its overrides (``precision=bf16``), or,
-    where that is unambiguous, one of their values (``bf16``)."""
+    A job's setting is its recipe (where its sweep recorded one) and its overrides other than the
+    seed, less those every merged job shares (so ``precision=bf16`` from one run and
+    ``precision=fp8_mlp precision.fp8.wgrad=bf16`` from another read as such), unless that would
+    leave a job without any: then every setting is its whole list. A later run that repeats a
+    seed an earlier run already has for the same setting (a successful job of each) is kept apart
+    as a whole: its jobs of that setting are suffixed with the run's name, never merged; a run
+    that fills in seeds the others lack (a failed job rerun) joins the setting. The baseline is the
+    first job's setting, or the one that ``baseline`` names: the whole setting, one of its
+    overrides (``precision=bf16``), or, where that is unambiguous, one of their values (``bf16``)."""
     from gemctl.errors import UserError
 
+    resolved = [(p / "sweep.json" if p.is_dir() else p).resolve() for p in paths]
+    twice = next((p for i, p in enumerate(paths) if resolved[i] in resolved[:i]), None)
+    if twice is not None:
+        raise UserError(f"gemctl compare: {twice}: given twice (its jobs would count twice)")
     results = []
-    for path in paths:
-        # a run's name: its directory, or the file's own name where it is not a sweep.json
-        name = path.name if path.is_dir() else path.parent.name if path.name == "sweep.json" else path.stem
-        for job in _load_sweep(path):
-            results.append({**job, "job": f"{name}/{job.get('job', len(results))}", "source": name})
+    for path, name in zip(paths, _run_names(paths)):
+        jobs, recipe = _load_sweep(path)
+        for job in jobs:
+            overrides = ([f"recipe={Path(recipe).stem}"] if recipe else []) + list(job["overrides"])
+            results.append({**job, "overrides": overrides, "job": f"{name}/{job.get('job', '?')}", "source": name})
     if not results:
         raise UserError("gemctl compare: the multiruns given hold no jobs")
 
+    def is_seed(o: str) -> bool:
+        return o.split("=", 1)[0] == SEED_KEY
+
     def rest(job):
-        return [o for o in job["overrides"] if o.split("=", 1)[0] != SEED_KEY]
+        return [o for o in job["overrides"] if not is_seed(o)]
 
     shared = set(rest(results[0])).intersection(*(set(rest(j)) for j in results[1:]))
     if any(set(rest(j)) <= shared for j in results):
         shared = set()  # some job would have no name left
-    seen: dict[tuple, str] = {}
     for job in results:
-        setting = " ".join(_value_of(o, key=True) for o in rest(job) if o not in shared) or "(no overrides)"
-        seed = next((_value_of(o) for o in job["overrides"] if o.split("=", 1)[0] == SEED_KEY), "")
-        if seen.setdefault((setting, seed), job["source"]) != job["source"]:
-            setting = f"{setting} [{job['source']}]"
-        job["overrides"] = [f"setting={setting}", *(o for o in job["overrides"] if o.split("=", 1)[0] == SEED_KEY)]
-    keys = ["setting", SEED_KEY] if any(SEED_KEY in " ".join(j["overrides"]) for j in results) else ["setting"]
+        job["setting"] = " ".join(_value_of(o, key=True) for o in rest(job) if o not in shared) or "(no overrides)"
+        job["seed"] = next((_value_of(o) for o in job["overrides"] if is_seed(o)), "")
+    seeds: dict[str, set] = {}  # setting -> seeds with a successful job so far
+    for source in dict.fromkeys(j["source"] for j in results):
+        mine = [j for j in results if j["source"] == source]
+        for setting in dict.fromkeys(j["setting"] for j in mine):
+            jobs = [j for j in mine if j["setting"] == setting]
+            new = {j["seed"] for j in jobs if _ok(j)}
+            if new & seeds.get(setting, set()):
+                for j in jobs:
+                    j["setting"] = f"{setting} [{source}]"
+            else:
+                seeds.setdefault(setting, set()).update(new)
+    for job in results:
+        job["overrides"] = [f"setting={job['setting']}", *(o for o in job["overrides"] if is_seed(o))]
+    keys = ["setting", SEED_KEY] if any(j["seed"] != "" for j in results) else ["setting"]
     rows = comparison_rows(keys, results)
     if baseline is not None:
         settings = list(dict.fromkeys(r["setting"] for r in rows))
@@ -397,20 +439,25 @@ def merge_sweeps(paths: list[Path], baseline: str | None = None) -> tuple[list[s
 
 
 def code_stacks(paths: list[Path]) -> dict[str, int]:
-    """Jobs per (commit, torch, Triton) among the multiruns' jobs that recorded it (summary.json's
-    provenance; older runs did not)."""
+    """Jobs per (commit, torch, Triton) over the multiruns' jobs (summary.json's provenance), and
+    those that did not record it (runs older than the record) as one more entry."""
     stacks: dict[str, int] = {}
     for path in paths:
-        for job in _load_sweep(path):
+        for job in _load_sweep(path)[0]:
             p = job.get("provenance")
-            if p:
-                stack = f"commit {p.get('commit')}, torch {p.get('torch')}, triton {p.get('triton')}"
-                stacks[stack] = stacks.get(stack, 0) + 1
+            stack = (f"commit {p.get('commit')}, torch {p.get('torch')}, triton {p.get('triton')}" if p
+                     else "no provenance recorded")
+            stacks[stack] = stacks.get(stack, 0) + 1
     return stacks
 
 
 def compare(paths: list[Path], baseline: str | None, out: Path | None, console) -> int:
     """`gemctl compare RUN...`: the tables of a multirun over the jobs of several."""
+    from gemctl.errors import UserError
+
+    if out is not None and (out.is_dir() or not out.parent.is_dir()):
+        raise UserError(f"gemctl compare: --out {out}: " + ("a directory; give a file path" if out.is_dir() else
+                                                            f"{out.parent} is not a directory"))
     keys, rows, groups = merge_sweeps(paths, baseline)
     console.print(f"compare: {len(rows)} jobs from {len(paths)} multiruns: {', '.join(str(p) for p in paths)}",
                   markup=False, soft_wrap=True)
