@@ -80,7 +80,11 @@ def test_outputs_written(report):
     run = Path(report["run_dir"])
     for name in ("profile.json", "trace.json", "breakdown.png", "waterfall.png"):
         assert (run / name).stat().st_size > 0, name
-    assert json.loads((run / "profile.json").read_text())["steps"] == 4
+    written = json.loads((run / "profile.json").read_text())
+    assert written["steps"] == 4
+    from gemctl.metrics.provenance import source_commit
+
+    assert written["provenance"]["commit"] == source_commit()  # what the profile belongs to
 
 
 def test_collective_launches_count_as_communication():

@@ -29,6 +29,7 @@ import torch
 
 from gemctl.data.loader import TrainLoader
 from gemctl.metrics import mfu as mfu_lib
+from gemctl.metrics.provenance import provenance
 from gemctl.metrics.flops import gem_flops
 from gemctl.metrics.sinks import RunDir
 from gemctl.profile.breakdown import CATEGORIES, breakdown, top_kernels
@@ -204,6 +205,7 @@ def profile(trainer, out_root: str | None = None, console=None, run_dir: str | N
     report["run_dir"] = str(run.path)
     if not ctx.is_main:  # rank 0 writes the report (its own categories; every rank's times)
         return report
+    report["provenance"] = provenance()
     run.write_text("profile.json", json.dumps(report, indent=1))
     from gemctl.profile.plots import plot_breakdown, plot_waterfall
 
