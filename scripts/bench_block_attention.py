@@ -6,9 +6,10 @@ attention and rotary applied by separate kernels, on self-1000 and self-4000, in
 bf16, H=4, D=128 (scripts/workloads.py). Block attention is memory-bound (each K/V element serves
 one block of queries), so it is judged by bytes, not FLOPs. With T tokens, E = 2 bytes (bf16):
     forward bytes  = 4*T*H*D*E + 4*T*H      q, k, v read + o written (bf16) + lse written (fp32)
-    backward bytes = 8*T*H*D*E + 4*T*H      q, k, v, o, do read + dq, dk, dv written + lse read
-(delta = rowsum(do * o) is computed inside the backward kernel: no extra bytes; the rope tables'
-rows come through L2 and are not counted). Roofline time = bytes / copy bandwidth, the bandwidth of
+    backward bytes = 7*T*H*D*E + 4*T*H      q, k, v, do read + dq, dk, dv written + lse read
+(the softmax backward's row term comes from p and dp inside the kernel, so o is not read; before
+that change the count was 8*T*H*D*E with o, and the JSON keeps that figure as bwd_bytes_with_o;
+the rope tables' rows come through L2 and are not counted). Roofline time = bytes / copy bandwidth, the bandwidth of
 a 1 GiB device-to-device copy (read + write bytes / time) measured in the same run; % of roofline
 = roofline time / kernel time, with kernel time from a CUDA-graph replay of the bare kernel
 launcher (triton.testing.do_bench_cudagraph, median).
@@ -57,7 +58,7 @@ def byte_counts(tokens: int, heads: int, dim: int, elem: int = 2) -> dict:
     """Bytes that must move: see the module docstring for the formulas."""
     tensor = tokens * heads * dim * elem
     lse = 4 * tokens * heads
-    return {"fwd_bytes": 4 * tensor + lse, "bwd_bytes": 8 * tensor + lse}
+    return {"fwd_bytes": 4 * tensor + lse, "bwd_bytes": 7 * tensor + lse, "bwd_bytes_with_o": 8 * tensor + lse}
 
 
 def kernel_times(q, k, v, off, max_len, block_size, tables, grad) -> dict:
@@ -67,11 +68,11 @@ def kernel_times(q, k, v, off, max_len, block_size, tables, grad) -> dict:
     args = (off, max_len, block_size, 0.0, scale)
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     out, lse = block_kernels._forward(qd, kd, vd, cos, sin, *args)  # tunes and builds the plan
-    block_kernels._backward(grad, qd, kd, vd, out, lse, cos, sin, *args)
+    block_kernels._backward(grad, qd, kd, vd, lse, cos, sin, *args)
     torch.cuda.synchronize()
     return {
         "fwd_kernel_ms": graph_bench(lambda: block_kernels._forward(qd, kd, vd, cos, sin, *args)),
-        "bwd_kernel_ms": graph_bench(lambda: block_kernels._backward(grad, qd, kd, vd, out, lse, cos, sin, *args)),
+        "bwd_kernel_ms": graph_bench(lambda: block_kernels._backward(grad, qd, kd, vd, lse, cos, sin, *args)),
     }
 
 
@@ -114,6 +115,8 @@ def run_workload(w, copy_tbps: float) -> dict:
             r[f"{kind}_roofline_ms"] = roof_ms
             r[f"{kind}_roofline_pct"] = 100 * roof_ms / r[f"{kind}_kernel_ms"]
             r[f"{kind}_tbps"] = row[f"{kind}_bytes"] / (r[f"{kind}_kernel_ms"] * 1e-3) / 1e12
+        # against the earlier count with o read, so runs before and after the change compare
+        r["bwd_roofline_pct_with_o"] = 100 * row["bwd_bytes_with_o"] / (copy_tbps * 1e12) * 1e3 / r["bwd_kernel_ms"]
 
         def fused(q, k, v, bs=bs):
             return ops.block_attention(q, k, v, off, max_len, block_size=bs, rope=tables, backend="triton")
@@ -156,7 +159,7 @@ def print_tables(rows: list[dict], meta: dict) -> None:
     console.print(f"{meta['gpu']} | torch {meta['torch']} | triton {meta['triton']} | commit {meta['commit']} | "
                   f"copy {meta['copy_tbps']:.2f} TB/s | bf16 GEMM {meta['gemm_tflops']:.0f} TF/s")
     console.print("bytes: fwd = 4*T*H*D*2 + 4*T*H (q,k,v read, o write, lse write); "
-                  "bwd = 8*T*H*D*2 + 4*T*H (q,k,v,o,do read, dq,dk,dv write, lse read; delta in-kernel)")
+                  "bwd = 7*T*H*D*2 + 4*T*H (q,k,v,do read, dq,dk,dv write, lse read; o not read)")
     t = Table(title="(a) block attention, RoPE fused: kernel graph time vs memory roofline")
     for col in ("workload", "block", "fwd ms", "fwd MB", "fwd TB/s", "fwd % roof", "bwd ms", "bwd MB", "bwd TB/s",
                 "bwd % roof", "fwd+bwd call ms"):

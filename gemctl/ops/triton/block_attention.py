@@ -22,8 +22,9 @@ offsets' host copy (gemctl.ops.host: no device sync) and cached per batch layout
 softmax: the forward loads q, k, v once, rotates the q and k tiles in registers (two halves, cos/sin
 rows by position; the rotated copies never reach HBM), and writes o and the per-row log2-sum-exp2
 (fp32, for the backward). The backward is one kernel too, per (block, head): it recomputes
-p = exp2(s - lse), computes delta = rowsum(do * o) in-kernel (no pre-pass), dv = p^T do (stored at
-once), ds = p * (do v^T - delta), dq~ = ds k~, dk~ = ds^T q~, and applies the inverse rotation
+p = exp2(s - lse), dv = p^T do (stored at once), dp = do v^T, the softmax backward's row term
+delta = rowsum(p * dp) (the whole row is in the tile: equal to rowsum(do * o), without reading o),
+ds = p * (dp - delta), dq~ = ds k~, dk~ = ds^T q~, and applies the inverse rotation
 (by -theta: [d1 c + d2 s, d2 c - d1 s]) to dq~ and dk~ in the epilogue, each gradient stored before
 the next is computed. No atomics, no zero fills
 (each row belongs to exactly one block): bitwise reproducible.
@@ -34,7 +35,7 @@ has a finite log-sum-exp.
 
 Bytes that must move (E = element size, T = tokens, H heads, D head dim):
     forward  = 3*T*H*D*E (q, k, v) + T*H*D*E (o) + 4*T*H (lse)
-    backward = 5*T*H*D*E (q, k, v, o, do) + 4*T*H (lse) + 3*T*H*D*E (dq, dk, dv)
+    backward = 4*T*H*D*E (q, k, v, do) + 4*T*H (lse) + 3*T*H*D*E (dq, dk, dv)   (o is not read)
 plus the rope tables' rows, read through L2 (max_len * D * 4 bytes of unique data).
 Each K/V element serves one block of queries, so the kernels are memory-bound at every block size.
 
@@ -43,7 +44,7 @@ forward 32 / 48 KB at block 64 without / with rope, backward 65 KB either way; b
 forward 96 KB, backward 129 KB (one program per SM). Registers, not shared memory, bound the
 programs per SM at D = 128: both kernels sit at the 255-register cap (docs/benchmarks.md).
 TMA: configs with a fourth field 1 load whole blocks through tensor descriptors (see the configs);
-HALVES: backward configs with a fifth field 1 hold o, do, v and dv as (BS, D/2) halves.
+HALVES: backward configs with a fifth field 1 hold do, v and dv as (BS, D/2) halves.
 Known limits: no warp specialization, no persistent grid (Triton 3.x); the tables get no gradient.
 """
 
@@ -66,7 +67,7 @@ LOG2E = 1.4426950408889634
 # [, TMA]). One tile per block, so the stage count matters only when a program loops over heads
 # (the pipeliner can then prefetch the next head's tiles while this one computes).
 # TMA = 1: the tiles of whole blocks come through tensor descriptors over [N, H * D] (q and k as
-# two (BS, D/2) halves, v, o and do as (BS, D)) in one launch; the partial last blocks get a
+# two (BS, D/2) halves, v and do as (BS, D)) in one launch; the partial last blocks get a
 # second launch with masked loads, so no row of another sequence is ever read. The descriptors'
 # loads land in shared memory asynchronously and need no address registers, which is what a
 # memory-bound kernel at the register cap lacks (docs/benchmarks.md). Timed on the H200
@@ -77,7 +78,7 @@ LOG2E = 1.4426950408889634
 # compile (pick_config), a pinned one raises.
 _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2, 2), (2, 1, 1),
                    (4, 1, 1, 1), (4, 2, 0, 1), (4, 3, 0, 1), (8, 2, 0, 1)]
-# HALVES = 1 (backward, fifth field): o, do, v and dv in (BS, D/2) halves, so the dv accumulator is
+# HALVES = 1 (backward, fifth field): do, v and dv in (BS, D/2) halves, so the dv accumulator is
 # half as wide; sm_90 ptxas (Triton 3.6), D=128, block 64 with RoPE: spill stores 576 -> 376 B per
 # thread at 4 warps, 88 -> 0 at 8 warps (254 registers). H200, 2026-11-30: the GPU tier passed all
 # four; (4, 1, 1, 0, 1) ran 2% faster than (4, 1, 1) (321 vs 328 us self-1000, 272 vs 277 us
@@ -201,34 +202,32 @@ def _block_attn_fwd(
 
 
 @triton.jit
-def _bwd_head(Q, K, V, O, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, O_DESC, DO_DESC,
+def _bwd_head(Q, K, V, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, DO_DESC,
               h, start, first, rows, length, c, s, num_heads,
-              stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
+              stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
               stride_don, stride_doh, stride_dqn, stride_dqh, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
               stride_rope, qk_scale, scale, HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, BY_DESC: tl.constexpr,
               HALVES: tl.constexpr):
     # The order keeps the live set small (at D = 128 one fp32 (BS, D) accumulator is 64 registers
-    # per thread of a 4-warp program): o dies with delta, dv is stored before v is loaded and dS
-    # formed, dq before dk is computed, and c, s are re-read (L1/L2) for each gradient's rotation
-    # and returned for the caller's head loop to carry: that ends the setup rows' lifetime at the
-    # q/k rotation (keeping them live across the body spilled twice as much: 1,016 vs 592 B per
-    # thread at 4 warps, sm_90 ptxas). Holding dq, dk, dv together spilled ~1 KB per thread; this
-    # order measured 0.33 vs 0.41 ms on self-1000 (H200, docs/benchmarks.md).
+    # per thread of a 4-warp program): dv is stored before v is loaded and dS formed, dq before dk
+    # is computed, and c, s are re-read (L1/L2) for each gradient's rotation and returned for the
+    # caller's head loop to carry: that ends the setup rows' lifetime at the q/k rotation (keeping
+    # them live across the body spilled twice as much: 1,016 vs 592 B per thread at 4 warps, sm_90
+    # ptxas). Holding dq, dk, dv together spilled ~1 KB per thread; this order measured 0.33 vs
+    # 0.41 ms on self-1000 (H200, docs/benchmarks.md).
+    # delta = rowsum(p * dp): the whole softmax row is in the tile (one block of keys), so the
+    # softmax backward's row term comes from p and dp, which the kernel forms anyway. It equals
+    # rowsum(do * o) with o = p v unrounded, and o is not read at all: one (BS, D) tile less to
+    # load and to hold (the last version loaded o to form rowsum(do * o) first).
     HALF: tl.constexpr = HEAD_DIM // 2
     row_ok = rows < length
     offs_half = tl.arange(0, HALF)
     offs_d = tl.arange(0, HEAD_DIM)
-    if HALVES:  # o, do, v and dv in (BS, D/2) halves: one fp32 accumulator half as wide (masked loads)
+    if HALVES:  # do, v and dv in (BS, D/2) halves: one fp32 accumulator half as wide (masked loads)
         do1 = load_tile(DO, DO_DESC, start, first, rows, length, stride_don, h * stride_doh, offs_half, False)
         do2 = load_tile(DO, DO_DESC, start, first, rows, length, stride_don, h * stride_doh + HALF, offs_half, False)
-        o1 = load_tile(O, O_DESC, start, first, rows, length, stride_on, h * stride_oh, offs_half, False)
-        delta = tl.sum(do1.to(tl.float32) * o1.to(tl.float32), 1)  # (BS,)
-        o2 = load_tile(O, O_DESC, start, first, rows, length, stride_on, h * stride_oh + HALF, offs_half, False)
-        delta += tl.sum(do2.to(tl.float32) * o2.to(tl.float32), 1)
     else:
-        o = load_tile(O, O_DESC, start, first, rows, length, stride_on, h * stride_oh, offs_d, BY_DESC)
         do = load_tile(DO, DO_DESC, start, first, rows, length, stride_don, h * stride_doh, offs_d, BY_DESC)
-        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # (BS,)
     lse = tl.load(LSE + (start + rows) * num_heads + h, mask=row_ok, other=float("inf"))  # inf: p = 0
     q1, q2, k1, k2, scores = _scores(Q, K, Q_DESC, K_DESC, start, first, rows, length, stride_qn, stride_qh, stride_kn,
                                      stride_kh, h, c, s, qk_scale, HALF, ROPE, BY_DESC)
@@ -248,6 +247,7 @@ def _bwd_head(Q, K, V, O, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC,
         store_rows(DV, dv, start, rows, length, stride_dvn, h * stride_dvh, offs_d)
         v = load_tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh, offs_d, BY_DESC)
         dp = tl.dot(do, tl.trans(v))
+    delta = tl.sum(p * dp, 1)  # (BS,)
     ds = p * (dp - delta[:, None])  # gradient of the natural-units score
     ds = ds.to(q1.dtype)
     dq1, dq2 = tl.dot(ds, k1) * scale, tl.dot(ds, k2) * scale
@@ -268,24 +268,25 @@ def _bwd_head(Q, K, V, O, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC,
 
 @triton.jit
 def _block_attn_bwd(
-    Q, K, V, O, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, O_DESC, DO_DESC, OFFSETS, WORK, num_heads,
+    Q, K, V, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, DO_DESC, OFFSETS, WORK, num_heads,
     heads_per_program,
-    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_don, stride_doh, stride_dqn, stride_dqh, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
     stride_rope, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr, TMA: tl.constexpr = False,
     HALVES: tl.constexpr = False,
 ):
-    # Same work items as the forward. Each program reads q, k, v, o, do and lse of its block once
-    # and writes dq, dk, dv once: delta = rowsum(do * o) is computed here, not in a pre-pass.
-    # TMA: whole blocks' q, k (halves), v, o, do through the descriptors, as in the forward.
+    # Same work items as the forward. Each program reads q, k, v, do and lse of its block once and
+    # writes dq, dk, dv once; the softmax backward's row term comes from p and dp (_bwd_head), so
+    # neither a pre-pass nor the forward's output is needed.
+    # TMA: whole blocks' q, k (halves), v, do through the descriptors, as in the forward.
     HALF: tl.constexpr = HEAD_DIM // 2
     start, length, first, rows, h0, h_end, c, s = _block_setup(WORK, OFFSETS, COS, SIN, stride_rope,
                                                                heads_per_program, num_heads, BLOCK, HALF, ROPE)
     for h in range(h0, h_end):  # TMA: whole blocks only, as in the forward
-        c, s = _bwd_head(Q, K, V, O, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, O_DESC, DO_DESC,
+        c, s = _bwd_head(Q, K, V, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, DO_DESC,
                          h, start, first, rows, length, c, s, num_heads,
-                         stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
+                         stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
                          stride_don, stride_doh, stride_dqn, stride_dqh, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
                          stride_rope, qk_scale, scale, HEAD_DIM, ROPE, TMA, HALVES)
 
@@ -371,18 +372,18 @@ def _forward(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
     return out, lse
 
 
-def _backward(do, q, k, v, out, lse, cos, sin, offsets, max_len, block_size, rope_base, scale):
+def _backward(do, q, k, v, lse, cos, sin, offsets, max_len, block_size, rope_base, scale):
     n, heads, dim = q.shape
     do = do if do.stride(-1) == 1 else do.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     cos, sin, rope = _rope_args(cos, sin, rope_base, max_len, q)
-    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-               do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0),
-               dv.stride(1), cos.stride(0), scale * LOG2E, scale)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
+               do.stride(1), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+               cos.stride(0), scale * LOG2E, scale)
 
     def run(cfg):
-        args = (q, k, v, out, do, lse, dq, dk, dv, cos, sin, strides)
-        descs = _descriptors(cfg, block_size, (q, k), (v, out, do))
+        args = (q, k, v, do, lse, dq, dk, dv, cos, sin, strides)
+        descs = _descriptors(cfg, block_size, (q, k), (v, do))
         _launch(_block_attn_bwd, offsets, heads, block_size, cfg, args, descs, dim, rope, q.device,
                 HALVES=bool(config_field(cfg, 4)))
 
@@ -415,28 +416,28 @@ def _(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
 
 @torch.library.custom_op("gemctl::block_attention_bwd", mutates_args=())
 def _block_attention_bwd_op(
-    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
     cos: torch.Tensor | None, sin: torch.Tensor | None, offsets: torch.Tensor, max_len: int, block_size: int,
     rope_base: float, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v, cos, sin = _contiguous_dim(q, k, v, cos, sin)
-    return _backward(do, q, k, v, out, lse, cos, sin, offsets, max_len, block_size, rope_base, scale)
+    return _backward(do, q, k, v, lse, cos, sin, offsets, max_len, block_size, rope_base, scale)
 
 
 @_block_attention_bwd_op.register_fake
-def _(do, q, k, v, out, lse, cos, sin, offsets, max_len, block_size, rope_base, scale):
+def _(do, q, k, v, lse, cos, sin, offsets, max_len, block_size, rope_base, scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, cos, sin, offsets, *args = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], cos, sin, offsets)
+    ctx.save_for_backward(q, k, v, output[1], cos, sin, offsets)  # the backward does not read o
     ctx.args = tuple(args)
 
 
 def _backward_rule(ctx, do, _dlse):
-    q, k, v, out, lse, cos, sin, offsets = ctx.saved_tensors
-    dq, dk, dv = _block_attention_bwd_op(do, q, k, v, out, lse, cos, sin, offsets, *ctx.args)
+    q, k, v, lse, cos, sin, offsets = ctx.saved_tensors
+    dq, dk, dv = _block_attention_bwd_op(do, q, k, v, lse, cos, sin, offsets, *ctx.args)
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
@@ -450,14 +451,14 @@ class _BlockAttentionEager(torch.autograd.Function):
     def forward(ctx, q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
         q, k, v, cos, sin = _contiguous_dim(q, k, v, cos, sin)
         out, lse = _forward(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale)
-        ctx.save_for_backward(q, k, v, out, lse, cos, sin, offsets)
+        ctx.save_for_backward(q, k, v, lse, cos, sin, offsets)  # the backward does not read o
         ctx.args = (max_len, block_size, rope_base, scale)
         return out
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, out, lse, cos, sin, offsets = ctx.saved_tensors
-        dq, dk, dv = _backward(do, q, k, v, out, lse, cos, sin, offsets, *ctx.args)
+        q, k, v, lse, cos, sin, offsets = ctx.saved_tensors
+        dq, dk, dv = _backward(do, q, k, v, lse, cos, sin, offsets, *ctx.args)
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
