@@ -1,6 +1,7 @@
 """Compile every bundled Triton kernel for Hopper (sm_90) without a GPU.
 
     python scripts/check_kernels_build.py [--arch 90]
+    python scripts/check_kernels_build.py --ptxas 4,1      # registers / spills per kernel instead
 
 A cheap CI check that the kernels still build for the GPU they are tuned for (the CPU tier runs
 them under the interpreter, which accepts code the real compiler rejects). Must run without
@@ -199,9 +200,55 @@ def per_batch_specialization(target) -> list[str]:
     return lines
 
 
+def _aligned_attrs(fn, types: dict, consts: dict) -> dict:
+    """Triton's specialization of a typical launch: every pointer 16-byte aligned and every stride
+    (but the rope tables', one row of D/2 fp32) a multiple of 16, as our tensors have them."""
+    names = list(fn.arg_names)
+    aligned = [n for n in names if n not in consts and n != "stride_rope"
+               and (types.get(n, "").startswith("*") or n.startswith("stride"))]
+    return {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+
+
+def ptxas_stats(target, warps: int, stages: int) -> list[str]:
+    """Registers and spill stores per thread of every kernel above (``ptxas -v`` on its PTX, the
+    ptxas Triton bundles), compiled as a launch specializes it (_aligned_attrs; block attention with
+    one head per program) with ``warps`` and ``stages``: register and spill figures that
+    docs/benchmarks.md can quote, reproducible without a GPU (Triton's version changes them: name it)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton import knobs
+    from triton.compiler import ASTSource
+
+    lines = []
+    for fn, types, consts in kernels():
+        consts = _with_defaults(fn, consts)
+        consts.update({n: None for n in fn.arg_names if n.endswith("_DESC") and n not in types and n not in consts})
+        if "heads_per_program" in fn.arg_names:  # one head per program, as the tuned block configs run
+            consts["heads_per_program"] = 1
+        src = ASTSource(fn=fn, signature=_signature(fn, types, consts), constexprs=consts,
+                        attrs=_aligned_attrs(fn, types, consts))
+        compiled = triton.compile(src, target=target, options={"num_warps": warps, "num_stages": stages})
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+            ptx.write(compiled.asm["ptx"])
+            ptx.flush()
+            out = subprocess.run([knobs.nvidia.ptxas.path, "-v", f"--gpu-name=sm_{target.arch}a", ptx.name, "-o",
+                                  os.devnull], capture_output=True, text=True).stderr
+        regs = re.search(r"Used (\d+) registers", out)
+        spill = re.search(r"(\d+) bytes spill stores", out)
+        flags = ",".join(f"{k}={int(v)}" for k, v in consts.items() if isinstance(v, (bool, int)) and k.isupper()
+                         and not k.startswith(("BLOCK_", "HEAD_DIM")))
+        lines.append(f"{fn.__name__:<24} {flags[:60]:<60} {regs.group(1) if regs else '?':>3} registers, "
+                     f"{spill.group(1) if spill else '?':>4} B spill stores, {compiled.metadata.shared} B shared")
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--ptxas", metavar="WARPS,STAGES", help="print registers and spills per kernel (e.g. 4,1) instead")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("check_kernels_build: unset TRITON_INTERPRET (the interpreter compiles nothing)", file=sys.stderr)
@@ -211,6 +258,13 @@ def main() -> int:
     from triton.compiler import ASTSource
 
     target = GPUTarget("cuda", args.arch, 32)
+    if args.ptxas:
+        try:
+            warps, stages = (int(v) for v in args.ptxas.split(","))
+        except ValueError:
+            ap.error(f"--ptxas {args.ptxas}: WARPS,STAGES expected, e.g. 4,1")
+        print("\n".join(ptxas_stats(target, warps, stages)))
+        return 0
     for fn, types, consts in kernels():
         t0 = time.time()
         consts = _with_defaults(fn, consts)
