@@ -502,19 +502,18 @@ def pick_config(key, candidates, run, interpret_config: tuple = _INTERPRET_CONFI
     best, best_t = None, float("inf")
     _tuning_now = tuned
     try:
-        for cfg in candidates:
-            try:  # a config may not fit this shape's shared memory: the next one then
-                if tuned:
-                    t = _time(lambda: run(cfg))
-                else:
-                    run(cfg)
-                    t = 0.0
+        for cfg in candidates:  # a config may not fit this shape's shared memory: the next one then
+            if not tuned:
+                if _runs(run, cfg):
+                    best = cfg
+                    break  # untuned: the first candidate that runs
+                continue
+            try:
+                t = _time(lambda: run(cfg))
             except Exception:
                 continue
             if t < best_t:
                 best, best_t = cfg, t
-            if not tuned:
-                break  # untuned: the first candidate that runs
     finally:
         _tuning_now = False
     if tuned:
