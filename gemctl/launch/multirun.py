@@ -383,6 +383,12 @@ def merge_sweeps(paths: list[Path], baseline: str | None = None) -> tuple[list[s
     that fills in seeds the others lack (a failed job rerun) joins the setting. The baseline is the
     first job's setting, or the one that ``baseline`` names: the whole setting, one of its
     overrides (``precision=bf16``), or, where that is unambiguous, one of their values (``bf16``)."""
+    return _merge(_load_runs(paths), baseline)
+
+
+def _load_runs(paths: list[Path]) -> list[dict]:
+    """The jobs of the multiruns, each with its run's name (``source``, also in its ``job`` id) and
+    its recipe as a first override where the sweep recorded one; a run given twice is refused."""
     from gemctl.errors import UserError
 
     resolved = [(p / "sweep.json" if p.is_dir() else p).resolve() for p in paths]
@@ -397,6 +403,12 @@ def merge_sweeps(paths: list[Path], baseline: str | None = None) -> tuple[list[s
             results.append({**job, "overrides": overrides, "job": f"{name}/{job.get('job', '?')}", "source": name})
     if not results:
         raise UserError("gemctl compare: the multiruns given hold no jobs")
+    return results
+
+
+def _merge(results: list[dict], baseline: str | None) -> tuple[list[str], list[dict], list[dict]]:
+    """merge_sweeps on jobs already loaded (their overrides are rewritten to setting and seed)."""
+    from gemctl.errors import UserError
 
     def is_seed(o: str) -> bool:
         return o.split("=", 1)[0] == SEED_KEY
@@ -438,16 +450,14 @@ def merge_sweeps(paths: list[Path], baseline: str | None = None) -> tuple[list[s
     return keys, rows, summary_rows(keys, rows)
 
 
-def code_stacks(paths: list[Path]) -> dict[str, int]:
-    """Jobs per (commit, torch, Triton) over the multiruns' jobs (summary.json's provenance), and
-    those that did not record it (runs older than the record) as one more entry."""
+def code_stacks(jobs: list[dict]) -> dict[str, int]:
+    """Jobs per (commit, torch, Triton) (summary.json's provenance), and those that did not record
+    it (runs older than the record) as one more entry."""
     stacks: dict[str, int] = {}
-    for path in paths:
-        for job in _load_sweep(path)[0]:
-            p = job.get("provenance")
-            stack = (f"commit {p.get('commit')}, torch {p.get('torch')}, triton {p.get('triton')}" if p
-                     else "no provenance recorded")
-            stacks[stack] = stacks.get(stack, 0) + 1
+    for job in jobs:
+        p = job.get("provenance")
+        stack = f"commit {p.get('commit')}, torch {p.get('torch')}, triton {p.get('triton')}" if p else "no provenance recorded"
+        stacks[stack] = stacks.get(stack, 0) + 1
     return stacks
 
 
@@ -458,10 +468,11 @@ def compare(paths: list[Path], baseline: str | None, out: Path | None, console) 
     if out is not None and (out.is_dir() or not out.parent.is_dir()):
         raise UserError(f"gemctl compare: --out {out}: " + ("a directory; give a file path" if out.is_dir() else
                                                             f"{out.parent} is not a directory"))
-    keys, rows, groups = merge_sweeps(paths, baseline)
+    results = _load_runs(paths)
+    stacks = code_stacks(results)
+    keys, rows, groups = _merge(results, baseline)
     console.print(f"compare: {len(rows)} jobs from {len(paths)} multiruns: {', '.join(str(p) for p in paths)}",
                   markup=False, soft_wrap=True)
-    stacks = code_stacks(paths)
     if len(stacks) > 1:
         console.print("note: the jobs ran on different code or libraries (" + "; ".join(
             f"{stack}: {n} jobs" for stack, n in stacks.items()) + "); deterministic runs repeat only on the same "
