@@ -414,8 +414,8 @@ class Trainer:
         if cuda:
             perf["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         result.perf = perf
-        summary = {"eval": result.eval, "baselines": result.baselines, "perf": perf, "provenance": provenance(),
-                   "losses": result.losses}
+        summary = {"eval": result.eval, "baselines": result.baselines, "perf": perf,
+                   "provenance": provenance() if run else None, "losses": result.losses}  # written by rank 0 only
         sink.write({"kind": "summary", **{k: v for k, v in summary.items() if k != "losses"}})
         if run:
             run.write_text("summary.json", json.dumps(summary, indent=2))
