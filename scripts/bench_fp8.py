@@ -443,14 +443,18 @@ def main() -> None:
         except ValueError:
             ap.error(f"{flag} {text}: comma-separated integers expected")  # one line, exit code 2
 
-    # the arguments checked before any GPU work
+    # the arguments checked before any GPU work (the sections read meta only when they run)
     widths = int_list("--widths", args.widths)
     cast_widths = int_list("--cast-widths", args.cast_widths)
-    names = ("accuracy", "outliers", "accumulation", "cast", "gemm", "mlp", "profile")
+    sections = {"accuracy": accuracy_rows, "outliers": outlier_rows, "accumulation": accumulation_rows,
+                "cast": lambda: cast_rows(args.tokens, meta["copy_tbps"], cast_widths),
+                "gemm": lambda: gemm_rows(args.tokens, args.grans.split(","), widths),
+                "mlp": lambda: mlp_rows(args.tokens, [v for v in args.mlp.split(",") if v], widths),
+                "profile": lambda: profile_rows(args.tokens, widths)}
     parts = args.only.split(",")
-    unknown = [p for p in parts if p not in names]
+    unknown = [p for p in parts if p not in sections]
     if unknown:
-        ap.error(f"--only {','.join(unknown)}: unknown; allowed: {', '.join(names)}")
+        ap.error(f"--only {','.join(unknown)}: unknown; allowed: {', '.join(sections)}")
     if not torch.cuda.is_available():
         if parts != ["outliers"]:
             raise SystemExit("bench_fp8: needs a CUDA GPU (only --only outliers, emulated numerics, runs on a CPU)")
@@ -464,12 +468,6 @@ def main() -> None:
     meta["pending_autotune"] = args.pending
     result = {"meta": meta}
     path = Path(args.out)
-    sections = {"accuracy": accuracy_rows, "outliers": outlier_rows, "accumulation": accumulation_rows,
-                "cast": lambda: cast_rows(args.tokens, meta["copy_tbps"], cast_widths),
-                "gemm": lambda: gemm_rows(args.tokens, args.grans.split(","), widths),
-                "mlp": lambda: mlp_rows(args.tokens, [v for v in args.mlp.split(",") if v], widths),
-                "profile": lambda: profile_rows(args.tokens, widths)}
-    assert set(sections) == set(names)
     global _ON_ROW
 
     def write(part: str, rows: list) -> None:  # partial results survive a timeout

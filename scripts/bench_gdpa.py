@@ -148,8 +148,8 @@ def main() -> None:
     try:
         grid_configs = [tuple(int(f) for f in c.split(",")) for c in args.grid_configs]
     except ValueError:
-        raise SystemExit(f"bench_gdpa: --grid-configs {' '.join(args.grid_configs)}: each config is comma-separated "
-                         "integers, e.g. 64,32,4,2,0,0,0,128")
+        ap.error(f"--grid-configs {' '.join(args.grid_configs)}: each config is comma-separated integers, "
+                 "e.g. 64,32,4,2,0,0,0,128")  # one line, exit code 2
     pins = parse_pins(args.pin, bool(args.profile_step))
     workloads = [pma_workload(256, 32), cross_workload(256, 32), cross_workload(256, 128), self_workload(256, 1000)]
     if args.profile_step:
