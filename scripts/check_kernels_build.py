@@ -200,6 +200,20 @@ def per_batch_specialization(target) -> list[str]:
     return lines
 
 
+def _constexprs(fn, types: dict, consts: dict) -> dict:
+    """``consts`` with the kernel's constexpr defaults, and its tensor-descriptor arguments None
+    where the kernel is compiled without TMA."""
+    consts = _with_defaults(fn, consts)
+    consts.update({n: None for n in fn.arg_names if n.endswith("_DESC") and n not in types and n not in consts})
+    return consts
+
+
+def _flags(consts: dict) -> str:
+    """The variant a compile is: its integer and boolean constexprs other than tile sizes."""
+    return ",".join(f"{k}={int(v)}" for k, v in consts.items()
+                    if isinstance(v, (bool, int)) and k.isupper() and not k.startswith(("BLOCK_", "HEAD_DIM")))
+
+
 def _aligned_attrs(fn, types: dict, consts: dict) -> dict:
     """Triton's specialization of a typical launch: every pointer 16-byte aligned and every stride
     (but the rope tables', one row of D/2 fp32) a multiple of 16, as our tensors have them."""
@@ -224,8 +238,7 @@ def ptxas_stats(target, warps: int, stages: int) -> list[str]:
 
     lines = []
     for fn, types, consts in kernels():
-        consts = _with_defaults(fn, consts)
-        consts.update({n: None for n in fn.arg_names if n.endswith("_DESC") and n not in types and n not in consts})
+        consts = _constexprs(fn, types, consts)
         if "heads_per_program" in fn.arg_names:  # one head per program, as the tuned block configs run
             consts["heads_per_program"] = 1
         src = ASTSource(fn=fn, signature=_signature(fn, types, consts), constexprs=consts,
@@ -238,9 +251,7 @@ def ptxas_stats(target, warps: int, stages: int) -> list[str]:
                                   os.devnull], capture_output=True, text=True).stderr
         regs = re.search(r"Used (\d+) registers", out)
         spill = re.search(r"(\d+) bytes spill stores", out)
-        flags = ",".join(f"{k}={int(v)}" for k, v in consts.items() if isinstance(v, (bool, int)) and k.isupper()
-                         and not k.startswith(("BLOCK_", "HEAD_DIM")))
-        lines.append(f"{fn.__name__:<24} {flags[:60]:<60} {regs.group(1) if regs else '?':>3} registers, "
+        lines.append(f"{fn.__name__:<24} {_flags(consts)[:60]:<60} {regs.group(1) if regs else '?':>3} registers, "
                      f"{spill.group(1) if spill else '?':>4} B spill stores, {compiled.metadata.shared} B shared")
     return lines
 
@@ -267,15 +278,10 @@ def main() -> int:
         return 0
     for fn, types, consts in kernels():
         t0 = time.time()
-        consts = _with_defaults(fn, consts)
-        # tensor-descriptor arguments of a kernel compiled without TMA are passed as None
-        consts.update({n: None for n in fn.arg_names if n.endswith("_DESC") and n not in types and n not in consts})
+        consts = _constexprs(fn, types, consts)
         src = ASTSource(fn=fn, signature=_signature(fn, types, consts), constexprs=consts)
         compiled = triton.compile(src, target=target, options={"num_warps": 4, "num_stages": 3})
-        flags = ",".join(f"{k}={int(v)}" for k, v in consts.items() if k in ("CAUSAL", "HAS_BIAS", "ACT", "ROPE", "E5M2", "RCEIL", "BIT_CAST", "WRITE_Y", "WINDOWED", "GROUP_K", "EPI", "NEED_DW", "CHUNK_K", "ONE_SWEEP", "COL_AMAX", "NORM", "DEPTH", "SPLIT", "TRANSPOSED", "MX_P", "TMA", "LAZY", "HALVES", "ATOMIC"))
-        if "BLOCK" in consts:
-            flags = f"BLOCK={consts['BLOCK']},{flags}"
-        print(f"{fn.__name__:<24} {flags:<30} sm_{args.arch}: ok ({time.time() - t0:.1f} s, {compiled.metadata.shared} B shared)")
+        print(f"{fn.__name__:<24} {_flags(consts):<30} sm_{args.arch}: ok ({time.time() - t0:.1f} s, {compiled.metadata.shared} B shared)")
     stores = column_cast_stores(target)
     print("\n".join(stores))
     specs = per_batch_specialization(target)
