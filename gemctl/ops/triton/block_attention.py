@@ -82,7 +82,9 @@ _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2,
 # half as wide; sm_90 ptxas (Triton 3.6), D=128, block 64 with RoPE: spill stores 576 -> 376 B per
 # thread at 4 warps, 88 -> 0 at 8 warps (254 registers). H200, 2026-11-30: the GPU tier passed all
 # four; (4, 1, 1, 0, 1) ran 2% faster than (4, 1, 1) (321 vs 328 us self-1000, 272 vs 277 us
-# self-4000) and joins autotuning; the other three were 25-40% slower and stay pinned-only.
+# self-4000) and joins autotuning; the other three were 25-40% slower and stay pinned-only. Since
+# the backward stopped reading o (ad18b2f) the full-width (4, 1, 1) wins again (294.7 vs 307.8 us
+# self-1000, H200, 2026-11-30); the half-width config stays a candidate for the shapes it may win.
 _BWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (8, 1, 2), (4, 2, 2),
                    (4, 1, 1, 1), (4, 2, 0, 1), (8, 1, 1, 1),
                    (4, 1, 1, 0, 1), (8, 1, 1, 0, 1), (4, 2, 0, 0, 1), (8, 2, 0, 0, 1)]
