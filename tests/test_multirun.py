@@ -56,6 +56,22 @@ def test_multirun_validates_every_job_first(tmp_path):
     assert not os.listdir(tmp_path)
 
 
+def test_a_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path):
+    """A job that fails at run time (here: a checkpoint that does not exist) gets its exit code in
+    the sweep's record and table, and the jobs after it still run."""
+    missing = tmp_path / "no-such-checkpoint"
+    proc = subprocess.run([sys.executable, "-m", "gemctl", "train", "-m", f"train.resume={missing},auto",
+                           f"run.output_dir={tmp_path / 'out'}", *SHORT], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert f"gemctl: error: train.resume: no published checkpoint" in proc.stderr
+    (sweep_dir,) = os.listdir(tmp_path / "out" / "default")
+    sweep = json.loads((tmp_path / "out" / "default" / sweep_dir / "sweep.json").read_text())
+    assert [j["exit_code"] for j in sweep["jobs"]] == [2, 0]
+    assert "eval" not in sweep["jobs"][0] and 0 < sweep["jobs"][1]["eval"]["ctr"]["auc"] < 1
+    assert "| 0 | " in proc.stdout and "exit 2" in proc.stdout
+
+
 def test_comparison_table_by_hand():
     results = [
         {"job": 0, "overrides": ["model.attention=[full]", "train.steps=4"], "exit_code": 0,

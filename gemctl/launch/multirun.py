@@ -22,7 +22,9 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import sys
 import time
+import traceback
 from pathlib import Path
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -309,9 +311,19 @@ def _run_one(cfg, run_dir: Path, console) -> int:
         from gemctl.launch.torchrun import launch
 
         return launch(cfg, console, run_dir=run_dir)[0]
+    from gemctl.cli import first_line
+    from gemctl.errors import UserError
     from gemctl.train.trainer import train
 
-    train(cfg, console=console, run_dir=str(run_dir))  # writes config.yaml, metrics, summary there
+    # A failed job is recorded with its exit code and the sweep goes on, as a torchrun job's would.
+    try:
+        train(cfg, console=console, run_dir=str(run_dir))  # writes config.yaml, metrics, summary there
+    except UserError as exc:
+        print(f"gemctl: error: {first_line(exc)}", file=sys.stderr)
+        return exc.exit_code
+    except Exception:  # a crash: its traceback, exit code 1
+        traceback.print_exc()
+        return 1
     return 0
 
 
