@@ -15,13 +15,13 @@ RUN = ["train.steps=8", "train.warmup_timing_steps=1", "train.log_every=2", "run
        "shuffle.sub_batch_size=8"]
 
 
-def _train(tmp_path, name, overrides):
+def _train(tmp_path, name, overrides, console=None):
     from gemctl.train.trainer import Trainer, prepare_process
 
     cfg = compose(RUN + [f"run.name={name}"] + overrides)
     validate(cfg)
     prepare_process()
-    trainer = Trainer(cfg, run_root=str(tmp_path))
+    trainer = Trainer(cfg, run_root=str(tmp_path), console=console)
     result = trainer.fit()
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     return result, params
@@ -37,6 +37,15 @@ def test_exact_resume(tmp_path):
     for name, value in full_params.items():
         assert torch.equal(resumed_params[name], value), name
     assert resumed.eval == full.eval
+    # resumed at the last step: nothing to train, and it says so
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    done, _ = _train(tmp_path, "done", [f"train.resume={ckpts}"], console=Console(file=out, width=200))
+    assert done.losses == []
+    assert "the checkpoint is at step 8, train.steps=8: no step left to train" in out.getvalue()
 
 
 def test_torn_checkpoint_is_never_loaded_and_keep_last(tmp_path):
@@ -57,6 +66,9 @@ def test_resume_errors(tmp_path):
     assert checkpoint.find("auto", tmp_path / "nothing") is None  # auto with nothing: a fresh start
     with pytest.raises(UserError, match="train.resume: no published checkpoint"):
         checkpoint.find(str(tmp_path / "nothing"), tmp_path)
+    with pytest.raises(UserError, match="train.resume: no published checkpoint"):  # nothing half-written
+        _train(tmp_path / "runs", "resume", [f"train.resume={tmp_path / 'nothing'}"])
+    assert list((tmp_path / "runs" / "resume").iterdir()) == []
 
 
 def test_corrupt_newest_falls_back_to_the_previous(tmp_path):

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from gemctl.data.loader import TrainLoader, eval_batches
-from gemctl.errors import NumericalFault
+from gemctl.errors import NumericalFault, UserError
 from gemctl.data.source import build_source
 from gemctl.metrics import mfu as mfu_lib
 from gemctl.metrics.flops import gem_flops
@@ -285,13 +286,22 @@ class Trainer:
         run_path = Path(self.run_dir or (run.path if run else "."))
         ckpt_root = Path(tcfg.checkpoint_dir or run_path / "checkpoints")
         attempt = restart_count()
-        paths = checkpoint.candidates(tcfg.resume, ckpt_root)
-        if attempt:  # torchrun restarted the workers after a failure: continue from this run's newest checkpoint
-            paths = checkpoint.candidates("auto", ckpt_root) or paths
-            self._say(f"[yellow]restart {attempt} of at most {cfg.launcher.max_restarts}: "
-                      + (f"resuming from the newest complete checkpoint under {ckpt_root}[/yellow]" if paths
-                         else "no checkpoint was written yet; starting over[/yellow]"))
-        start, resume_from = checkpoint.load_newest_readable(self, paths, self._say)
+        try:
+            paths = checkpoint.candidates(tcfg.resume, ckpt_root)
+            if attempt:  # torchrun restarted the workers after a failure: continue from this run's newest checkpoint
+                paths = checkpoint.candidates("auto", ckpt_root) or paths
+                self._say(f"[yellow]restart {attempt} of at most {cfg.launcher.max_restarts}: "
+                          + (f"resuming from the newest complete checkpoint under {ckpt_root}[/yellow]" if paths
+                             else "no checkpoint was written yet; starting over[/yellow]"))
+            start, resume_from = checkpoint.load_newest_readable(self, paths, self._say)
+        except UserError:  # train.resume names no checkpoint, or one of another model
+            sink.close()
+            if run is not None and not self.run_dir:  # nothing trained: no half-written run directory left
+                shutil.rmtree(run.path, ignore_errors=True)
+            raise
+        if start >= tcfg.steps:
+            self._say(f"[yellow]the checkpoint is at step {start}, train.steps={tcfg.steps}: no step left to train; "
+                      "raise train.steps to continue[/yellow]")
         if resume_from is not None:
             self._say(f"resumed from {resume_from} at step {start}")
         ledger = SampleLedger(run_path, ctx.rank) if tcfg.sample_ledger else None
