@@ -12,6 +12,7 @@ A bad config or bad input prints one line naming the field and exits with code 2
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -40,6 +41,12 @@ def cmd_train(args, console: Console) -> int:
 
         return run_sweep(args.overrides, args.recipe, console)
     cfg = _compose(args)
+    from gemctl.launch.multirun import recipe_sweep
+
+    swept = [o.split("=", 1)[0] for o in recipe_sweep(args.recipe, args.overrides)]
+    if swept:
+        console.print(f"note: recipe {args.recipe} sweeps {', '.join(swept)}; this runs one job with their defaults "
+                      "(add -m to run the sweep)", markup=False, soft_wrap=True)
     if args.dry_run and cfg.launcher.kind != "slurm":
         raise UserError("--dry-run: only launcher=slurm has a job script to print")
     if cfg.launcher.kind == "slurm":
@@ -57,7 +64,8 @@ def cmd_train(args, console: Console) -> int:
 
     result = train(cfg, console=console)
     console.print(summary_table(cfg, result))
-    console.print(f"results: {result.run_dir}/summary.json, metrics: {result.run_dir}/metrics.jsonl")
+    console.print(f"results: {result.run_dir}/summary.json, metrics: {result.run_dir}/metrics.jsonl", markup=False,
+                  soft_wrap=True)
     return 0
 
 
@@ -257,11 +265,19 @@ def plan_tables(plan: dict) -> list[Table]:
 def cmd_config(args, console: Console) -> int:
     from omegaconf import OmegaConf
 
-    cfg = _compose(args)
+    from gemctl.config.compose import compose
+    from gemctl.config.validate import validate
+
+    cfg = compose(args.overrides, recipe=args.recipe)
+    validate(cfg, check_device=False)  # a config for another machine (a GPU recipe shown on a laptop)
     if args.action == "show":
         print(OmegaConf.to_yaml(cfg), end="")
-    else:
-        console.print("config is valid")
+        return 0
+    import torch
+
+    here = ("; train.device=cuda, and this machine shows no CUDA device"
+            if cfg.train.device == "cuda" and not torch.cuda.is_available() else "")
+    console.print(f"config is valid{here}", markup=False, soft_wrap=True)
     return 0
 
 
@@ -284,12 +300,21 @@ def cmd_recipes(args, console: Console) -> int:
         print(path.read_text(), end="")
         return 0
     dest = Path(args.dest or f"{path.stem}.yaml")
-    if dest.is_dir():
-        dest = dest / path.name
+    into_dir = (args.dest or "").endswith(("/", os.sep))
+    if dest.is_dir() or into_dir:
+        dest = dest / path.name  # into a directory (made if missing)
+    elif dest.suffix not in (".yaml", ".yml"):
+        dest = dest.with_name(dest.name + ".yaml")  # --recipe takes a path only as a YAML file
     if dest.exists():
         raise UserError(f"gemctl recipes cp: {dest} exists; choose another destination")
+    if dest.parent.exists() and not dest.parent.is_dir():
+        raise UserError(f"gemctl recipes cp: {dest.parent} is a file; give a directory or a .yaml path")
+    if not dest.parent.exists() and not into_dir:
+        raise UserError(f"gemctl recipes cp: directory {dest.parent} does not exist (a destination ending in / is made)")
+    dest.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(path, dest)
-    console.print(f"copied {path.name} -> {dest} (run it with: gemctl train --recipe {dest})")
+    console.print(f"copied {path.name} -> {dest} (run it with: gemctl train --recipe {dest})", markup=False,
+                  soft_wrap=True)
     return 0
 
 

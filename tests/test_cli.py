@@ -123,6 +123,60 @@ def test_recipes_cp_into_directory(tmp_path):
     assert (tmp_path / "small_h200.yaml").read_text() == (REPO / "recipes" / "small_h200.yaml").read_text()
 
 
+def test_recipes_cp_destinations(tmp_path):
+    """A name without .yaml gets it (--recipe takes a path only as a YAML file), a destination
+    ending in / is a directory made on the way, a missing parent directory is one line."""
+    proc = gemctl("recipes", "cp", "cpu_smoke", "mine", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "mine.yaml").is_file() and "--recipe mine.yaml" in proc.stdout
+    assert gemctl("config", "validate", "--recipe", "mine.yaml", cwd=tmp_path).returncode == 0
+    proc = gemctl("recipes", "cp", "cpu_smoke", "sub/", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "sub" / "cpu_smoke.yaml").is_file()
+    line = assert_one_line_error(gemctl("recipes", "cp", "cpu_smoke", "nowhere/x.yaml", cwd=tmp_path),
+                                 "gemctl recipes cp: directory nowhere does not exist")
+    assert not (tmp_path / "nowhere").exists(), line
+
+
+def test_a_sweep_recipe_without_m_says_so():
+    """A recipe that declares a sweep, run without -m, runs one job: the command says so (here
+    through the Slurm dry run, which prints the job script and submits nothing)."""
+    slurm = ("launcher=slurm", "launcher.nnodes=1", "launcher.nproc_per_node=1", "--dry-run")
+    proc = gemctl("train", "--recipe", "ablation_attention", *slurm)
+    assert proc.returncode == 0, proc.stderr
+    assert "note: recipe ablation_attention sweeps " in proc.stdout and "add -m to run the sweep" in proc.stdout
+    proc = gemctl("train", "--recipe", "cpu_smoke", *slurm)
+    assert proc.returncode == 0 and "note: recipe" not in proc.stdout, proc.stderr
+
+
+def test_output_dir_that_is_a_file(tmp_path):
+    (tmp_path / "afile").write_text("hi")
+    for verb in (("config", "validate"), ("train",)):
+        assert_one_line_error(gemctl(*verb, "run.output_dir=afile", cwd=tmp_path),
+                              "run.output_dir: afile is a file; runs go into a directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_config_of_a_cuda_recipe_on_a_machine_without_one():
+    """`config show` and `config validate` check the config, not this machine's devices."""
+    proc = gemctl("config", "show", "--recipe", "small_h200")
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load(proc.stdout)["train"]["device"] == "cuda"
+    proc = gemctl("config", "validate", "--recipe", "small_h200")
+    assert proc.returncode == 0 and proc.stdout.startswith("config is valid"), proc.stderr
+
+
+def test_a_shown_config_is_a_recipe(tmp_path):
+    """`gemctl config show`'s output (and a run's config.yaml) has no package line; as --recipe it
+    composes to the same config."""
+    shown = gemctl("config", "show", "model=small", "train.steps=9")
+    assert shown.returncode == 0, shown.stderr
+    (tmp_path / "full.yaml").write_text(shown.stdout)
+    again = gemctl("config", "show", "--recipe", str(tmp_path / "full.yaml"))
+    assert again.returncode == 0, again.stderr
+    assert yaml.safe_load(again.stdout) == yaml.safe_load(shown.stdout)
+
+
 @pytest.mark.parametrize("overrides", [["train.stpes=3"], ["model=huge"], ["model.head_dim=20"]])
 def test_bad_config_creates_no_run_directory(tmp_path, overrides):
     proc = gemctl("train", *overrides, cwd=tmp_path)

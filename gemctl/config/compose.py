@@ -73,7 +73,12 @@ def compose(overrides: list[str] | None = None, recipe: str | None = None) -> Di
             # copied recipe anywhere on disk works the same as a bundled one.
             path = resolve_recipe(recipe)
             (Path(tmp) / "recipes").mkdir()
-            shutil.copyfile(path, Path(tmp) / "recipes" / path.name)
+            text = path.read_text()
+            if "@package" not in text.split("\n", 1)[0]:
+                # a file without the directive (a run's config.yaml, `gemctl config show`'s output,
+                # a hand-written one) holds top-level keys too, not keys of the group "recipes"
+                text = "# @package _global_\n" + text
+            (Path(tmp) / "recipes" / path.name).write_text(text)
             overrides = [f"hydra.searchpath=[file://{tmp}]", f"+recipes={path.stem}", *overrides]
         GlobalHydra.instance().clear()
         try:

@@ -155,13 +155,28 @@ def validate(cfg, check_device: bool = True) -> None:
     if t.warmup_timing_steps >= t.steps:
         raise ConfigError(
             "train.warmup_timing_steps",
-            f"must be < train.steps={t.steps} (steps left out of throughput averages)",
+            f"must be < train.steps={t.steps} (steps left out of throughput averages; for a short run "
+            f"give train.warmup_timing_steps=0)",
         )
     _positive(cfg, "profile.steps")
     _positive(cfg, "profile.warmup_steps", allow_zero=True)
     _positive(cfg, "metrics.scaling_baseline_steps", allow_zero=True)
     if cfg.metrics.peak_tflops is not None and cfg.metrics.peak_tflops <= 0:
         raise ConfigError("metrics.peak_tflops", f"must be > 0 or null, got {cfg.metrics.peak_tflops}")
+    _check_output_dir(cfg)
+
+
+def _check_output_dir(cfg) -> None:
+    """run.output_dir/run.name must be a directory or creatable as one: no part of it a file."""
+    from pathlib import Path
+
+    root = Path(cfg.run.output_dir)
+    for path in (root / cfg.run.name, *(root / cfg.run.name).parents):
+        if path.exists():
+            if not path.is_dir():
+                field = "run.name" if path == root / cfg.run.name else "run.output_dir"
+                raise ConfigError(field, f"{path} is a file; runs go into a directory (created if missing)")
+            return
 
 
 def world_size(cfg) -> int:
