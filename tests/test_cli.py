@@ -54,6 +54,24 @@ def test_bad_attention_kind():
     assert "'window' is not allowed; allowed: full | block:<block_size>" in line
 
 
+@pytest.mark.parametrize("override,line", [
+    ("train.lr=1e-3,3e-3", "train.lr: '1e-3,3e-3' gives several values: add -m to sweep them, or write a list as "
+                           "train.lr=[1e-3,3e-3]"),
+    ("model.attention=window:16", "model.attention: a list is expected, e.g. model.attention=[window:16]"),
+    ("train.steps=abc", "train.steps: 'abc' is not an integer"),
+    ("train.lr=fast", "train.lr: 'fast' is not a number"),
+    ("run.progress=maybe", "run.progress: 'maybe' is not true or false"),
+])
+def test_type_errors_say_what_the_field_takes(override, line):
+    assert assert_one_line_error(gemctl("config", "validate", override), "") == f"gemctl: error: {line}"
+
+
+def test_broken_recipe_yaml_names_file_and_line(tmp_path):
+    (tmp_path / "bad.yaml").write_text("train: {steps: [\n")
+    line = assert_one_line_error(gemctl("config", "validate", "--recipe", str(tmp_path / "bad.yaml")), "recipe: ")
+    assert f"{tmp_path / 'bad.yaml'}, line 2: not valid YAML (while parsing a flow node" in line
+
+
 def test_unknown_key_in_precision_rule():
     proc = gemctl("config", "validate", "precision.rules=[{match: '*', fmt: bf16}]")
     line = assert_one_line_error(proc, "precision.rules[0].fmt")

@@ -202,7 +202,7 @@ def test_forced_unknown_nested_key():
 def test_wrong_type():
     err = _error(["train.steps=abc"])
     assert err.field == "train.steps"
-    assert "'abc'" in str(err) and "Integer" in str(err)
+    assert str(err) == "train.steps: 'abc' is not an integer"
 
 
 def test_unknown_group_option_lists_allowed():
@@ -247,7 +247,7 @@ def test_wrong_type_in_recipe_file(tmp_path):
     bad.write_text("# @package _global_\ntrain:\n  steps: abc\n")
     err = _error(recipe=str(bad))
     assert err.field == "train.steps"
-    assert "'abc'" in str(err) and "Integer" in str(err)
+    assert str(err) == "train.steps: 'abc' is not an integer"
 
 
 @pytest.mark.parametrize("kind", ["window", "block:0", "block:", "full:3", "Full"])

@@ -175,6 +175,21 @@ def _allowed_keys(full_key: str) -> list[str]:
         return []
 
 
+def _plain_validation(first: str, key: str, overrides: list[str]) -> str:
+    """OmegaConf's type errors in the terms of the field: what it takes."""
+    wrong = re.match(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", first)
+    if wrong:
+        kind = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}.get(wrong.group(2))
+        if kind:
+            return f"'{wrong.group(1)}' is not {kind}"
+    if re.match(r"Value '.*' is not a valid bool", first):
+        return f"'{first.split(chr(39))[1]}' is not true or false"
+    if "is not a ListConfig, list or tuple" in first:
+        given = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == key and "=" in o]
+        return f"a list is expected, e.g. {key}=[{given[-1] if given else '...'}]"
+    return first
+
+
 def _to_config_error(exc: Exception, overrides: list[str], recipe_path: Path | None = None) -> UserError:
     from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
@@ -225,9 +240,24 @@ def _to_config_error(exc: Exception, overrides: list[str], recipe_path: Path | N
         more = f" (did you mean '{hint[0]}'?)" if hint else ""
         return ConfigError(full_key, f"unknown key{more}; allowed: {', '.join(allowed)}")
     if isinstance(cause, ValidationError) and full_key:
-        return ConfigError(full_key, first)
+        return ConfigError(full_key, _plain_validation(first, full_key, overrides))
     if (isinstance(cause, OmegaConfBaseException) or wrapped) and full_key:
-        return ConfigError(full_key, first)
+        return ConfigError(full_key, _plain_validation(first, full_key, overrides))
+    ambiguous = re.match(r"Ambiguous value for argument '([^'=]+)=([^']*)'", first)
+    if ambiguous:
+        key, value = ambiguous.groups()
+        return ConfigError(key, f"'{value}' gives several values: add -m to sweep them, or write a list as "
+                                f"{key}=[{value}]")
+    if getattr(cause, "problem_mark", None) is not None and recipe_path is not None:
+        import yaml
+
+        try:  # the line in the user's file (Hydra parsed a copy that may start with a package line)
+            yaml.safe_load(recipe_path.read_text())
+        except yaml.MarkedYAMLError as err:
+            cause = err
+        where = f", line {cause.problem_mark.line + 1}" if cause.problem_mark is not None else ""
+        what = "; ".join(str(x) for x in (cause.context, cause.problem) if x)
+        return ConfigError("recipe", f"{recipe_path}{where}: not valid YAML ({what})")
     if "Could not override" in text or "Key '" in text:
         key = re.search(r"Key '([^']+)'", text)
         field = key.group(1) if key else "overrides"
