@@ -120,3 +120,15 @@ def test_peak_table_and_mfu():
     assert mfu(500e12, 1.0, peak) == pytest.approx(0.5)
     # one rank: E2E MFU equals Local MFU (scaling ratio 1)
     assert e2e_mfu(500e12, 1, 1.0, peak) == pytest.approx(mfu(500e12, 1.0, peak))
+
+
+def test_peak_and_mfu_cells_read_on_a_cpu():
+    """A measured CPU peak keeps its digits (0.0512, not 0.1 or 0.0), and an MFU above 100% (a
+    measured peak on a busy machine) says what to do."""
+    from gemctl.cli import _mfu_cell
+    from gemctl.metrics.mfu import Peak
+
+    assert Peak(0.05123, "measured").describe() == "0.0512 TFLOP/s (measured)"
+    assert Peak(989.0, "datasheet H100").describe() == "989.0 TFLOP/s (datasheet H100)"
+    assert _mfu_cell(0.4567) == "45.67%"
+    assert _mfu_cell(1.2252).startswith("122.52% (above 100%") and "metrics.peak_tflops" in _mfu_cell(1.2252)

@@ -45,7 +45,8 @@ class Peak:
     source: str  # "datasheet <name>", "config metrics.peak_tflops" or "measured ..."
 
     def describe(self) -> str:
-        return f"{self.tflops:,.1f} TFLOP/s ({self.source})"
+        value = f"{self.tflops:,.1f}" if self.tflops >= 10 else f"{self.tflops:.3g}"  # a CPU's 0.05, not 0.0
+        return f"{value} TFLOP/s ({self.source})"
 
 
 def lookup_peak(device_name: str) -> float | None:
