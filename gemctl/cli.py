@@ -175,7 +175,8 @@ def summary_table(cfg, result) -> Table:
     for name, base in result.baselines.items():
         table.add_row(f"baseline {name} NE / AUC", f"{base['ne']:.4f} / {base['auc']:.4f}")
     table.add_row("eval samples", f"{ev.get('samples', 0):,}")
-    table.add_row("final train loss", f"{sum(result.losses[-10:]) / max(1, len(result.losses[-10:])):.4f}")
+    last = result.losses[-10:]
+    table.add_row(f"train loss (mean of the last {len(last)} steps)", f"{sum(last) / max(1, len(last)):.4f}")
     table.add_row("QPS (samples/s)", f"{perf['qps']:,.1f}")
     table.add_row("tokens/s", f"{perf['tokens_per_s']:,.0f}")
     table.add_row("step time", f"{perf['step_time_ms']:.1f} ms")
@@ -248,7 +249,8 @@ def plan_tables(plan: dict) -> list[Table]:
     head.add_column("ranks (first groups, last group)")
     for dim in ("dp_replicate", "dp_shard"):
         g = plan["groups"][dim]
-        head.add_row(dim, f"{g['count']} x {g['size']}", g["tier"], "; ".join(str(x) for x in g["examples"]))
+        head.add_row(dim, f"{g['count']} x {g['size']}", g["tier"],
+                     "; ".join("[" + ", ".join(map(str, x)) + "]" for x in g["examples"]))  # '...' unquoted
     mem = Table(title=f"memory per rank (rank 0), local batch {plan['local_batch']}, "
                       f"mean history {plan['mean_history_length']:.0f} ({plan['mean_history_length_from']})")
     mem.add_column("what")

@@ -14,10 +14,10 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 
 
-def gemctl(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+def gemctl(*args: str, cwd: Path = REPO, columns: int = 200) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-    env["COLUMNS"] = "200"  # rich tables: keep each recipe on its own line
+    env["COLUMNS"] = str(columns)  # rich tables: keep each recipe on its own line
     env.setdefault("GEMCTL_THREADS", "2")
     return subprocess.run(
         [sys.executable, "-m", "gemctl", *args],
@@ -165,6 +165,19 @@ def test_a_sweep_recipe_without_m_says_so():
     assert "note: recipe ablation_attention sweeps " in proc.stdout and "add -m to run the sweep" in proc.stdout
     proc = gemctl("train", "--recipe", "cpu_smoke", *slurm)
     assert proc.returncode == 0 and "note: recipe" not in proc.stdout, proc.stderr
+
+
+def test_train_prints_its_summary_and_unwrapped_paths(tmp_path):
+    # the results line is longer than the 100 columns: it must still come out whole (a pipe gets 80)
+    proc = gemctl("train", "train.steps=4", "train.warmup_timing_steps=1", "train.log_every=2",
+                  "data.synthetic.eval_samples=64", "data.eval_batch_size=64", "run.progress=false", cwd=tmp_path,
+                  columns=100)
+    assert proc.returncode == 0, proc.stderr
+    assert "train loss (mean of the last 4 steps)" in proc.stdout
+    (results,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("results: ")]
+    assert len(results) > 100 and results.endswith("/metrics.jsonl"), results  # one line, not wrapped
+    summary = Path(results.split()[1].rstrip(","))
+    assert (tmp_path / summary if not summary.is_absolute() else summary).is_file(), results
 
 
 def test_output_dir_that_is_a_file(tmp_path):

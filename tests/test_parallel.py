@@ -188,6 +188,11 @@ def test_plan_cli(tmp_path):
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     assert (plan["world_size"], plan["dp_replicate"], plan["dp_shard"]) == (64, 8, 8)
+    tables = subprocess.run([sys.executable, "-m", "gemctl", "plan", "--world", "16", "parallel=fsdp"],
+                            capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert tables.returncode == 0, tables.stderr
+    assert "[0, 1, 2, 3, ..., 14, 15]" in tables.stdout and "'...'" not in tables.stdout
+    assert "FSDP row shards: 1 row per rank over dp_shard=16" in tables.stdout  # seq_action: 8 rows
     bad = subprocess.run([sys.executable, "-m", "gemctl", "plan", "--world", "12"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2

@@ -160,7 +160,7 @@ def build_plan(cfg, source) -> dict:
 
     tables = [
         {"table": n.rsplit(".", 1)[0].split(".")[-1], "rows": p.shape[0], "dim": p.shape[1],
-         "sharding": f"FSDP row shards: {math.ceil(p.shape[0] / shard)} rows per rank over dp_shard={shard}"
+         "sharding": f"FSDP row shards: {math.ceil(p.shape[0] / shard)} row{'s' if math.ceil(p.shape[0] / shard) != 1 else ''} per rank over dp_shard={shard}"
          + (f", replicated x{rep}" if rep > 1 else "")}
         for n, p in model.named_parameters() if id(p) in sparse_ids
     ]
