@@ -294,6 +294,8 @@ def cmd_recipes(args, console: Console) -> int:
     from gemctl.config.compose import list_recipes, resolve_recipe
 
     if args.action == "list":
+        if args.name:
+            raise UserError(f"gemctl recipes list: takes no name (got '{args.name}'); gemctl recipes show NAME shows one")
         table = Table(title="recipes")
         table.add_column("name")
         table.add_column("command / description")
@@ -339,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def with_overrides(p):
         p.add_argument("--recipe", help="a recipe name (gemctl recipes list) or a YAML file")
-        p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=small train.steps=100")
+        p.add_argument("overrides", nargs="*", default=[], help="Hydra overrides, e.g. model=small train.steps=100")
 
     p = sub.add_parser("train", help="train a model")
     p.add_argument("--dry-run", action="store_true", help="launcher=slurm: print the job script, submit nothing")

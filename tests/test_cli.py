@@ -104,6 +104,12 @@ def test_recipes_list():
     assert "gemctl train --recipe cpu_smoke" in proc.stdout
 
 
+def test_verbs_used_wrongly():
+    proc = gemctl("config")
+    assert proc.returncode == 2 and proc.stderr.strip().endswith("the following arguments are required: action")
+    assert_one_line_error(gemctl("recipes", "list", "extra"), "gemctl recipes list: takes no name (got 'extra')")
+
+
 def test_recipes_show():
     proc = gemctl("recipes", "show", "cpu_smoke")
     assert proc.returncode == 0, proc.stderr
