@@ -20,16 +20,16 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from gemctl.errors import UserError
+from gemctl.errors import UserError, report_error
 
 
-def _compose(args):
+def _compose(args, check_device: bool = True):
     from gemctl.config.compose import compose
     from gemctl.config.validate import validate
 
     cfg = compose(args.overrides, recipe=args.recipe)
     # A Slurm job runs on other machines: this one needs no CUDA device to submit it.
-    validate(cfg, check_device=cfg.launcher.kind != "slurm")
+    validate(cfg, check_device=check_device and cfg.launcher.kind != "slurm")
     return cfg
 
 
@@ -44,9 +44,10 @@ def cmd_train(args, console: Console) -> int:
     from gemctl.launch.multirun import recipe_sweep
 
     swept = [o.split("=", 1)[0] for o in recipe_sweep(args.recipe, args.overrides)]
-    if swept:
-        console.print(f"note: recipe {args.recipe} sweeps {', '.join(swept)}; this runs one job with their defaults "
-                      "(add -m to run the sweep)", markup=False, soft_wrap=True)
+    if swept:  # on stderr: stdout may be a job script (--dry-run)
+        how = "a multirun runs on launcher=local or torchrun" if cfg.launcher.kind == "slurm" else "add -m to run it"
+        print(f"gemctl: note: recipe {args.recipe} sweeps {', '.join(swept)}; this runs one job with their defaults "
+              f"({how})", file=sys.stderr)
     if args.dry_run and cfg.launcher.kind != "slurm":
         raise UserError("--dry-run: only launcher=slurm has a job script to print")
     if cfg.launcher.kind == "slurm":
@@ -63,10 +64,16 @@ def cmd_train(args, console: Console) -> int:
     from gemctl.train.trainer import train
 
     result = train(cfg, console=console)
+    print_results(console, cfg, result)
+    return 0
+
+
+def print_results(console: Console, cfg, result) -> None:
+    """A run's summary table and where its files went (the paths never wrapped: a pipe gets 80
+    columns); the in-process run and rank 0 of a torchrun job alike."""
     console.print(summary_table(cfg, result))
     console.print(f"results: {result.run_dir}/summary.json, metrics: {result.run_dir}/metrics.jsonl", markup=False,
                   soft_wrap=True)
-    return 0
 
 
 def cmd_profile(args, console: Console) -> int:
@@ -176,7 +183,7 @@ def summary_table(cfg, result) -> Table:
         table.add_row(f"baseline {name} NE / AUC", f"{base['ne']:.4f} / {base['auc']:.4f}")
     table.add_row("eval samples", f"{ev.get('samples', 0):,}")
     last = result.losses[-10:]
-    table.add_row(f"train loss (mean of the last {len(last)} steps)", f"{sum(last) / max(1, len(last)):.4f}")
+    table.add_row(f"train loss (mean of the last {len(last)} steps)", f"{sum(last) / len(last):.4f}" if last else "-")
     table.add_row("QPS (samples/s)", f"{perf['qps']:,.1f}")
     table.add_row("tokens/s", f"{perf['tokens_per_s']:,.0f}")
     table.add_row("step time", f"{perf['step_time_ms']:.1f} ms")
@@ -274,18 +281,15 @@ def plan_tables(plan: dict) -> list[Table]:
 def cmd_config(args, console: Console) -> int:
     from omegaconf import OmegaConf
 
-    from gemctl.config.compose import compose
-    from gemctl.config.validate import validate
-
-    cfg = compose(args.overrides, recipe=args.recipe)
-    validate(cfg, check_device=False)  # a config for another machine (a GPU recipe shown on a laptop)
+    cfg = _compose(args, check_device=False)  # a config for another machine (a GPU recipe shown on a laptop)
     if args.action == "show":
         print(OmegaConf.to_yaml(cfg), end="")
         return 0
-    import torch
+    here = ""
+    if cfg.train.device == "cuda":
+        import torch
 
-    here = ("; train.device=cuda, and this machine shows no CUDA device"
-            if cfg.train.device == "cuda" and not torch.cuda.is_available() else "")
+        here = "" if torch.cuda.is_available() else "; train.device=cuda, and this machine shows no CUDA device"
     console.print(f"config is valid{here}", markup=False, soft_wrap=True)
     return 0
 
@@ -307,6 +311,8 @@ def cmd_recipes(args, console: Console) -> int:
     if not args.name:
         raise UserError(f"gemctl recipes {args.action}: give a recipe name")
     path = resolve_recipe(args.name)
+    if args.action == "show" and args.dest:
+        raise UserError(f"gemctl recipes show: one recipe at a time (got '{args.dest}' too)")
     if args.action == "show":
         print(path.read_text(), end="")
         return 0
@@ -322,8 +328,11 @@ def cmd_recipes(args, console: Console) -> int:
         raise UserError(f"gemctl recipes cp: {dest.parent} is a file; give a directory or a .yaml path")
     if not dest.parent.exists() and not into_dir:
         raise UserError(f"gemctl recipes cp: directory {dest.parent} does not exist (a destination ending in / is made)")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(path, dest)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, dest)
+    except OSError as exc:  # a file on the way (afile/x/), no permission
+        raise UserError(f"gemctl recipes cp: cannot write {dest}: {exc.strerror or exc}") from None
     console.print(f"copied {path.name} -> {dest} (run it with: gemctl train --recipe {dest})", markup=False,
                   soft_wrap=True)
     return 0
@@ -384,27 +393,20 @@ def quiet_library_logs() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     quiet_library_logs()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # overrides after an option (config show --recipe X model=small): argparse leaves them over
+        if not hasattr(args, "overrides") or any(e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     console = Console(stderr=False)
     try:
         return args.func(args, console)
     except UserError as exc:
-        print(f"gemctl: error: {first_line(exc)}", file=sys.stderr)
-        return exc.exit_code
+        return report_error(exc)
     except KeyboardInterrupt:
         print("gemctl: interrupted", file=sys.stderr)
         return 130
-
-
-def first_line(exc: BaseException) -> str:
-    """The actionable line of an error. An error raised in a DataLoader worker arrives wrapped
-    in the worker's traceback; its last line holds the original message."""
-    lines = [ln for ln in str(exc).splitlines() if ln.strip()]
-    if not lines:
-        return type(exc).__name__
-    if "Original Traceback" in lines[0] or lines[0].startswith("Caught "):
-        return lines[-1].split(": ", 1)[-1]
-    return lines[0]
 
 
 if __name__ == "__main__":

@@ -34,3 +34,22 @@ class NumericalFault(UserError):
     the step, the first non-finite tensor and the batch's sample ids. Exit code 3."""
 
     exit_code = 3
+
+
+def first_line(exc: BaseException) -> str:
+    """The actionable line of an error. An error raised in a DataLoader worker arrives wrapped
+    in the worker's traceback; its last line holds the original message."""
+    lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+    if not lines:
+        return type(exc).__name__
+    if "Original Traceback" in lines[0] or lines[0].startswith("Caught "):
+        return lines[-1].split(": ", 1)[-1]
+    return lines[0]
+
+
+def report_error(exc: UserError, who: str = "gemctl") -> int:
+    """Print a user error as its one line on stderr; returns its exit code."""
+    import sys
+
+    print(f"{who}: error: {first_line(exc)}", file=sys.stderr)
+    return exc.exit_code

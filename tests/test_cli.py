@@ -55,8 +55,11 @@ def test_bad_attention_kind():
 
 
 @pytest.mark.parametrize("override,line", [
-    ("train.lr=1e-3,3e-3", "train.lr: '1e-3,3e-3' gives several values: add -m to sweep them, or write a list as "
-                           "train.lr=[1e-3,3e-3]"),
+    ("train.lr=1e-3,3e-3", "train.lr: '1e-3,3e-3' gives several values: add -m to sweep them, or quote it as "
+                           "train.lr='1e-3,3e-3'"),
+    ("train.betas=0.9,0.95", "train.betas: '0.9,0.95' gives several values: add -m to sweep them, or write a list "
+                             "as train.betas=[0.9,0.95]"),
+    ("model=small,tiny", "model: 'small,tiny' gives several options: add -m to run one job each"),
     ("model.attention=window:16", "model.attention: a list is expected, e.g. model.attention=[window:16]"),
     ("train.steps=abc", "train.steps: 'abc' is not an integer"),
     ("train.lr=fast", "train.lr: 'fast' is not a number"),
@@ -108,6 +111,11 @@ def test_verbs_used_wrongly():
     proc = gemctl("config")
     assert proc.returncode == 2 and proc.stderr.strip().endswith("the following arguments are required: action")
     assert_one_line_error(gemctl("recipes", "list", "extra"), "gemctl recipes list: takes no name (got 'extra')")
+    assert_one_line_error(gemctl("recipes", "show", "cpu_smoke", "extra"), "gemctl recipes show: one recipe at a time")
+    proc = gemctl("config", "show", "--recipe", "cpu_smoke", "train.steps=7")  # overrides after an option
+    assert proc.returncode == 0 and yaml.safe_load(proc.stdout)["train"]["steps"] == 7, proc.stderr
+    proc = gemctl("config", "show", "--recipe", "cpu_smoke", "--bogus")
+    assert proc.returncode == 2 and "unrecognized arguments: --bogus" in proc.stderr
 
 
 def test_recipes_show():
@@ -160,6 +168,11 @@ def test_recipes_cp_destinations(tmp_path):
     line = assert_one_line_error(gemctl("recipes", "cp", "cpu_smoke", "nowhere/x.yaml", cwd=tmp_path),
                                  "gemctl recipes cp: directory nowhere does not exist")
     assert not (tmp_path / "nowhere").exists(), line
+    (tmp_path / "afile").write_text("hi")
+    assert_one_line_error(gemctl("recipes", "cp", "cpu_smoke", "afile/x/", cwd=tmp_path), "gemctl recipes cp: ")
+    proc = gemctl("recipes", "cp", "cpu_smoke", "other.yml", cwd=tmp_path)  # .yml is kept, and works as a recipe
+    assert proc.returncode == 0 and (tmp_path / "other.yml").is_file(), proc.stderr
+    assert gemctl("config", "validate", "--recipe", "other.yml", cwd=tmp_path).returncode == 0
 
 
 def test_a_sweep_recipe_without_m_says_so():
@@ -168,22 +181,23 @@ def test_a_sweep_recipe_without_m_says_so():
     slurm = ("launcher=slurm", "launcher.nnodes=1", "launcher.nproc_per_node=1", "--dry-run")
     proc = gemctl("train", "--recipe", "ablation_attention", *slurm)
     assert proc.returncode == 0, proc.stderr
-    assert "note: recipe ablation_attention sweeps " in proc.stdout and "add -m to run the sweep" in proc.stdout
+    assert proc.stderr.startswith("gemctl: note: recipe ablation_attention sweeps ")  # stdout is the job script
+    assert "a multirun runs on launcher=local or torchrun" in proc.stderr and "note" not in proc.stdout
     proc = gemctl("train", "--recipe", "cpu_smoke", *slurm)
-    assert proc.returncode == 0 and "note: recipe" not in proc.stdout, proc.stderr
+    assert proc.returncode == 0 and "note: recipe" not in proc.stderr, proc.stderr
 
 
 def test_train_prints_its_summary_and_unwrapped_paths(tmp_path):
-    # the results line is longer than the 100 columns: it must still come out whole (a pipe gets 80)
-    proc = gemctl("train", "train.steps=4", "train.warmup_timing_steps=1", "train.log_every=2",
+    # a results line longer than the console's 100 columns must still come out whole (a pipe gets 80)
+    out = tmp_path / ("o" * 60)  # the results line is then well over the 100 columns
+    proc = gemctl("train", "train.steps=4", "train.warmup_timing_steps=1", "train.log_every=2", f"run.output_dir={out}",
                   "data.synthetic.eval_samples=64", "data.eval_batch_size=64", "run.progress=false", cwd=tmp_path,
                   columns=100)
     assert proc.returncode == 0, proc.stderr
     assert "train loss (mean of the last 4 steps)" in proc.stdout
     (results,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("results: ")]
-    assert len(results) > 100 and results.endswith("/metrics.jsonl"), results  # one line, not wrapped
-    summary = Path(results.split()[1].rstrip(","))
-    assert (tmp_path / summary if not summary.is_absolute() else summary).is_file(), results
+    assert len(results) > 150 and results.endswith("/metrics.jsonl"), results  # one line, not wrapped
+    assert Path(results.split()[1].rstrip(",")).is_file(), results
 
 
 def test_output_dir_that_is_a_file(tmp_path):
@@ -192,6 +206,8 @@ def test_output_dir_that_is_a_file(tmp_path):
         assert_one_line_error(gemctl(*verb, "run.output_dir=afile", cwd=tmp_path),
                               "run.output_dir: afile is a file; runs go into a directory")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+    assert_one_line_error(gemctl("config", "validate", "run.output_dir=.", "run.name=afile/sub", cwd=tmp_path),
+                          "run.name: afile is a file")
 
 
 def test_config_of_a_cuda_recipe_on_a_machine_without_one():
@@ -212,6 +228,12 @@ def test_a_shown_config_is_a_recipe(tmp_path):
     again = gemctl("config", "show", "--recipe", str(tmp_path / "full.yaml"))
     assert again.returncode == 0, again.stderr
     assert yaml.safe_load(again.stdout) == yaml.safe_load(shown.stdout)
+    # its whole model block would silently beat a model group picked on the command line: refused
+    line = assert_one_line_error(gemctl("config", "show", "--recipe", str(tmp_path / "full.yaml"), "model=gem_1b"),
+                                 "model: model=gem_1b would not apply:")
+    assert "override its fields (model.<field>=...)" in line
+    fields = gemctl("config", "show", "--recipe", str(tmp_path / "full.yaml"), "model.d_model=64")
+    assert fields.returncode == 0 and yaml.safe_load(fields.stdout)["model"]["d_model"] == 64, fields.stderr
 
 
 @pytest.mark.parametrize("overrides", [["train.stpes=3"], ["model=huge"], ["model.head_dim=20"]])

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from gemctl.cli import first_line
+from gemctl.errors import first_line
 from gemctl.config.compose import compose
 from gemctl.data.batch import JaggedBatch, validate_batch
 from gemctl.data.synthetic import SyntheticSource

@@ -130,5 +130,6 @@ def test_peak_and_mfu_cells_read_on_a_cpu():
 
     assert Peak(0.05123, "measured").describe() == "0.0512 TFLOP/s (measured)"
     assert Peak(989.0, "datasheet H100").describe() == "989.0 TFLOP/s (datasheet H100)"
+    assert Peak(5.0, "measured").describe() == "5.00 TFLOP/s (measured)"
     assert _mfu_cell(0.4567) == "45.67%"
     assert _mfu_cell(1.2252).startswith("122.52% (above 100%") and "metrics.peak_tflops" in _mfu_cell(1.2252)

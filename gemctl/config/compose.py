@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import difflib
 import re
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -74,11 +73,12 @@ def compose(overrides: list[str] | None = None, recipe: str | None = None) -> Di
             path = resolve_recipe(recipe)
             (Path(tmp) / "recipes").mkdir()
             text = path.read_text()
-            if "@package" not in text.split("\n", 1)[0]:
+            if not re.search(r"^\s*#\s*@package", text, flags=re.M):
                 # a file without the directive (a run's config.yaml, `gemctl config show`'s output,
                 # a hand-written one) holds top-level keys too, not keys of the group "recipes"
+                _check_group_choices(text, path, overrides)
                 text = "# @package _global_\n" + text
-            (Path(tmp) / "recipes" / path.name).write_text(text)
+            (Path(tmp) / "recipes" / f"{path.stem}.yaml").write_text(text)  # Hydra finds .yaml only
             overrides = [f"hydra.searchpath=[file://{tmp}]", f"+recipes={path.stem}", *overrides]
         GlobalHydra.instance().clear()
         try:
@@ -99,6 +99,28 @@ def compose(overrides: list[str] | None = None, recipe: str | None = None) -> Di
             raise _to_config_error(exc, overrides) from None
     OmegaConf.set_readonly(typed, False)
     return typed
+
+
+def _check_group_choices(text: str, path: Path, overrides: list[str]) -> None:
+    """A config file without a package line sets whole blocks (`model:` with every field, as a
+    run's config.yaml does), merged after the groups: a group picked on the command line
+    (model=gem_1b) would be overwritten by the file's block without a word, so it is refused."""
+    import yaml
+
+    try:
+        top = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return  # composing reports it, with its line
+    if not isinstance(top, dict):
+        return
+    groups = {d.name for d in configs_dir().iterdir() if d.is_dir()}
+    for o in overrides:
+        key, _, value = o.partition("=")
+        key = key.lstrip("+~")
+        if key in groups and key in top:
+            raise ConfigError(key, f"{key}={value} would not apply: {path} sets the whole '{key}' block (a config "
+                                   f"file without a '# @package' line); override its fields ({key}.<field>=...) or "
+                                   f"remove the block from the file")
 
 
 def _check_known_keys(node, schema_type, path: str) -> None:
@@ -175,6 +197,25 @@ def _allowed_keys(full_key: str) -> list[str]:
         return []
 
 
+def _is_list_field(key: str) -> bool:
+    """Whether the dotted key names a list field of the schema."""
+    import dataclasses
+    import typing
+
+    from gemctl.config.schema import GemConfig
+
+    node = GemConfig
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(node):
+            return False
+        hint = typing.get_type_hints(node).get(part)
+        if hint is None:
+            return False
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        node = args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint  # Optional[X]
+    return typing.get_origin(node) in (list, tuple) or node in (list, tuple)
+
+
 def _plain_validation(first: str, key: str, overrides: list[str]) -> str:
     """OmegaConf's type errors in the terms of the field: what it takes."""
     wrong = re.match(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", first)
@@ -182,8 +223,9 @@ def _plain_validation(first: str, key: str, overrides: list[str]) -> str:
         kind = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}.get(wrong.group(2))
         if kind:
             return f"'{wrong.group(1)}' is not {kind}"
-    if re.match(r"Value '.*' is not a valid bool", first):
-        return f"'{first.split(chr(39))[1]}' is not true or false"
+    bad_bool = re.match(r"Value '(.*)' is not a valid bool", first)
+    if bad_bool:
+        return f"'{bad_bool.group(1)}' is not true or false"
     if "is not a ListConfig, list or tuple" in first:
         given = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == key and "=" in o]
         return f"a list is expected, e.g. {key}=[{given[-1] if given else '...'}]"
@@ -246,8 +288,10 @@ def _to_config_error(exc: Exception, overrides: list[str], recipe_path: Path | N
     ambiguous = re.match(r"Ambiguous value for argument '([^'=]+)=([^']*)'", first)
     if ambiguous:
         key, value = ambiguous.groups()
-        return ConfigError(key, f"'{value}' gives several values: add -m to sweep them, or write a list as "
-                                f"{key}=[{value}]")
+        if "." not in key:  # a config group: one option per run
+            return ConfigError(key, f"'{value}' gives several options: add -m to run one job each")
+        other = f"write a list as {key}=[{value}]" if _is_list_field(key) else f"quote it as {key}='{value}'"
+        return ConfigError(key, f"'{value}' gives several values: add -m to sweep them, or {other}")
     if getattr(cause, "problem_mark", None) is not None and recipe_path is not None:
         import yaml
 

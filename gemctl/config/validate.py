@@ -174,7 +174,7 @@ def _check_output_dir(cfg) -> None:
     for path in (root / cfg.run.name, *(root / cfg.run.name).parents):
         if path.exists():
             if not path.is_dir():
-                field = "run.name" if path == root / cfg.run.name else "run.output_dir"
+                field = "run.name" if root in path.parents else "run.output_dir"
                 raise ConfigError(field, f"{path} is a file; runs go into a directory (created if missing)")
             return
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -60,8 +59,14 @@ def recipe_sweep(recipe, overrides: list[str]) -> list[str]:
 
     from gemctl.config.compose import resolve_recipe
 
-    raw = yaml.safe_load(resolve_recipe(recipe).read_text()) or {}
-    params = ((raw.get("hydra") or {}).get("sweeper") or {}).get("params") or {}
+    try:
+        raw = yaml.safe_load(resolve_recipe(recipe).read_text()) or {}
+    except yaml.YAMLError:
+        return []  # composing the recipe reports it, with its file and line
+    sweeper = (raw.get("hydra") or {}).get("sweeper") if isinstance(raw, dict) else None
+    params = (sweeper.get("params") if isinstance(sweeper, dict) else None) or {}
+    if not isinstance(params, dict):
+        return []
     given = {o.get_key_element() for o in OverridesParser.create().parse_overrides(overrides)}
     return [f"{key}={value}" for key, value in params.items() if key not in given]
 
@@ -311,16 +316,14 @@ def _run_one(cfg, run_dir: Path, console) -> int:
         from gemctl.launch.torchrun import launch
 
         return launch(cfg, console, run_dir=run_dir)[0]
-    from gemctl.cli import first_line
-    from gemctl.errors import UserError
+    from gemctl.errors import UserError, report_error
     from gemctl.train.trainer import train
 
     # A failed job is recorded with its exit code and the sweep goes on, as a torchrun job's would.
     try:
         train(cfg, console=console, run_dir=str(run_dir))  # writes config.yaml, metrics, summary there
     except UserError as exc:
-        print(f"gemctl: error: {first_line(exc)}", file=sys.stderr)
-        return exc.exit_code
+        return report_error(exc)
     except Exception:  # a crash: its traceback, exit code 1
         traceback.print_exc()
         return 1

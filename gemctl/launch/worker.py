@@ -47,10 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gemctl (rank {rank}): error: {err}", file=sys.stderr)
         return err.exit_code
     if console is not None:
-        from gemctl.cli import summary_table
+        from gemctl.cli import print_results
 
-        console.print(summary_table(cfg, result))
-        console.print(f"results: {result.run_dir}/summary.json, metrics: {result.run_dir}/metrics.jsonl")
+        print_results(console, cfg, result)
     return 0
 
 

@@ -45,7 +45,7 @@ class Peak:
     source: str  # "datasheet <name>", "config metrics.peak_tflops" or "measured ..."
 
     def describe(self) -> str:
-        value = f"{self.tflops:,.1f}" if self.tflops >= 10 else f"{self.tflops:.3g}"  # a CPU's 0.05, not 0.0
+        value = f"{self.tflops:,.1f}" if self.tflops >= 10 else f"{self.tflops:#.3g}"  # a CPU's 0.0512, not 0.1
         return f"{value} TFLOP/s ({self.source})"
 
 

@@ -29,6 +29,10 @@ from gemctl.config.validate import resolve_layout, world_size
 F32 = 4
 
 
+def _per_rank(rows: int) -> str:
+    return f"{rows} row" if rows == 1 else f"{rows} rows"
+
+
 def _shard_numel(shape: torch.Size, shards: int) -> int:
     """Elements of rank 0's FSDP2 shard of a parameter (dim 0 split in ceil-sized chunks)."""
     if len(shape) == 0:
@@ -160,7 +164,7 @@ def build_plan(cfg, source) -> dict:
 
     tables = [
         {"table": n.rsplit(".", 1)[0].split(".")[-1], "rows": p.shape[0], "dim": p.shape[1],
-         "sharding": f"FSDP row shards: {math.ceil(p.shape[0] / shard)} row{'s' if math.ceil(p.shape[0] / shard) != 1 else ''} per rank over dp_shard={shard}"
+         "sharding": f"FSDP row shards: {_per_rank(math.ceil(p.shape[0] / shard))} per rank over dp_shard={shard}"
          + (f", replicated x{rep}" if rep > 1 else "")}
         for n, p in model.named_parameters() if id(p) in sparse_ids
     ]

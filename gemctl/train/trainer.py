@@ -299,11 +299,11 @@ class Trainer:
             if run is not None and not self.run_dir:  # nothing trained: no half-written run directory left
                 shutil.rmtree(run.path, ignore_errors=True)
             raise
+        if resume_from is not None:
+            self._say(f"resumed from {resume_from} at step {start}")
         if start >= tcfg.steps:
             self._say(f"[yellow]the checkpoint is at step {start}, train.steps={tcfg.steps}: no step left to train; "
                       "raise train.steps to continue[/yellow]")
-        if resume_from is not None:
-            self._say(f"resumed from {resume_from} at step {start}")
         ledger = SampleLedger(run_path, ctx.rank) if tcfg.sample_ledger else None
         loader = TrainLoader(self.source, cfg.data, self.device, start_step=start)
         cuda = self.device.type == "cuda"
