@@ -17,10 +17,12 @@ uninterrupted run would see next.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -51,6 +53,15 @@ class _MetadataUnpickler(pickle.Unpickler):
             raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a checkpoint never "
                                          "holds; refusing to load it")
         return super().find_class(module, name)
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns on every save and load of a single process (no process group) that it assumes
+    one; that is the intent here, and nothing a user can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized")
+        yield
 
 
 class SafeReader(dcp.FileSystemReader):
@@ -199,7 +210,8 @@ def save(trainer, step: int, root: Path, keep_last: int, asynchronous: bool = Fa
         future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=_async_group(trainer))
         trainer._ckpt_pending = (future, tmp, final, meta, root, keep_last)
         return final
-    dcp.save(state, checkpoint_id=str(tmp))
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=str(tmp))
     _publish(trainer, tmp, final, meta, root, keep_last)
     return final
 
@@ -328,7 +340,8 @@ def load(trainer, path: Path, say=None) -> int:
     _check_layout(trainer, Path(path), meta, say)
     state, wrapped = _states(trainer)
     _check_fits(Path(path), state["model"])
-    dcp.load(state, storage_reader=SafeReader(str(path)), planner=_LoadPlanner())
+    with _single_process_quiet():
+        dcp.load(state, storage_reader=SafeReader(str(path)), planner=_LoadPlanner())
     _unwrap(state, wrapped)
     _apply(trainer, state)
     schedule = {k: v for k, v in meta["schedule"].items() if k != "lr_lambdas"}
