@@ -12,7 +12,9 @@ A bad config or bad input prints one line naming the field and exits with code 2
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -304,8 +306,7 @@ def cmd_recipes(args, console: Console) -> int:
         table.add_column("name")
         table.add_column("command / description")
         for name, path in list_recipes().items():
-            header = [ln[1:].strip() for ln in path.read_text().splitlines() if ln.startswith("#") and "@package" not in ln]
-            table.add_row(name, "\n".join(header[:2]))
+            table.add_row(name, recipe_summary(path.read_text()))
         console.print(table)
         return 0
     if not args.name:
@@ -336,6 +337,20 @@ def cmd_recipes(args, console: Console) -> int:
     console.print(f"copied {path.name} -> {dest} (run it with: gemctl train --recipe {dest})", markup=False,
                   soft_wrap=True)
     return 0
+
+
+def recipe_summary(text: str) -> str:
+    """A recipe's command line and the first sentence of its header comment (whole, never cut)."""
+    lines = []
+    for ln in text.splitlines():
+        if not ln.startswith("#"):
+            break
+        if "@package" not in ln:
+            lines.append(ln[1:].strip())
+    command = lines[0] if lines else ""
+    paragraph = " ".join(itertools.takewhile(bool, lines[1:]))
+    sentence = re.match(r".*?[.](?=\s|$)", paragraph)
+    return "\n".join(filter(None, (command, sentence.group(0) if sentence else paragraph)))
 
 
 def cmd_compare(args, console: Console) -> int:

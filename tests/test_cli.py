@@ -107,6 +107,16 @@ def test_recipes_list():
     assert "gemctl train --recipe cpu_smoke" in proc.stdout
 
 
+def test_recipe_summary_is_the_command_and_a_whole_first_sentence():
+    from gemctl.cli import recipe_summary
+
+    text = ("# @package _global_\n# gemctl train --recipe x -m\n# Does a thing (v1.2, seed 0) over\n"
+            "# two lines. Then more.\n#\n# Later paragraph.\ndefaults: []\n")
+    assert recipe_summary(text) == "gemctl train --recipe x -m\nDoes a thing (v1.2, seed 0) over two lines."
+    assert recipe_summary("# gemctl train --recipe y\n# No period at the end\n") == (
+        "gemctl train --recipe y\nNo period at the end")
+
+
 def test_verbs_used_wrongly():
     proc = gemctl("config")
     assert proc.returncode == 2 and proc.stderr.strip().endswith("the following arguments are required: action")
