@@ -199,21 +199,14 @@ def _allowed_keys(full_key: str) -> list[str]:
 
 def _is_list_field(key: str) -> bool:
     """Whether the dotted key names a list field of the schema."""
-    import dataclasses
-    import typing
+    from omegaconf import ListConfig
 
     from gemctl.config.schema import GemConfig
 
-    node = GemConfig
-    for part in key.split("."):
-        if not dataclasses.is_dataclass(node):
-            return False
-        hint = typing.get_type_hints(node).get(part)
-        if hint is None:
-            return False
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        node = args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint  # Optional[X]
-    return typing.get_origin(node) in (list, tuple) or node in (list, tuple)
+    try:
+        return isinstance(OmegaConf.select(OmegaConf.structured(GemConfig), key), ListConfig)
+    except Exception:
+        return False
 
 
 def _plain_validation(first: str, key: str, overrides: list[str]) -> str:
@@ -233,7 +226,7 @@ def _plain_validation(first: str, key: str, overrides: list[str]) -> str:
 
 
 def _to_config_error(exc: Exception, overrides: list[str], recipe_path: Path | None = None) -> UserError:
-    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
     if isinstance(exc, UserError):
         return exc
@@ -281,9 +274,7 @@ def _to_config_error(exc: Exception, overrides: list[str], recipe_path: Path | N
         hint = difflib.get_close_matches(leaf, allowed, n=1)
         more = f" (did you mean '{hint[0]}'?)" if hint else ""
         return ConfigError(full_key, f"unknown key{more}; allowed: {', '.join(allowed)}")
-    if isinstance(cause, ValidationError) and full_key:
-        return ConfigError(full_key, _plain_validation(first, full_key, overrides))
-    if (isinstance(cause, OmegaConfBaseException) or wrapped) and full_key:
+    if (isinstance(cause, OmegaConfBaseException) or wrapped) and full_key:  # ValidationError among them
         return ConfigError(full_key, _plain_validation(first, full_key, overrides))
     ambiguous = re.match(r"Ambiguous value for argument '([^'=]+)=([^']*)'", first)
     if ambiguous:
