@@ -14,7 +14,7 @@ import sys
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from gemctl.errors import UserError
+from gemctl.errors import UserError, report_error
 
 
 def load_resolved(path: str):
@@ -44,8 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
         result = train(cfg, console=console, run_dir=os.environ.get("GEMCTL_RUN_DIR"))
     except UserError as err:
-        print(f"gemctl (rank {rank}): error: {err}", file=sys.stderr)
-        return err.exit_code
+        return report_error(err, f"gemctl (rank {rank})")
     if console is not None:
         from gemctl.cli import print_results
 
