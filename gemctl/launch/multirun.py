@@ -106,13 +106,17 @@ def run_sweep(overrides: list[str], recipe, console) -> int:
                        provenance=data.get("provenance"))
         results.append(row)
         rows, groups = write_tables(root, keys, results, recipe)
-    # The markdown tables, not rich ones: they never elide a number on a narrow console, and they
-    # are the same text as sweep.md.
+    print_tables(console, keys, rows, groups)
+    console.print(f"comparison: {root / 'sweep.md'}, {root / 'sweep.json'}", markup=False, soft_wrap=True)
+    return max(r["exit_code"] for r in results)
+
+
+def print_tables(console, keys: list[str], rows: list[dict], groups: list[dict]) -> None:
+    """The per-job table and, where there is one, the per-setting summary: the markdown tables, not
+    rich ones (they never elide a number on a narrow console, and they are sweep.md's text)."""
     console.print(markdown_table(keys, rows), markup=False, highlight=False, soft_wrap=True)
     if groups:
         console.print(summary_markdown(keys, groups), markup=False, highlight=False, soft_wrap=True)
-    console.print(f"comparison: {root / 'sweep.md'}, {root / 'sweep.json'}", markup=False, soft_wrap=True)
-    return max(r["exit_code"] for r in results)
 
 
 PERF_KEYS = ("step_time_ms", "qps", "model_tflops", "local_mfu", "e2e_mfu", "device")
@@ -492,10 +496,8 @@ def compare(paths: list[Path], baseline: str | None, out: Path | None, console) 
         console.print("note: the jobs ran on different code or libraries (" + "; ".join(
             f"{stack}: {n} jobs" for stack, n in stacks.items()) + "); deterministic runs repeat only on the same "
             "code and kernel configs", markup=False, soft_wrap=True)
-    console.print(markdown_table(keys, rows), markup=False, highlight=False, soft_wrap=True)
-    if groups:
-        console.print(summary_markdown(keys, groups), markup=False, highlight=False, soft_wrap=True)
-    else:
+    print_tables(console, keys, rows, groups)
+    if not groups:
         console.print("one setting only (or no baseline job ran): nothing to compare over seeds", markup=False)
     if out is not None:
         out.write_text(json.dumps({"sources": [str(p) for p in paths], "keys": keys, "table": rows,
