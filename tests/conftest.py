@@ -14,6 +14,23 @@ os.environ.setdefault("GEMCTL_AUTOTUNE", "0")
 os.environ.setdefault("GEMCTL_AUTOTUNE_CACHE", "0")
 
 
+def worker_threads(cpus: int | None, workers: str | None) -> int | None:
+    """CPU threads for one pytest-xdist worker: the machine's cores shared among the workers, so
+    that N workers do not each start one OpenMP thread per core. On the 16-core GPU machine, 16
+    workers of 16 threads each made a float64 reference that takes a second run for minutes
+    (OpenMP threads spinning on oversubscribed cores). None outside xdist."""
+    if not workers or not cpus:
+        return None
+    return max(1, cpus // max(1, int(workers)))
+
+
+_threads = worker_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                          os.environ.get("PYTEST_XDIST_WORKER_COUNT"))
+if _threads:
+    torch.set_num_threads(_threads)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)  # torchrun children of this worker too
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
