@@ -9,7 +9,8 @@ one block of queries), so it is judged by bytes, not FLOPs. With T tokens, E = 2
     backward bytes = 7*T*H*D*E + 4*T*H      q, k, v, do read + dq, dk, dv written + lse read
 (the softmax backward's row term comes from p and dp inside the kernel, so o is not read; before
 that change the count was 8*T*H*D*E with o, and the JSON keeps that figure as bwd_bytes_with_o;
-the rope tables' rows come through L2 and are not counted). Roofline time = bytes / copy bandwidth, the bandwidth of
+the rope tables' rows come through L2 and are not counted; they are fp16, as a bf16 model layer
+builds them, ops.rope_table_dtype, and block 64 is also timed with fp32 tables). Roofline time = bytes / copy bandwidth, the bandwidth of
 a 1 GiB device-to-device copy (read + write bytes / time) measured in the same run; % of roofline
 = roofline time / kernel time, with kernel time from a CUDA-graph replay of the bare kernel
 launcher (triton.testing.do_bench_cudagraph, median).
@@ -101,8 +102,10 @@ def run_workload(w, copy_tbps: float) -> dict:
     q, k, v, off, _, _, _, grad = make_inputs(w)
     max_len = int(w.q_lengths.max())
     tokens = q.shape[0]
-    tables = block_kernels.rope_tables(ROPE_BASE, max_len, w.head_dim, q.device)
-    row = {"workload": w.name, "batch": w.batch, "tokens": tokens, "max_len": max_len, "heads": w.heads,
+    # The tables a bf16 model layer builds (fp16: ops.rope_table_dtype); fp32 ones timed too (block 64).
+    tables = block_kernels.rope_tables(ROPE_BASE, max_len, w.head_dim, q.device, ops.rope_table_dtype(q.dtype))
+    tables32 = block_kernels.rope_tables(ROPE_BASE, max_len, w.head_dim, q.device)
+    row = {"rope_table_dtype": str(tables[0].dtype), "workload": w.name, "batch": w.batch, "tokens": tokens, "max_len": max_len, "heads": w.heads,
            "head_dim": w.head_dim}
     row.update(byte_counts(tokens, w.heads, w.head_dim))
 
@@ -117,6 +120,11 @@ def run_workload(w, copy_tbps: float) -> dict:
             r[f"{kind}_tbps"] = row[f"{kind}_bytes"] / (r[f"{kind}_kernel_ms"] * 1e-3) / 1e12
         # against the earlier count with o read, so runs before and after the change compare
         r["bwd_roofline_pct_with_o"] = 100 * row["bwd_bytes_with_o"] / (copy_tbps * 1e12) * 1e3 / r["bwd_kernel_ms"]
+        if bs == 64 and tables32[0].dtype != tables[0].dtype:
+            r32 = kernel_times(q, k, v, off, max_len, bs, tables32, grad)
+            r["fp32_tables"] = {f"{kind}_{key}": val for kind in ("fwd", "bwd") for key, val in (
+                ("kernel_ms", r32[f"{kind}_kernel_ms"]),
+                ("roofline_pct", 100 * row[f"{kind}_bytes"] / (copy_tbps * 1e9) / r32[f"{kind}_kernel_ms"]))}
 
         def fused(q, k, v, bs=bs):
             return ops.block_attention(q, k, v, off, max_len, block_size=bs, rope=tables, backend="triton")
@@ -170,6 +178,11 @@ def print_tables(rows: list[dict], meta: dict) -> None:
                       f"{r['fwd_tbps']:.2f}", f"{r['fwd_roofline_pct']:.0f}%", f"{r['bwd_kernel_ms']:.3f}",
                       f"{row['bwd_bytes'] / 1e6:.0f}", f"{r['bwd_tbps']:.2f}", f"{r['bwd_roofline_pct']:.0f}%",
                       f"{r['fwd_bwd_call_ms']:.3f}")
+            if "fp32_tables" in r:
+                r32 = r["fp32_tables"]
+                t.add_row("", f"{bs}, fp32 tables", f"{r32['fwd_kernel_ms']:.3f}", "", "",
+                          f"{r32['fwd_roofline_pct']:.0f}%", f"{r32['bwd_kernel_ms']:.3f}", "", "",
+                          f"{r32['bwd_roofline_pct']:.0f}%", "")
     console.print(t)
     t = Table(title="(b) block 64 + fused RoPE vs full jagged attention (fwd+bwd)")
     for col in ("workload", "block fwd+bwd ms", "full fwd+bwd ms", "speedup", "target"):
@@ -187,7 +200,7 @@ def print_tables(rows: list[dict], meta: dict) -> None:
     for row in rows:
         ms_f, kind = best_ms(row["block"][64], "fwd")
         ms_fb, _ = best_ms(row["block"][64], "fwd_bwd")
-        t.add_row(row["workload"], f"fused ({kind})", f"{ms_f:.3f}", f"{ms_fb:.3f}", "", "")
+        t.add_row(row["workload"], f"fused, {row['rope_table_dtype'][6:]} tables ({kind})", f"{ms_f:.3f}", f"{ms_fb:.3f}", "", "")
         for name in ("separate_eager", "separate_compiled"):
             t.add_row("", name, f"{best_ms(row[name], 'fwd')[0]:.3f}", f"{best_ms(row[name], 'fwd_bwd')[0]:.3f}",
                       f"{row[f'rope_speedup_fwd_vs_{name}']:.2f}x", f"{row[f'rope_speedup_fwd_bwd_vs_{name}']:.2f}x")
@@ -204,7 +217,7 @@ def sweep(names, dims, fwd_cfgs, bwd_cfgs, copy_tbps: float) -> list[dict]:
             w_dim = dataclasses.replace(w, head_dim=dim)
             q, k, v, off, _, _, _, grad = make_inputs(w_dim)
             max_len = int(w.q_lengths.max())
-            tables = block_kernels.rope_tables(ROPE_BASE, max_len, dim, q.device)
+            tables = block_kernels.rope_tables(ROPE_BASE, max_len, dim, q.device, ops.rope_table_dtype(q.dtype))
             counts = byte_counts(q.shape[0], w.heads, dim)
             for kind, cfgs in (("fwd", fwd_cfgs), ("bwd", bwd_cfgs)):
                 for cfg in cfgs:

@@ -190,6 +190,31 @@ def test_strided_qkv_views_and_ops_dispatch_cpu():
     assert torch.isfinite(qkv.grad).all()
 
 
+def test_rope_tables_are_fp16_for_16_bit_inputs_cpu():
+    """A base frequency builds fp16 tables for bf16/fp16 q (fp32 for fp32 q), within fp16's rounding
+    of the float64 values; the kernel reads fp16 tables given by hand (fp32 inputs, interpreter) to
+    the same result as the loop with those tables."""
+    assert ops.rope_table_dtype(torch.bfloat16) is torch.float16
+    assert ops.rope_table_dtype(torch.float16) is torch.float16
+    assert ops.rope_table_dtype(torch.float32) is torch.float32
+    for dtype, want in ((torch.bfloat16, torch.float16), (torch.float32, torch.float32)):
+        q = torch.zeros(5, 2, 32, dtype=dtype)
+        cos, sin, on = ba_kernels._rope_args(None, None, BASE, 70, q)
+        assert on and cos.dtype == sin.dtype == want and cos.shape[0] >= 70
+        exact = rope_tables(cos.shape[0], 32)
+        bound = 2.0**-12 if want is torch.float16 else 2.0**-24
+        for got, ref in zip((cos, sin), exact):
+            assert float((got.double() - ref).abs().max()) <= bound
+    lengths = [70, 0, 5, 33]
+    off, q, k, v, grad = _inputs(lengths, 2, 32, "cpu", torch.float32, 3)
+    tables = tuple(t.half() for t in rope_tables(70, 32))
+    got = _run("triton", q, k, v, off, 70, 32, tables, grad)
+    ref_in = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    ref_out = block_loop(*ref_in, off, 32, rope=tables)
+    ref = [ref_out] + list(torch.autograd.grad(ref_out, ref_in, grad.double()))
+    assert_errors(["out", "dq", "dk", "dv"], got, ref, tol=2e-5)
+
+
 def test_rope_argument_errors_cpu():
     off, q, k, v, _ = _inputs([3, 4], 2, 32, "cpu", torch.float32, 0)
     short = tuple(t.float() for t in rope_tables(3, 32))

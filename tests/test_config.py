@@ -346,6 +346,9 @@ def test_attention_kinds_reach_the_model():
     freq = 10000.0 ** (-torch.arange(4, dtype=torch.float64) / 4)
     assert torch.allclose(sin[5].double(), torch.sin(5 * freq), atol=1e-6)
     assert rope_tables(9, 4, 8, 10000.0, "cpu")[0] is cos  # built once per length bucket
+    cos16, sin16 = rope_tables(9, 4, 8, 10000.0, "cpu", torch.float16)  # what a bf16 layer passes
+    assert cos16.dtype == torch.float16 and cos16 is not cos
+    assert torch.allclose(sin16[5].double(), torch.sin(5 * freq), atol=2.0**-12)
 
 
 @pytest.mark.parametrize("overrides,field,words", [

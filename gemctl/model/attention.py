@@ -20,21 +20,23 @@ def parse_attention_kind(kind: str) -> tuple[str, int]:
 _rope_cache: dict = {}
 
 
-def rope_tables(max_len: int, block_size: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE (cos, sin) tables ``[n, head_dim // 2]`` (float32) for positions 0..n-1 counted from the
-    sequence start, frequencies ``base ** (-i / (head_dim // 2))``. n covers ``max_len`` rounded up
-    to whole blocks, then to a power of two, so a new batch seldom builds new tables; built once per
-    (n, head_dim, base, device) and shared by every layer."""
+def rope_tables(max_len: int, block_size: int, head_dim: int, base: float, device,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE (cos, sin) tables ``[n, head_dim // 2]`` for positions 0..n-1 counted from the sequence
+    start, frequencies ``base ** (-i / (head_dim // 2))``, computed in float64 and stored in ``dtype``
+    (the layer passes ``ops.rope_table_dtype`` of its q). n covers ``max_len`` rounded up to whole
+    blocks, then to a power of two, so a new batch seldom builds new tables; built once per
+    (n, head_dim, base, device, dtype) and shared by every layer."""
     n = -(-max(max_len, 1) // block_size) * block_size
     n = 1 << max(0, (n - 1).bit_length())
-    key = (n, head_dim, float(base), str(device))
+    key = (n, head_dim, float(base), str(device), dtype)
     if key not in _rope_cache:
         if len(_rope_cache) >= 16:  # a few (length bucket, device) pairs at most in a run
             _rope_cache.clear()
         half = head_dim // 2
         inv_freq = float(base) ** (-torch.arange(half, dtype=torch.float64) / half)
         angles = torch.arange(n, dtype=torch.float64)[:, None] * inv_freq[None, :]  # (n, D/2)
-        _rope_cache[key] = (angles.cos().float().to(device), angles.sin().float().to(device))
+        _rope_cache[key] = (angles.cos().to(device, dtype), angles.sin().to(device, dtype))
     return _rope_cache[key]
 
 
@@ -72,7 +74,8 @@ class JaggedSelfAttention(nn.Module):
         if self.kind == "block":
             rope = None
             if self.rope_base > 0:
-                rope = rope_tables(max_len, self.block_size, self.head_dim, self.rope_base, x.device)
+                rope = rope_tables(max_len, self.block_size, self.head_dim, self.rope_base, x.device,
+                                   ops.rope_table_dtype(q.dtype))
             y = ops.block_attention(
                 q, k, v, offsets, max_len, block_size=self.block_size, rope=rope,
                 backend=_op_backend(backend, "block_attention"),

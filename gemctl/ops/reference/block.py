@@ -11,6 +11,15 @@ import torch.nn.functional as F
 from gemctl.ops.reference.jagged import pad, unpad
 
 
+def rope_table_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the rope tables are built in for inputs of ``dtype``: fp16 for 16-bit inputs (the
+    tables' rounding, at most 2^-12 on values in [-1, 1], stays well below the rounding of a bf16
+    rotated row, 2^-9 relative, and at half of an fp16 one's; the Triton backward reads the rows once
+    per gradient, and half the bytes made it 14% faster on the H200: docs/benchmarks.md), fp32
+    otherwise."""
+    return torch.float16 if dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (..., L, H, D) rotated by position: [x1, x2] -> [x1 c - x2 s, x2 c + x1 s]."""
     half = x.shape[-1] // 2

@@ -7,8 +7,8 @@ rope (rotate-half convention, as gemctl.ops.apply_rope): with x = [x1, x2] split
 tables' rows c = cos[r], s = sin[r], rope(x, r) = [x1 c - x2 s, x2 c + x1 s]. The tables are
 ``rope=(cos, sin)``, each ``[>= max_len, D // 2]`` (any float dtype, read and applied in fp32), or a
 float base frequency b, for which the tables cos/sin(r * b ** (-i / (D/2))) are built in float64,
-stored as fp32 on the device and cached per (base, D, device), grown to the next power of two of
-max_len.
+stored on the device in ``rope_table_dtype(q.dtype)`` (fp16 for 16-bit inputs, fp32 otherwise) and
+cached per (base, D, device, dtype), grown to the next power of two of max_len.
 
 Supported: q, k, v [N, H, D] (any row/head strides, contiguous head dim), int64 offsets [B+1],
 block sizes 16-128 (GEM uses 64; 32/64/128 are tested), D in {32, 64, 128}, fp16/bf16 on CUDA,
@@ -56,6 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gemctl.ops.reference.block import rope_table_dtype
 from gemctl.ops.triton.common import (
     bucket_len, cdiv, config_field, gpu_checked, load_tile, pick_config, query_work, row_descriptors, store_rows,
     whole_tile_work, work_item,
@@ -299,17 +300,17 @@ def _block_attn_bwd(
 _rope_cache: dict = {}
 
 
-def rope_tables(base: float, length: int, dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos/sin tables ``[>= length, dim // 2]`` of positions r and frequencies
-    base ** (-i / (dim / 2)), computed in float64; cached on the device per (base, dim), grown to
-    the next power of two of ``length`` so a new batch does not rebuild them."""
-    key = (float(base), dim, torch.device(device))
+def rope_tables(base: float, length: int, dim: int, device, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``[>= length, dim // 2]`` of positions r and frequencies base ** (-i / (dim / 2)),
+    computed in float64 and stored in ``dtype``; cached on the device per (base, dim, dtype), grown
+    to the next power of two of ``length`` so a new batch does not rebuild them."""
+    key = (float(base), dim, torch.device(device), dtype)
     tables = _rope_cache.get(key)
     if tables is None or tables[0].shape[0] < length:
         half = dim // 2
         pos = torch.arange(bucket_len(max(length, 1)), dtype=torch.float64)[:, None]
         angle = pos * float(base) ** (-torch.arange(half, dtype=torch.float64) / half)
-        tables = (torch.cos(angle).to(device, torch.float32), torch.sin(angle).to(device, torch.float32))
+        tables = (torch.cos(angle).to(device, dtype), torch.sin(angle).to(device, dtype))
         _rope_cache[key] = tables
     return tables
 
@@ -318,7 +319,7 @@ def _rope_args(cos, sin, rope_base, max_len, q):
     """(cos, sin, ROPE) for the kernels: the given tables, tables built from a base frequency, or
     (without rope) q as a placeholder pointer that the kernels never read."""
     if cos is None and rope_base:
-        cos, sin = rope_tables(rope_base, max_len, q.shape[-1], q.device)
+        cos, sin = rope_tables(rope_base, max_len, q.shape[-1], q.device, rope_table_dtype(q.dtype))
     if cos is None:
         return q, q, False
     return cos, sin, True
