@@ -215,6 +215,18 @@ def test_rope_tables_are_fp16_for_16_bit_inputs_cpu():
     assert_errors(["out", "dq", "dk", "dv"], got, ref, tol=2e-5)
 
 
+def test_autotune_key_names_the_rope_tables_dtype_cpu(monkeypatch):
+    """fp16 and fp32 tables tune apart (their best backward configs differ on the H200)."""
+    keys = []
+    real = ba_kernels.pick_config
+    monkeypatch.setattr(ba_kernels, "pick_config", lambda key, *a, **kw: keys.append(key) or real(key, *a, **kw))
+    off, q, k, v, grad = _inputs([5, 3], 2, 32, "cpu", torch.float32, 0)
+    for rope in (tuple(t.float() for t in rope_tables(5, 32)), tuple(t.half() for t in rope_tables(5, 32)), None):
+        _run("triton", q, k, v, off, 5, 32, rope, grad)
+    assert [key[4] for key in keys] == ["float32", "float32", "float16", "float16", False, False]
+    assert [key[0] for key in keys[:2]] == ["block_attention_fwd", "block_attention_bwd"]
+
+
 def test_rope_argument_errors_cpu():
     off, q, k, v, _ = _inputs([3, 4], 2, 32, "cpu", torch.float32, 0)
     short = tuple(t.float() for t in rope_tables(3, 32))

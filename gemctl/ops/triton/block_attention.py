@@ -86,6 +86,9 @@ _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2,
 # self-4000) and joins autotuning; the other three were 25-40% slower and stay pinned-only. Since
 # the backward stopped reading o (ad18b2f) the full-width (4, 1, 1) wins again (294.7 vs 307.8 us
 # self-1000, H200, 2026-11-30); the half-width config stays a candidate for the shapes it may win.
+# With fp16 rope tables (rope_table_dtype of bf16 inputs) the half-width config wins again, by more:
+# 231.3 vs 256.2 us self-1000, 195.6 vs 215.6 us self-4000 (H200, 2026-12-01, tree 730ce6a), so the
+# tables' dtype is part of the autotune key (_table_key).
 _BWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (8, 1, 2), (4, 2, 2),
                    (4, 1, 1, 1), (4, 2, 0, 1), (8, 1, 1, 1),
                    (4, 1, 1, 0, 1), (8, 1, 1, 0, 1), (4, 2, 0, 0, 1), (8, 2, 0, 0, 1)]
@@ -325,6 +328,13 @@ def _rope_args(cos, sin, rope_base, max_len, q):
     return cos, sin, True
 
 
+def _table_key(cos, rope: bool):
+    """The rope part of an autotune key: the tables' dtype (the best backward differs between fp16
+    and fp32 tables: the half-width config by 10%+ with fp16, the full-width one with fp32; H200,
+    2026-12-01), False without rope."""
+    return str(cos.dtype).removeprefix("torch.") if rope else False
+
+
 def _descriptors(cfg, block_size, halves, wholes) -> tuple:
     """The TMA descriptors of a config with the TMA field set: (BS, D/2) blocks over ``halves`` (q,
     k), (BS, D) over ``wholes``; all None (masked loads, same values) without it or where a
@@ -370,7 +380,7 @@ def _forward(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
         _launch(_block_attn_fwd, offsets, heads, block_size, cfg, (q, k, v, out, lse, cos, sin, strides), descs, dim,
                 rope, q.device)
 
-    key = ("block_attention_fwd", dim, q.dtype, block_size, rope, heads, bucket_len(n))
+    key = ("block_attention_fwd", dim, q.dtype, block_size, _table_key(cos, rope), heads, bucket_len(n))
     run(pick_config(key, lambda: _tuned(_FWD_CANDIDATES), run, _INTERPRET_CONFIG))
     return out, lse
 
@@ -390,7 +400,7 @@ def _backward(do, q, k, v, lse, cos, sin, offsets, max_len, block_size, rope_bas
         _launch(_block_attn_bwd, offsets, heads, block_size, cfg, args, descs, dim, rope, q.device,
                 HALVES=bool(config_field(cfg, 4)))
 
-    key = ("block_attention_bwd", dim, q.dtype, block_size, rope, heads, bucket_len(n))
+    key = ("block_attention_bwd", dim, q.dtype, block_size, _table_key(cos, rope), heads, bucket_len(n))
     run(pick_config(key, lambda: _tuned(_BWD_CANDIDATES), run, _INTERPRET_CONFIG))
     return dq, dk, dv
 
