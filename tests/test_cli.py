@@ -252,3 +252,13 @@ def test_bad_config_creates_no_run_directory(tmp_path, overrides):
     assert_one_line_error(proc, overrides[0].split("=")[0])
     assert not (tmp_path / "runs").exists()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_torchrun_resume_of_nothing_fails_before_a_run_directory(tmp_path):
+    """launcher=torchrun with a train.resume path that holds no checkpoint: one line, exit 2, and
+    neither a run directory nor a torchrun start (the ranks used to fail on it one by one)."""
+    runs = tmp_path / "runs"
+    proc = gemctl("train", "launcher=torchrun", "launcher.nproc_per_node=2", "parallel=fsdp", f"run.output_dir={runs}",
+                  f"train.resume={tmp_path / 'nothing'}")
+    assert_one_line_error(proc, "train.resume: no published checkpoint")
+    assert not runs.exists() and "launching" not in proc.stdout

@@ -43,9 +43,23 @@ def worker_env(run_dir) -> dict:
     return env
 
 
+def check_resume(cfg) -> None:
+    """A ``train.resume`` path that holds no published checkpoint is the user's error, found here
+    before a run directory is made or torchrun starts (the ranks would each fail on it, and the
+    directory would be left behind). ``none`` and ``auto`` always pass; a checkpoint of another
+    model is still found by the ranks, which name the tensor."""
+    resume = cfg.train.resume
+    if resume not in ("none", "auto"):
+        from gemctl.train import checkpoint
+
+        checkpoint.find(resume, Path(resume))
+
+
 def launch(cfg, console, run_dir: Path | None = None, mode: str = "train") -> tuple[int, Path]:
     """Run the job (in ``run_dir``, or a fresh run directory); returns torchrun's exit code and
     the run directory. ``mode="profile"`` runs `gemctl profile` on every rank instead."""
+    if mode == "train":
+        check_resume(cfg)
     name = cfg.run.name + ("-profile" if mode == "profile" else "")
     run = RunDir(Path(run_dir)) if run_dir is not None else RunDir.create(cfg.run.output_dir, name)
     config_path = run.write_text("config.yaml", OmegaConf.to_yaml(cfg))
