@@ -10,10 +10,10 @@ one block of queries), so it is judged by bytes, not FLOPs. With T tokens, E = 2
 (the softmax backward's row term comes from p and dp inside the kernel, so o is not read; before
 that change the count was 8*T*H*D*E with o, and the JSON keeps that figure as bwd_bytes_with_o;
 the rope tables' rows come through L2 and are not counted; they are fp16, as a bf16 model layer
-builds them, ops.rope_table_dtype, and block 64 is also timed with fp32 tables). Roofline time = bytes / copy bandwidth, the bandwidth of
-a 1 GiB device-to-device copy (read + write bytes / time) measured in the same run; % of roofline
-= roofline time / kernel time, with kernel time from a CUDA-graph replay of the bare kernel
-launcher (triton.testing.do_bench_cudagraph, median).
+builds them (ops.rope_table_dtype), and block 64 is also timed with fp32 tables). Roofline time =
+bytes / copy bandwidth, the bandwidth of a 1 GiB device-to-device copy (read + write bytes / time)
+measured in the same run; % of roofline = roofline time / kernel time, with kernel time from a
+CUDA-graph replay of the bare kernel launcher (triton.testing.do_bench_cudagraph, median).
 
 Sections, all on the same inputs:
   (a) block_attention, block 64 with fused RoPE (also blocks 32 and 128): forward and backward
@@ -105,8 +105,8 @@ def run_workload(w, copy_tbps: float) -> dict:
     # The tables a bf16 model layer builds (fp16: ops.rope_table_dtype); fp32 ones timed too (block 64).
     tables = block_kernels.rope_tables(ROPE_BASE, max_len, w.head_dim, q.device, ops.rope_table_dtype(q.dtype))
     tables32 = block_kernels.rope_tables(ROPE_BASE, max_len, w.head_dim, q.device)
-    row = {"rope_table_dtype": str(tables[0].dtype), "workload": w.name, "batch": w.batch, "tokens": tokens, "max_len": max_len, "heads": w.heads,
-           "head_dim": w.head_dim}
+    row = {"workload": w.name, "batch": w.batch, "tokens": tokens, "max_len": max_len, "heads": w.heads,
+           "head_dim": w.head_dim, "rope_table_dtype": str(tables[0].dtype)}
     row.update(byte_counts(tokens, w.heads, w.head_dim))
 
     # (a) block attention with fused RoPE against the roofline.
