@@ -130,6 +130,17 @@ def test_settings_compared_over_seeds():
     assert "ctr.verdict" not in mx and "ctr NE" in summary_markdown(keys, [bf16, fp8, mx])
 
 
+def test_one_baseline_seed_gives_no_verdict():
+    """One seed of the baseline has no spread: the difference is printed, but neither a bar nor a
+    worse/better/neutral verdict (a single run's NE moves by percents between seeds)."""
+    keys = ["precision", "train.seed"]
+    results = [_job(0, "bf16", 0, 0.70), _job(1, "fp8", 0, 0.75), _job(2, "mx", 0, 0.7001)]
+    bf16, fp8, mx = summary_rows(keys, comparison_rows(keys, results))
+    assert bf16["ctr.ne_bar"] is None and fp8["ctr.verdict"] == mx["ctr.verdict"] == "unknown"
+    md = summary_markdown(keys, [bf16, fp8, mx]).splitlines()
+    assert "| no bar (1 seed) |" in md[4] and "+7.14% (no verdict: 1 baseline seed)" in md[5]
+
+
 def test_recipe_declares_its_sweep(tmp_path):
     recipe = tmp_path / "kinds.yaml"
     recipe.write_text("# @package _global_\n# gemctl train --recipe kinds -m\n"

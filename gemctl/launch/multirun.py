@@ -216,7 +216,8 @@ def summary_rows(keys: list[str], rows: list[dict]) -> list[dict]:
     at least two settings ran. The first setting is the baseline. Per task: NE mean, std, the
     relative difference from the baseline, the bar, the verdict (neutral when |difference| < bar,
     else worse / better: lower NE is better) and, over the seeds both ran, the paired differences'
-    mean and std; AUC mean; step time mean and the baseline's step time over it (speed-up)."""
+    mean and std; AUC mean; step time mean and the baseline's step time over it (speed-up). With
+    one baseline seed there is no spread to judge by: the bar is None and the verdict "unknown"."""
     setting_keys = [k for k in keys if k != SEED_KEY]
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
@@ -232,7 +233,8 @@ def summary_rows(keys: list[str], rows: list[dict]) -> list[dict]:
         base = [j[f"{task}.ne"] for j in base_jobs if _finite(j.get(f"{task}.ne"))]
         if base:  # NE undefined (e.g. one class in the eval labels): no verdict
             base_mean, base_std = _mean_std(base)
-            bar = max(NE_BAR_REL * base_mean, 2 * base_std if base_std is not None else 0.0)
+            # One baseline seed has no spread: the bar's second term is unknown, so no verdict is given.
+            bar = max(NE_BAR_REL * base_mean, 2 * base_std) if base_std is not None else None
             by_seed = {j.get(SEED_KEY): j[f"{task}.ne"] for j in base_jobs if _finite(j.get(f"{task}.ne"))}
             baselines[task] = base_mean, bar, by_seed
     base_steps = [j["step_time_ms"] for j in base_jobs if j.get("step_time_ms")]
@@ -248,7 +250,8 @@ def summary_rows(keys: list[str], rows: list[dict]) -> list[dict]:
             diff = mean - base_mean
             g[f"{task}.ne_mean"], g[f"{task}.ne_std"] = mean, std
             g[f"{task}.ne_diff_rel"], g[f"{task}.ne_bar"] = diff / base_mean, bar
-            g[f"{task}.verdict"] = "neutral" if abs(diff) < bar else ("worse" if diff > 0 else "better")
+            g[f"{task}.verdict"] = ("unknown" if bar is None else "neutral" if abs(diff) < bar
+                                    else "worse" if diff > 0 else "better")
             paired = [j[f"{task}.ne"] - by_seed[j.get(SEED_KEY)] for j in jobs
                       if j.get(SEED_KEY, "") != "" and j.get(SEED_KEY) in by_seed and _finite(j.get(f"{task}.ne"))]
             if paired:
@@ -286,9 +289,12 @@ def summary_markdown(keys: list[str], groups: list[dict]) -> str:
                 continue
             cells.append(_pm(g[f"{task}.ne_mean"], g[f"{task}.ne_std"]))
             if i == 0:
-                cells.append(f"bar {g[f'{task}.ne_bar']:.4f}")
+                bar = g[f"{task}.ne_bar"]
+                cells.append("no bar (1 seed)" if bar is None else f"bar {bar:.4f}")
             else:
-                cells.append(f"{100 * g[f'{task}.ne_diff_rel']:+.2f}% {g[f'{task}.verdict']}")
+                verdict = g[f"{task}.verdict"]
+                cells.append(f"{100 * g[f'{task}.ne_diff_rel']:+.2f}% "
+                             + ("(no verdict: 1 baseline seed)" if verdict == "unknown" else verdict))
             cells.append(_pm(g[f"{task}.paired_mean"], g.get(f"{task}.paired_std"))
                          if i > 0 and f"{task}.paired_mean" in g else "-")
             cells.append(f"{g[f'{task}.auc_mean']:.4f}" if f"{task}.auc_mean" in g else "-")
