@@ -41,6 +41,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
+    if os.environ.get("GEMCTL_TEST_LOG"):  # per-test time and Triton compiles (tests/compile_log.py)
+        from compile_log import CompileLog
+
+        log = CompileLog(os.environ["GEMCTL_TEST_LOG"])
+        log.install()
+        config.pluginmanager.register(log, "gemctl_compile_log")
     import logging
 
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)

@@ -13,3 +13,39 @@ def test_xdist_workers_share_the_cores():
 def test_outside_xdist_torch_keeps_its_default():
     assert worker_threads(16, None) is None
     assert worker_threads(None, "4") is None
+
+
+def test_compile_log_writes_a_line_per_test(tmp_path):
+    """GEMCTL_TEST_LOG: each test's outcome, wall time and the Triton compiles in it (the hooks are
+    driven by hand here: the interpreter compiles nothing)."""
+    import types
+
+    from compile_log import CompileLog
+
+    log = CompileLog(tmp_path / "log")
+    log.pytest_runtest_setup(None)
+    log.before_compile(key=None)
+    log.after_compile(fn=types.SimpleNamespace(name="_kernel_b"))
+    log.before_compile(key=None)
+    log.after_compile(fn=types.SimpleNamespace(name="_kernel_a"))
+    log.pytest_runtest_logreport(types.SimpleNamespace(when="call", outcome="passed", nodeid="t.py::test_x"))
+    log.pytest_runtest_setup(None)  # the next test starts from zero
+    log.pytest_runtest_logreport(types.SimpleNamespace(when="call", outcome="failed", nodeid="t.py::test_y"))
+    lines = [line.split("\t") for line in log.path.read_text().splitlines()]
+    assert [(x[0], x[1], x[3], x[5]) for x in lines] == [("t.py::test_x", "passed", "2", "_kernel_a,_kernel_b"),
+                                                         ("t.py::test_y", "failed", "0", "")]
+    assert all(float(x[2]) >= float(x[4]) >= 0 for x in lines)
+
+
+def test_compile_log_from_the_environment(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, GEMCTL_TEST_LOG=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           f"{__file__}::test_xdist_workers_share_the_cores"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (line,) = (tmp_path / "tests_main.tsv").read_text().splitlines()
+    assert line.startswith("tests/test_conftest.py::test_xdist_workers_share_the_cores\tpassed\t")
