@@ -72,6 +72,24 @@ def test_a_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert "| 0 | " in proc.stdout and "exit 2" in proc.stdout
 
 
+def test_a_torchrun_job_that_cannot_start_is_recorded_too(tmp_path, capsys):
+    """Under launcher=torchrun the launcher refuses a train.resume of nothing before starting
+    torchrun: the job gets exit code 2 and its one error line, like a local job, and the sweep
+    goes on (the error used to escape the sweep's loop)."""
+    from rich.console import Console
+
+    from gemctl.config.compose import compose
+    from gemctl.launch.multirun import _run_one
+
+    cfg = compose(["launcher=torchrun", "launcher.nproc_per_node=2", "parallel=fsdp",
+                   f"train.resume={tmp_path / 'nothing'}"])
+    run_dir = tmp_path / "0"
+    run_dir.mkdir()
+    assert _run_one(cfg, run_dir, Console()) == 2
+    assert "gemctl: error: train.resume: no published checkpoint" in capsys.readouterr().err
+    assert list(run_dir.iterdir()) == []
+
+
 def test_comparison_table_by_hand():
     results = [
         {"job": 0, "overrides": ["model.attention=[full]", "train.steps=4"], "exit_code": 0,

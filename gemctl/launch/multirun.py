@@ -322,15 +322,17 @@ def write_tables(root: Path, keys: list[str], results: list[dict], recipe=None) 
 
 
 def _run_one(cfg, run_dir: Path, console) -> int:
-    if cfg.launcher.kind == "torchrun":
-        from gemctl.launch.torchrun import launch
-
-        return launch(cfg, console, run_dir=run_dir)[0]
     from gemctl.errors import UserError, report_error
-    from gemctl.train.trainer import train
 
-    # A failed job is recorded with its exit code and the sweep goes on, as a torchrun job's would.
+    # A failed job is recorded with its exit code and the sweep goes on (torchrun's own exit code,
+    # or the user error the launcher found before starting it, e.g. a train.resume of nothing).
     try:
+        if cfg.launcher.kind == "torchrun":
+            from gemctl.launch.torchrun import launch
+
+            return launch(cfg, console, run_dir=run_dir)[0]
+        from gemctl.train.trainer import train
+
         train(cfg, console=console, run_dir=str(run_dir))  # writes config.yaml, metrics, summary there
     except UserError as exc:
         return report_error(exc)
