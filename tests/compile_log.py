@@ -7,7 +7,9 @@ when GEMCTL_TEST_LOG names a directory:
     GEMCTL_TEST_LOG=/tmp/tier python3 -m pytest -q -m gpu -n 16
     sort -t$'\\t' -k3 -n -r /tmp/tier/*.tsv | head     # the slowest tests
 
-Columns: node id, outcome, wall seconds, compiles, compile seconds, kernels compiled.
+Columns: node id, outcome (of the call, or of a setup that failed), wall seconds, compiles,
+compile seconds, kernels compiled. A "compile" is a kernel variant this process had not built
+yet: it includes variants Triton then finds in its on-disk cache (quick ones).
 """
 
 from __future__ import annotations
@@ -41,13 +43,30 @@ class CompileLog:
         self.kernels.add(kwargs["fn"].name)
 
     def install(self) -> bool:
+        """Chain onto Triton's JIT hooks; hooks installed before (gemctl.ops.triton.common's, if
+        imported first) keep running after ours."""
         try:
             from triton import knobs
         except ImportError:  # Triton without knobs (older than 3.4): times only
             return False
-        knobs.runtime.jit_cache_hook = self.before_compile
-        knobs.runtime.jit_post_compile_hook = self.after_compile
+        runtime = knobs.runtime
+        before, after = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+
+        def started(*args, **kwargs):
+            self.before_compile(**kwargs)
+            return before(*args, **kwargs) if before is not None else None
+
+        def finished(*args, **kwargs):
+            self.after_compile(**kwargs)
+            return after(*args, **kwargs) if after is not None else None
+
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = started, finished
         return True
+
+    def pytest_unconfigure(self, config):
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def pytest_runtest_setup(self, item):
         self._reset()

@@ -28,7 +28,9 @@ _threads = worker_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_get
                           os.environ.get("PYTEST_XDIST_WORKER_COUNT"))
 if _threads:
     torch.set_num_threads(_threads)
-    os.environ["OMP_NUM_THREADS"] = str(_threads)  # torchrun children of this worker too
+    # The trainer sets its threads from GEMCTL_THREADS (in this process and in torchrun ranks):
+    # the worker's share, not the fixed 2 above, or the first in-process train() would raise it.
+    os.environ["GEMCTL_THREADS"] = str(_threads)
 
 
 def pytest_collection_modifyitems(config, items):

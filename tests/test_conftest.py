@@ -1,4 +1,6 @@
-"""The test harness itself: how xdist workers share the machine's cores."""
+"""The test harness itself: how xdist workers share the cores, and the per-test compile log."""
+
+import pytest
 
 from conftest import worker_threads
 
@@ -42,10 +44,28 @@ def test_compile_log_from_the_environment(tmp_path):
     import subprocess
     import sys
 
-    env = dict(os.environ, GEMCTL_TEST_LOG=str(tmp_path))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}  # a plain run, even under -n
+    env["GEMCTL_TEST_LOG"] = str(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            f"{__file__}::test_xdist_workers_share_the_cores"], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (line,) = (tmp_path / "tests_main.tsv").read_text().splitlines()
     assert line.startswith("tests/test_conftest.py::test_xdist_workers_share_the_cores\tpassed\t")
+
+
+def test_compile_log_chains_onto_installed_hooks(tmp_path, monkeypatch):
+    """Hooks set before (gemctl.ops.triton.common times compiles with them) keep running."""
+    import types
+
+    knobs = pytest.importorskip("triton").knobs
+    from compile_log import CompileLog
+
+    calls = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: calls.append("before") or None)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: calls.append("after"))
+    log = CompileLog(tmp_path)
+    assert log.install()
+    assert knobs.runtime.jit_cache_hook(key=1) is None  # None: Triton goes on to compile
+    knobs.runtime.jit_post_compile_hook(key=1, fn=types.SimpleNamespace(name="_k"))
+    assert calls == ["before", "after"] and log.compiles == 1 and log.kernels == {"_k"}
