@@ -234,6 +234,21 @@ def test_rope_argument_errors_cpu():
         block_attention_triton(q, k, v, off, 4, rope=short)
     with pytest.raises(TypeError, match="reference takes rope"):
         ops.block_attention(q, k, v, off, 4, rope=BASE, backend="torch")
+    cos, sin = rope_tables(4, 32)
+    with pytest.raises(ValueError, match="share one float dtype, got torch.float16 and torch.float32"):
+        block_attention_triton(q, k, v, off, 4, rope=(cos.half(), sin.float()))
+
+
+def test_rope_tables_with_different_row_strides_cpu():
+    """sin a slice of a wider table, cos compact: the kernels step both by one row stride, so the
+    two are made contiguous first; the result is the compact tables' own."""
+    off, q, k, v, grad = _inputs([5, 3], 2, 32, "cpu", torch.float32, 1)
+    cos, sin = (t.float() for t in rope_tables(5, 32))
+    wide = torch.cat([sin, torch.full_like(sin, 7.0)], dim=1)[:, :16]  # row stride 32, not 16
+    got = _run("triton", q, k, v, off, 5, 32, (cos, wide), grad)
+    ref = _run("triton", q, k, v, off, 5, 32, (cos, sin), grad)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
 
 
 def _compile_check(device, dtype, backend, rope_kind, **tolerance):

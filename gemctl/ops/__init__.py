@@ -168,8 +168,10 @@ def block_attention(q, k, v, offsets, max_len, *, block_size=64, rope=None, back
     ``rope=(cos, sin)`` tables ``[>= max_len, D // 2]`` rotate q and k by position first (inside
     the kernel with the Triton backend, forward and backward). The Triton backend also takes a
     float base frequency (tables built and cached on the device); the reference takes tables only.
-    Tables are read in their own dtype; ``rope_table_dtype(q.dtype)`` is the one to build them in
-    (fp16 for bf16/fp16 q: the Triton backward runs 14-22% faster than with fp32 tables, H200).
+    cos and sin share one float dtype: the Triton kernels read them in it and rotate in fp32, the
+    reference casts them to q's dtype. ``rope_table_dtype(q.dtype)`` is the dtype to build them in:
+    fp16 for bf16/fp16 q, with which the Triton backward took 22% less time than with fp32 tables
+    (H200, docs/benchmarks.md).
     """
     kernel = _pick("block_attention", backend, q.device)
     if kernel is None and rope is not None and not isinstance(rope, (tuple, list)):

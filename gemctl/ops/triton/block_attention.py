@@ -495,7 +495,12 @@ def block_attention_triton(q, k, v, offsets, max_len, *, block_size=64, rope=Non
         if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != dim // 2 or cos.shape[0] < max_len:
             raise ValueError(f"block_attention: rope tables must be [>= max_len ({max_len}), D // 2 ({dim // 2})], "
                              f"got cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
+        if cos.dtype != sin.dtype or not cos.dtype.is_floating_point:
+            raise ValueError(f"block_attention: rope tables cos and sin must share one float dtype, got {cos.dtype} "
+                             f"and {sin.dtype}")
         cos, sin = cos.detach(), sin.detach()
+        if cos.stride() != sin.stride():  # the kernels step both by one row stride
+            cos, sin = cos.contiguous(), sin.contiguous()
     scale = dim**-0.5 if scale is None else float(scale)
     args = (q, k, v, cos, sin, offsets, int(max_len), int(block_size), rope_base, scale)
     if torch.compiler.is_compiling():  # traced as a custom op: no graph break
