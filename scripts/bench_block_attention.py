@@ -10,7 +10,8 @@ one block of queries), so it is judged by bytes, not FLOPs. With T tokens, E = 2
 (the softmax backward's row term comes from p and dp inside the kernel, so o is not read; before
 that change the count was 8*T*H*D*E with o, and the JSON keeps that figure as bwd_bytes_with_o;
 the rope tables' rows come through L2 and are not counted; they are fp16, as a bf16 model layer
-builds them (ops.rope_table_dtype), and block 64 is also timed with fp32 tables). Roofline time =
+builds them (ops.rope_table_dtype), and block 64 is also timed with fp32 tables and without rope,
+which says what the rotation costs). Roofline time =
 bytes / copy bandwidth, the bandwidth of a 1 GiB device-to-device copy (read + write bytes / time)
 measured in the same run; % of roofline = roofline time / kernel time, with kernel time from a
 CUDA-graph replay of the bare kernel launcher (triton.testing.do_bench_cudagraph, median).
@@ -120,11 +121,15 @@ def run_workload(w, copy_tbps: float) -> dict:
             r[f"{kind}_tbps"] = row[f"{kind}_bytes"] / (r[f"{kind}_kernel_ms"] * 1e-3) / 1e12
         # against the earlier count with o read, so runs before and after the change compare
         r["bwd_roofline_pct_with_o"] = 100 * row["bwd_bytes_with_o"] / (copy_tbps * 1e12) * 1e3 / r["bwd_kernel_ms"]
-        if bs == 64 and tables32[0].dtype != tables[0].dtype:
-            r32 = kernel_times(q, k, v, off, max_len, bs, tables32, grad)
-            r["fp32_tables"] = {f"{kind}_{key}": val for kind in ("fwd", "bwd") for key, val in (
-                ("kernel_ms", r32[f"{kind}_kernel_ms"]),
-                ("roofline_pct", 100 * row[f"{kind}_bytes"] / (copy_tbps * 1e9) / r32[f"{kind}_kernel_ms"]))}
+        if bs == 64:  # what the rope costs: the same kernels with fp32 tables and without rope
+            variants = {"fp32_tables": tables32, "no_rope": (None, None)}
+            for name, tabs in variants.items():
+                if name == "fp32_tables" and tables32[0].dtype == tables[0].dtype:
+                    continue
+                rv = kernel_times(q, k, v, off, max_len, bs, tabs, grad)
+                r[name] = {f"{kind}_{key}": val for kind in ("fwd", "bwd") for key, val in (
+                    ("kernel_ms", rv[f"{kind}_kernel_ms"]),
+                    ("roofline_pct", 100 * row[f"{kind}_bytes"] / (copy_tbps * 1e9) / rv[f"{kind}_kernel_ms"]))}
 
         def fused(q, k, v, bs=bs):
             return ops.block_attention(q, k, v, off, max_len, block_size=bs, rope=tables, backend="triton")
@@ -178,11 +183,12 @@ def print_tables(rows: list[dict], meta: dict) -> None:
                       f"{r['fwd_tbps']:.2f}", f"{r['fwd_roofline_pct']:.0f}%", f"{r['bwd_kernel_ms']:.3f}",
                       f"{row['bwd_bytes'] / 1e6:.0f}", f"{r['bwd_tbps']:.2f}", f"{r['bwd_roofline_pct']:.0f}%",
                       f"{r['fwd_bwd_call_ms']:.3f}")
-            if "fp32_tables" in r:
-                r32 = r["fp32_tables"]
-                t.add_row("", f"{bs}, fp32 tables", f"{r32['fwd_kernel_ms']:.3f}", "", "",
-                          f"{r32['fwd_roofline_pct']:.0f}%", f"{r32['bwd_kernel_ms']:.3f}", "", "",
-                          f"{r32['bwd_roofline_pct']:.0f}%", "")
+            for name, label in (("fp32_tables", "fp32 tables"), ("no_rope", "no rope")):
+                if name in r:
+                    rv = r[name]
+                    t.add_row("", f"{bs}, {label}", f"{rv['fwd_kernel_ms']:.3f}", "", "",
+                              f"{rv['fwd_roofline_pct']:.0f}%", f"{rv['bwd_kernel_ms']:.3f}", "", "",
+                              f"{rv['bwd_roofline_pct']:.0f}%", "")
     console.print(t)
     t = Table(title="(b) block 64 + fused RoPE vs full jagged attention (fwd+bwd)")
     for col in ("workload", "block fwd+bwd ms", "full fwd+bwd ms", "speedup", "target"):

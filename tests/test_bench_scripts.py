@@ -1,6 +1,5 @@
 """The kernel benchmarks' command line: --pin for --profile-step (what ncu measures); the host-cost
-script on a CPU."""
-
+script on a CPU; the block-attention bench's bookkeeping with its timings stubbed."""
 import subprocess
 import sys
 from pathlib import Path
@@ -75,3 +74,41 @@ def test_host_overhead_of_the_fp8_mlp_runs_without_a_gpu():
                            "--calls", "3", "--top", "3"], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "fp8_mlp (launches stubbed) fwd+bwd: host" in proc.stdout
+
+
+def test_block_attention_bench_times_the_rope_variants(monkeypatch, capsys):
+    """bench_block_attention's bookkeeping on a CPU, the kernel timings stubbed: block 64 is timed
+    with the model's fp16 tables, fp32 tables and no rope (what the rotation costs), blocks 32/128
+    with fp16 only; the shares use the forward and backward byte counts; the table prints them."""
+    import dataclasses
+
+    import torch
+
+    import bench_block_attention as bench
+    from bench_jagged_attention import make_inputs
+    from workloads import block_attention_workloads
+
+    seen = []
+
+    def kernel_times(q, k, v, off, max_len, block_size, tables, grad):
+        seen.append((block_size, None if tables[0] is None else tables[0].dtype))
+        return {"fwd_kernel_ms": 0.1 if tables[0] is None else 0.125, "bwd_kernel_ms": 0.25}
+
+    monkeypatch.setattr(bench, "make_inputs", lambda w: make_inputs(w, device="cpu"))
+    monkeypatch.setattr(bench, "kernel_times", kernel_times)
+    monkeypatch.setattr(bench, "timings", lambda fwd, fwd_bwd: {"fwd_call_ms": 1.0, "fwd_bwd_call_ms": 2.0,
+                                                                 "fwd_graph_ms": 0.5, "fwd_bwd_graph_ms": 1.5})
+    w = block_attention_workloads()[0]
+    w = dataclasses.replace(w, q_lengths=w.q_lengths[:4], k_lengths=w.k_lengths[:4])  # 4 sequences
+    row = bench.run_workload(w, copy_tbps=4.0)
+    assert seen == [(64, torch.float16), (64, torch.float32), (64, None), (32, torch.float16), (128, torch.float16)]
+    b64 = row["block"][64]
+    roof_fwd = row["fwd_bytes"] / 4.0e9  # ms at 4 TB/s
+    assert b64["fwd_roofline_pct"] == pytest.approx(100 * roof_fwd / 0.125)
+    assert b64["no_rope"]["fwd_roofline_pct"] == pytest.approx(100 * roof_fwd / 0.1)
+    assert b64["fp32_tables"]["bwd_roofline_pct"] == pytest.approx(100 * row["bwd_bytes"] / 4.0e9 / 0.25)
+    assert "no_rope" not in row["block"][32] and row["rope_table_dtype"] == "torch.float16"
+    bench.print_tables([row], {"gpu": "cpu", "torch": "-", "triton": "-", "commit": "-", "copy_tbps": 4.0,
+                               "gemm_tflops": 1.0})
+    out = capsys.readouterr().out
+    assert "64, fp32 tables" in out and "64, no rope" in out
