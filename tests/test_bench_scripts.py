@@ -1,5 +1,6 @@
 """The kernel benchmarks' command line: --pin for --profile-step (what ncu measures); the host-cost
 script on a CPU; the block-attention bench's bookkeeping with its timings stubbed."""
+
 import subprocess
 import sys
 from pathlib import Path
