@@ -88,10 +88,13 @@ _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2,
 # self-1000, H200, 2026-11-30); the half-width config stays a candidate for the shapes it may win.
 # With fp16 rope tables (rope_table_dtype of bf16 inputs) the half-width config wins again, by more:
 # 231.3 vs 256.2 us self-1000, 195.6 vs 215.6 us self-4000 (H200, 2026-12-01, tree 730ce6a), so the
-# tables' dtype is part of the autotune key (_table_key).
+# tables' dtype is part of the autotune key (_table_key). (4, 1, 0, 0, 1), not yet timed (pinned-only
+# until the GPU tier passes it): the half-width body with all heads of a block in one program,
+# unpipelined, so the rope rows each gradient re-reads come from L1 for the heads after the first
+# (one head per program reads them 3 times per head, 48 KB in fp16 against the 112 KB of tensors).
 _BWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (8, 1, 2), (4, 2, 2),
                    (4, 1, 1, 1), (4, 2, 0, 1), (8, 1, 1, 1),
-                   (4, 1, 1, 0, 1), (8, 1, 1, 0, 1), (4, 2, 0, 0, 1), (8, 2, 0, 0, 1)]
+                   (4, 1, 1, 0, 1), (8, 1, 1, 0, 1), (4, 2, 0, 0, 1), (8, 2, 0, 0, 1), (4, 1, 0, 0, 1)]
 _GPU_CHECKED: set = {(4, 1, 1, 0, 1)}
 _PENDING_AUTOTUNE = False  # True: autotuning times every candidate (benchmarks of unchecked ones)
 _INTERPRET_CONFIG = (1, 1, 0)  # all heads in one program: the CPU tier exercises the head loop
