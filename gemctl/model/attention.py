@@ -33,10 +33,7 @@ def rope_tables(max_len: int, block_size: int, head_dim: int, base: float, devic
     if key not in _rope_cache:
         if len(_rope_cache) >= 16:  # a few (length bucket, device) pairs at most in a run
             _rope_cache.clear()
-        half = head_dim // 2
-        inv_freq = float(base) ** (-torch.arange(half, dtype=torch.float64) / half)
-        angles = torch.arange(n, dtype=torch.float64)[:, None] * inv_freq[None, :]  # (n, D/2)
-        _rope_cache[key] = (angles.cos().to(device, dtype), angles.sin().to(device, dtype))
+        _rope_cache[key] = ops.rope_cos_sin(n, head_dim, base, device, dtype)
     return _rope_cache[key]
 
 

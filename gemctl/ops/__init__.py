@@ -22,7 +22,7 @@ import torch
 from gemctl.ops.bias import RelativePositionBias, relative_position_bucket
 from gemctl.ops.ranges import profiled
 from gemctl.ops.reference.attention import check_window, jagged_attention_reference
-from gemctl.ops.reference.block import apply_rope, block_attention_reference, rope_table_dtype
+from gemctl.ops.reference.block import apply_rope, block_attention_reference, rope_cos_sin, rope_table_dtype
 from gemctl.ops.reference.gdpa import gdpa_reference
 from gemctl.ops.reference.jagged import pad, unpad
 
@@ -33,6 +33,7 @@ __all__ = [
     "gdpa",
     "block_attention",
     "apply_rope",
+    "rope_cos_sin",
     "rope_table_dtype",
     "preload",
     "triton_kernels",

@@ -20,6 +20,16 @@ def rope_table_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float16 if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
+def rope_cos_sin(length: int, dim: int, base: float, device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE (cos, sin) tables ``[length, dim // 2]`` of positions 0..length-1 and frequencies
+    ``base ** (-i / (dim // 2))``, computed in float64 and stored in ``dtype`` on ``device`` (the
+    model layer and the Triton op's base-frequency path cache them, each by its own length rule)."""
+    half = dim // 2
+    inv_freq = float(base) ** (-torch.arange(half, dtype=torch.float64) / half)
+    angle = torch.arange(length, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return angle.cos().to(device, dtype), angle.sin().to(device, dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (..., L, H, D) rotated by position: [x1, x2] -> [x1 c - x2 s, x2 c + x1 s]."""
     half = x.shape[-1] // 2

@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemctl.ops.reference.block import rope_table_dtype
+from gemctl.ops.reference.block import rope_cos_sin, rope_table_dtype
 from gemctl.ops.triton.common import (
     bucket_len, cdiv, config_field, gpu_checked, load_tile, pick_config, query_work, row_descriptors, store_rows,
     whole_tile_work, work_item,
@@ -313,10 +313,7 @@ def rope_tables(base: float, length: int, dim: int, device, dtype=torch.float32)
     key = (float(base), dim, torch.device(device), dtype)
     tables = _rope_cache.get(key)
     if tables is None or tables[0].shape[0] < length:
-        half = dim // 2
-        pos = torch.arange(bucket_len(max(length, 1)), dtype=torch.float64)[:, None]
-        angle = pos * float(base) ** (-torch.arange(half, dtype=torch.float64) / half)
-        tables = (torch.cos(angle).to(device, dtype), torch.sin(angle).to(device, dtype))
+        tables = rope_cos_sin(bucket_len(max(length, 1)), dim, base, device, dtype)
         _rope_cache[key] = tables
     return tables
 
