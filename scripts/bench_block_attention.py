@@ -63,6 +63,12 @@ def byte_counts(tokens: int, heads: int, dim: int, elem: int = 2) -> dict:
     return {"fwd_bytes": 4 * tensor + lse, "bwd_bytes": 7 * tensor + lse, "bwd_bytes_with_o": 8 * tensor + lse}
 
 
+def roofline_ms(nbytes: int, copy_tbps: float) -> float:
+    """The time the bytes take at the measured copy bandwidth (ms); a kernel's share of the roofline
+    is this over its time."""
+    return nbytes / (copy_tbps * 1e9)
+
+
 def kernel_times(q, k, v, off, max_len, block_size, tables, grad) -> dict:
     """Graph time (ms) of the bare forward and backward launchers (no autograd around them)."""
     cos, sin = tables
@@ -115,12 +121,12 @@ def run_workload(w, copy_tbps: float) -> dict:
     for bs in BLOCK_SIZES:
         r = kernel_times(q, k, v, off, max_len, bs, tables, grad)
         for kind in ("fwd", "bwd"):
-            roof_ms = row[f"{kind}_bytes"] / (copy_tbps * 1e12) * 1e3
+            roof_ms = roofline_ms(row[f"{kind}_bytes"], copy_tbps)
             r[f"{kind}_roofline_ms"] = roof_ms
             r[f"{kind}_roofline_pct"] = 100 * roof_ms / r[f"{kind}_kernel_ms"]
             r[f"{kind}_tbps"] = row[f"{kind}_bytes"] / (r[f"{kind}_kernel_ms"] * 1e-3) / 1e12
         # against the earlier count with o read, so runs before and after the change compare
-        r["bwd_roofline_pct_with_o"] = 100 * row["bwd_bytes_with_o"] / (copy_tbps * 1e12) * 1e3 / r["bwd_kernel_ms"]
+        r["bwd_roofline_pct_with_o"] = 100 * roofline_ms(row["bwd_bytes_with_o"], copy_tbps) / r["bwd_kernel_ms"]
         if bs == 64:  # what the rope costs: the same kernels with fp32 tables and without rope
             variants = {"fp32_tables": tables32, "no_rope": (None, None)}
             for name, tabs in variants.items():
@@ -129,7 +135,7 @@ def run_workload(w, copy_tbps: float) -> dict:
                 rv = kernel_times(q, k, v, off, max_len, bs, tabs, grad)
                 r[name] = {f"{kind}_{key}": val for kind in ("fwd", "bwd") for key, val in (
                     ("kernel_ms", rv[f"{kind}_kernel_ms"]),
-                    ("roofline_pct", 100 * row[f"{kind}_bytes"] / (copy_tbps * 1e9) / rv[f"{kind}_kernel_ms"]))}
+                    ("roofline_pct", 100 * roofline_ms(row[f"{kind}_bytes"], copy_tbps) / rv[f"{kind}_kernel_ms"]))}
 
         def fused(q, k, v, bs=bs):
             return ops.block_attention(q, k, v, off, max_len, block_size=bs, rope=tables, backend="triton")
@@ -235,7 +241,7 @@ def sweep(names, dims, fwd_cfgs, bwd_cfgs, copy_tbps: float) -> list[dict]:
                     except Exception as exc:  # a config that does not build or fit
                         print(f"{w.name} D={dim} {kind} {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
                         continue
-                    pct = 100 * counts[f"{kind}_bytes"] / (copy_tbps * 1e12) / (ms * 1e-3)
+                    pct = 100 * roofline_ms(counts[f"{kind}_bytes"], copy_tbps) / ms
                     rows.append({"workload": w.name, "dim": dim, "kind": kind, "cfg": list(cfg), "ms": ms, "pct": pct})
                     print(f"{w.name:10s} D={dim:3d} {kind} {str(tuple(cfg)):20s} {ms:.4f} ms {pct:5.1f}% roof", flush=True)
             torch.cuda.empty_cache()
