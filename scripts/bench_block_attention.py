@@ -128,10 +128,8 @@ def run_workload(w, copy_tbps: float) -> dict:
         # against the earlier count with o read, so runs before and after the change compare
         r["bwd_roofline_pct_with_o"] = 100 * roofline_ms(row["bwd_bytes_with_o"], copy_tbps) / r["bwd_kernel_ms"]
         if bs == 64:  # what the rope costs: the same kernels with fp32 tables and without rope
-            variants = {"fp32_tables": tables32, "no_rope": (None, None)}
-            for name, tabs in variants.items():
-                if name == "fp32_tables" and tables32[0].dtype == tables[0].dtype:
-                    continue
+            fp32 = {"fp32_tables": tables32} if tables32[0].dtype != tables[0].dtype else {}
+            for name, tabs in {**fp32, "no_rope": (None, None)}.items():
                 rv = kernel_times(q, k, v, off, max_len, bs, tabs, grad)
                 r[name] = {f"{kind}_{key}": val for kind in ("fwd", "bwd") for key, val in (
                     ("kernel_ms", rv[f"{kind}_kernel_ms"]),
