@@ -312,9 +312,9 @@ def cmd_recipes(args, console: Console) -> int:
     if not args.name:
         raise UserError(f"gemctl recipes {args.action}: give a recipe name")
     path = resolve_recipe(args.name)
-    if args.action == "show" and args.dest:
-        raise UserError(f"gemctl recipes show: one recipe at a time (got '{args.dest}' too)")
     if args.action == "show":
+        if args.dest:
+            raise UserError(f"gemctl recipes show: one recipe at a time (got '{args.dest}' too)")
         print(path.read_text(), end="")
         return 0
     dest = Path(args.dest or f"{path.stem}.yaml")
