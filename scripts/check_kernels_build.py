@@ -111,7 +111,8 @@ def kernels():
         consts = dict(HEAD_DIM=128, BLOCK=block, ROPE=rope)
         yield ba._block_attn_fwd, io, consts
         yield ba._block_attn_bwd, io, consts
-    yield ba._block_attn_bwd, io, dict(HEAD_DIM=128, BLOCK=64, ROPE=True, HALVES=True)  # (BS, D/2) halves
+    yield ba._block_attn_fwd, io, dict(HEAD_DIM=128, BLOCK=64, ROPE=True, HALVES=True)  # (BS, D/2) halves
+    yield ba._block_attn_bwd, io, dict(HEAD_DIM=128, BLOCK=64, ROPE=True, HALVES=True)
     halves, whole = "tensordesc<bf16[64, 64]>", "tensordesc<bf16[64, 128]>"  # whole blocks by TMA
     ba_tiles = dict(io, Q_DESC=halves, K_DESC=halves, V_DESC=whole, O_DESC=whole, DO_DESC=whole)
     yield ba._block_attn_fwd, ba_tiles, dict(HEAD_DIM=128, BLOCK=64, ROPE=True, TMA=True)

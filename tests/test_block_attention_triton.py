@@ -85,11 +85,12 @@ def test_head_dim_64_one_program_per_head_cpu():
 
 
 @pytest.mark.parametrize("rope_kind", [None, "tables"])
-def test_half_width_backward_cpu(rope_kind):
-    """The backward with o, do, v and dv in (BS, D/2) halves (config field 4), against float64:
-    partial and empty blocks, the head loop and one head per program."""
+@pytest.mark.parametrize("which", ["block_attention_fwd", "block_attention_bwd"])
+def test_half_width_configs_cpu(which, rope_kind):
+    """The forward with v and o, the backward with do, v and dv in (BS, D/2) halves (config field 4),
+    against float64: partial and empty blocks, the head loop and one head per program."""
     for per_program in (0, 1):
-        with common.forced_config({"block_attention_bwd": (1, 1, per_program, 0, 1)}):
+        with common.forced_config({which: (1, 1, per_program, 0, 1)}):
             _check(LENGTHS_CPU[0], 32, rope_kind, "cpu", torch.float32, heads=2, dim=32, tol=2e-5)
 
 

@@ -44,7 +44,8 @@ forward 32 / 48 KB at block 64 without / with rope, backward 65 KB either way; b
 forward 96 KB, backward 129 KB (one program per SM). Registers, not shared memory, bound the
 programs per SM at D = 128: both kernels sit at the 255-register cap (docs/benchmarks.md).
 TMA: configs with a fourth field 1 load whole blocks through tensor descriptors (see the configs);
-HALVES: backward configs with a fifth field 1 hold do, v and dv as (BS, D/2) halves.
+HALVES: configs with a fifth field 1 hold v and o (forward), do, v and dv (backward) as (BS, D/2)
+halves.
 Known limits: no warp specialization, no persistent grid (Triton 3.x); the tables get no gradient.
 """
 
@@ -77,8 +78,11 @@ LOG2E = 1.4426950408889634
 # configs that can be pinned. At block 128 with rope (D=128) the staged tiles exceed the 227 KiB
 # of shared memory at 3 stages forward / 2 backward: autotuning skips a config that does not
 # compile (pick_config), a pinned one raises.
+# HALVES = 1 (forward, fifth field): v and o in (BS, D/2) halves, each half of o stored before the
+# next is formed: sm_90 ptxas (Triton 3.6), D=128, block 64 with RoPE, 4 warps, 2 stages: 224
+# registers against 253 (the fp32 output accumulator is half as wide). Pinned-only until timed.
 _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2, 2), (2, 1, 1),
-                   (4, 1, 1, 1), (4, 2, 0, 1), (4, 3, 0, 1), (8, 2, 0, 1)]
+                   (4, 1, 1, 1), (4, 2, 0, 1), (4, 3, 0, 1), (8, 2, 0, 1), (4, 2, 0, 0, 1)]
 # HALVES = 1 (backward, fifth field): do, v and dv in (BS, D/2) halves, so the dv accumulator is
 # half as wide; sm_90 ptxas (Triton 3.6), D=128, block 64 with RoPE: spill stores 576 -> 376 B per
 # thread at 4 warps, 88 -> 0 at 8 warps (254 registers). H200, 2026-11-30: the GPU tier passed all
@@ -171,19 +175,29 @@ def _scores(Q, K, Q_DESC, K_DESC, start, first, rows, length, stride_qn, stride_
 @triton.jit
 def _fwd_head(Q, K, V, O, LSE, Q_DESC, K_DESC, V_DESC, h, start, first, rows, length, c, s, num_heads,
               stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, qk_scale,
-              HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, BY_DESC: tl.constexpr):
+              HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, BY_DESC: tl.constexpr, HALVES: tl.constexpr):
     """One head of one block: o and the rows' log2-sum-exp2. BY_DESC: a whole block by TMA (no masks)."""
     offs_d = tl.arange(0, HEAD_DIM)
     _, _, _, _, scores = _scores(Q, K, Q_DESC, K_DESC, start, first, rows, length, stride_qn, stride_qh, stride_kn,
                                  stride_kh, h, c, s, qk_scale, HEAD_DIM // 2, ROPE, BY_DESC)
-    v = load_tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh, offs_d, BY_DESC)  # (BS, D)
+    if not HALVES:
+        v = load_tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh, offs_d, BY_DESC)  # (BS, D)
     if not BY_DESC:
         scores = tl.where((rows < length)[None, :], scores, float("-inf"))
     m = tl.max(scores, 1)  # finite: key row `first` is always valid
     p = tl.math.exp2(scores - m[:, None])
     l = tl.sum(p, 1)
-    out = tl.dot(p.to(v.dtype), v) / l[:, None]
-    store_rows(O, out, start, rows, length, stride_on, h * stride_oh, offs_d)
+    if HALVES:  # v and o in (BS, D/2) halves, each half of o stored before the next is formed
+        offs_half = tl.arange(0, HEAD_DIM // 2)
+        p = p.to(V.dtype.element_ty)
+        v1 = load_tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh, offs_half, False)
+        store_rows(O, tl.dot(p, v1) / l[:, None], start, rows, length, stride_on, h * stride_oh, offs_half)
+        v2 = load_tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh + HEAD_DIM // 2, offs_half, False)
+        store_rows(O, tl.dot(p, v2) / l[:, None], start, rows, length, stride_on, h * stride_oh + HEAD_DIM // 2,
+                   offs_half)
+    else:
+        out = tl.dot(p.to(v.dtype), v) / l[:, None]
+        store_rows(O, out, start, rows, length, stride_on, h * stride_oh, offs_d)
     tl.store(LSE + (start + rows) * num_heads + h, m + tl.math.log2(l), mask=rows < length)
 
 
@@ -192,6 +206,7 @@ def _block_attn_fwd(
     Q, K, V, O, LSE, COS, SIN, Q_DESC, K_DESC, V_DESC, OFFSETS, WORK, num_heads, heads_per_program,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_rope, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr, TMA: tl.constexpr = False,
+    HALVES: tl.constexpr = False,
 ):
     # Q/K/V/O: [N, H, D] jagged values; LSE: fp32 [N, H] log2-sum-exp2 per row (for the backward);
     # COS/SIN: [>= max_len, D/2] rotation tables (unused unless ROPE); Q_DESC/K_DESC ((BS, D/2)
@@ -207,7 +222,7 @@ def _block_attn_fwd(
     for h in range(h0, h_end):
         _fwd_head(Q, K, V, O, LSE, Q_DESC, K_DESC, V_DESC, h, start, first, rows, length, c, s, num_heads,
                   stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, qk_scale,
-                  HEAD_DIM, ROPE, TMA)
+                  HEAD_DIM, ROPE, TMA, HALVES)
 
 
 @triton.jit
@@ -378,7 +393,7 @@ def _forward(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
     def run(cfg):
         descs = _descriptors(cfg, block_size, (q, k), (v,))
         _launch(_block_attn_fwd, offsets, heads, block_size, cfg, (q, k, v, out, lse, cos, sin, strides), descs, dim,
-                rope, q.device)
+                rope, q.device, HALVES=bool(config_field(cfg, 4)))
 
     key = ("block_attention_fwd", dim, q.dtype, block_size, _table_key(cos, rope), heads, bucket_len(n))
     run(pick_config(key, lambda: _tuned(_FWD_CANDIDATES), run, _INTERPRET_CONFIG))
