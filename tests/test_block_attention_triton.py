@@ -124,14 +124,15 @@ def test_zero_length_sequences_cpu():
 
 @pytest.mark.parametrize("rope_kind", [None, "tables"])
 @pytest.mark.parametrize("per_program", [0, 1])
-def test_tma_whole_blocks_cpu(rope_kind, per_program, monkeypatch):
-    """TMA configs (fourth field 1): whole blocks through descriptors (q, k as halves), partial ones
-    by masked loads; against float64, and bit for bit the values of the masked-load path, also with
-    q, k, v as views of one fused [N, 3, H, D] projection."""
+@pytest.mark.parametrize("halves", [0, 1])
+def test_tma_whole_blocks_cpu(rope_kind, per_program, halves, monkeypatch):
+    """TMA configs (fourth field 1): whole blocks through descriptors (q, k as halves; v too in the
+    forward's half-width config), partial ones by masked loads; against float64, and bit for bit the
+    values of the masked-load path, also with q, k, v as views of one fused [N, 3, H, D] projection."""
     built = []
     real = common.row_descriptors
     monkeypatch.setattr(ba_kernels, "row_descriptors", lambda *a, **kw: built.append(real(*a, **kw)) or built[-1])
-    cfg = (1, 1, per_program, 1)
+    cfg = (1, 1, per_program, 1, halves)
     with common.forced_config({"block_attention_fwd": cfg, "block_attention_bwd": cfg}):
         _check(LENGTHS_CPU[0], 32, rope_kind, "cpu", torch.float32, tol=2e-5)
     assert built and all(d is not None for d in built)  # forward and backward ran with descriptors
@@ -142,7 +143,7 @@ def test_tma_whole_blocks_cpu(rope_kind, per_program, monkeypatch):
     grad = torch.randn(int(off[-1]), 2, 32, generator=gen)
     rope = None if rope_kind is None else BASE
     runs = []
-    for cfg in [(1, 1, per_program, 1), (1, 1, per_program)]:
+    for cfg in [(1, 1, per_program, 1, halves), (1, 1, per_program, 0, halves)]:
         with common.forced_config({"block_attention_fwd": cfg, "block_attention_bwd": cfg}):
             q, k, v = qkv.unbind(1)
             runs.append(_run("triton", q, k, v, off, 70, 32, rope, grad))

@@ -82,7 +82,7 @@ LOG2E = 1.4426950408889634
 # next is formed: sm_90 ptxas (Triton 3.6), D=128, block 64 with RoPE, 4 warps, 2 stages: 224
 # registers against 253 (the fp32 output accumulator is half as wide). Pinned-only until timed.
 _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2, 2), (2, 1, 1),
-                   (4, 1, 1, 1), (4, 2, 0, 1), (4, 3, 0, 1), (8, 2, 0, 1), (4, 2, 0, 0, 1)]
+                   (4, 1, 1, 1), (4, 2, 0, 1), (4, 3, 0, 1), (8, 2, 0, 1), (4, 2, 0, 0, 1), (4, 2, 0, 1, 1)]
 # HALVES = 1 (backward, fifth field): do, v and dv in (BS, D/2) halves, so the dv accumulator is
 # half as wide; sm_90 ptxas (Triton 3.6), D=128, block 64 with RoPE: spill stores 576 -> 376 B per
 # thread at 4 warps, 88 -> 0 at 8 warps (254 registers). H200, 2026-11-30: the GPU tier passed all
@@ -190,9 +190,10 @@ def _fwd_head(Q, K, V, O, LSE, Q_DESC, K_DESC, V_DESC, h, start, first, rows, le
     if HALVES:  # v and o in (BS, D/2) halves, each half of o stored before the next is formed
         offs_half = tl.arange(0, HEAD_DIM // 2)
         p = p.to(V.dtype.element_ty)
-        v1 = load_tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh, offs_half, False)
+        v1 = load_tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh, offs_half, BY_DESC)
         store_rows(O, tl.dot(p, v1) / l[:, None], start, rows, length, stride_on, h * stride_oh, offs_half)
-        v2 = load_tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh + HEAD_DIM // 2, offs_half, False)
+        v2 = load_tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh + HEAD_DIM // 2, offs_half,
+                       BY_DESC)
         store_rows(O, tl.dot(p, v2) / l[:, None], start, rows, length, stride_on, h * stride_oh + HEAD_DIM // 2,
                    offs_half)
     else:
@@ -365,7 +366,7 @@ def _descriptors(cfg, block_size, halves, wholes) -> tuple:
 def _launch(kernel, offsets, heads, block_size, cfg, args, descs, dim, rope, device, **flags):
     """One launch over every block, or with descriptors two: whole blocks by TMA, then the partial
     last blocks by masked loads (same values either way; the rows are disjoint). ``flags``: the
-    kernel's constexpr variants for its masked-load launch (the TMA launch runs without them)."""
+    kernel's constexpr variants (HALVES), the same in both launches."""
     warps, stages, per_program = cfg[:3]
     per_program = heads if per_program <= 0 else min(per_program, heads)
     if descs[0] is None:
@@ -378,8 +379,7 @@ def _launch(kernel, offsets, heads, block_size, cfg, args, descs, dim, rope, dev
         if n_programs:
             kernel[(n_programs,)](*args[:-1], *tiles, offsets, work, heads, per_program, *args[-1],
                                   HEAD_DIM=dim, BLOCK=block_size, ROPE=rope, TMA=tiles[0] is not None,
-                                  num_warps=warps, num_stages=stages,
-                                  **({} if tiles[0] is not None else flags))
+                                  num_warps=warps, num_stages=stages, **flags)
 
 
 def _forward(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
@@ -391,9 +391,10 @@ def _forward(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
                cos.stride(0), scale * LOG2E)
 
     def run(cfg):
-        descs = _descriptors(cfg, block_size, (q, k), (v,))
+        halves = bool(config_field(cfg, 4))  # v by (BS, D/2) blocks too
+        descs = _descriptors(cfg, block_size, (q, k, v) if halves else (q, k), () if halves else (v,))
         _launch(_block_attn_fwd, offsets, heads, block_size, cfg, (q, k, v, out, lse, cos, sin, strides), descs, dim,
-                rope, q.device, HALVES=bool(config_field(cfg, 4)))
+                rope, q.device, HALVES=halves)
 
     key = ("block_attention_fwd", dim, q.dtype, block_size, _table_key(cos, rope), heads, bucket_len(n))
     run(pick_config(key, lambda: _tuned(_FWD_CANDIDATES), run, _INTERPRET_CONFIG))
