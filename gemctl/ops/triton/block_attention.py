@@ -59,7 +59,7 @@ import triton.language as tl
 
 from gemctl.ops.reference.block import rope_cos_sin, rope_table_dtype
 from gemctl.ops.triton.common import (
-    bucket_len, cdiv, config_field, gpu_checked, load_tile, pick_config, query_work, row_descriptors, store_rows,
+    INTERPRET, bucket_len, cdiv, config_field, gpu_checked, load_tile, pick_config, query_work, row_descriptors, store_rows,
     whole_tile_work, work_item,
 )
 
@@ -101,6 +101,9 @@ _BWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (8, 1, 2), (4, 2,
                    (4, 1, 1, 0, 1), (8, 1, 1, 0, 1), (4, 2, 0, 0, 1), (8, 2, 0, 0, 1), (4, 1, 0, 0, 1)]
 _GPU_CHECKED: set = {(4, 1, 1, 0, 1)}
 _PENDING_AUTOTUNE = False  # True: autotuning times every candidate (benchmarks of unchecked ones)
+# bf16 q and k rotated in packed bf16x2 arithmetic on the GPU (_rotate_bf16x2); False: in fp32 like
+# every other dtype and the interpreter (which runs no inline PTX), for benchmarks of the two.
+_PACKED_ROPE = True
 _INTERPRET_CONFIG = (1, 1, 0)  # all heads in one program: the CPU tier exercises the head loop
 SUPPORTED_DIMS = (32, 64, 128)
 
@@ -128,15 +131,37 @@ def _rotate(x1, x2, c, s):
 
 
 @triton.jit
+def _rotate_bf16x2(x1, x2, c, s):
+    """_rotate on bf16 tiles in packed bf16x2 arithmetic (sm_90 PTX; not under the interpreter):
+    x1 c - x2 s = fma(x2, -s, x1 c) and x2 c + x1 s = fma(x1, s, x2 c), two elements per instruction,
+    each product rounded to bf16 before its fma (two roundings per element, where the PyTorch bf16
+    path has three: two products and the sum). 4 instructions per two pairs, against ~13 in fp32
+    with the bf16 unpacking and packing around them (sm_90 SASS)."""
+    ns = -s
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 t;
+        mul.rn.bf16x2 t, $2, $4;
+        fma.rn.bf16x2 $0, $3, $5, t;
+        mul.rn.bf16x2 t, $3, $4;
+        fma.rn.bf16x2 $1, $2, $6, t;
+        }""",
+        "=r,=r,r,r,r,r,r", [x1, x2, c, ns, s], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+
+
+@triton.jit
 def _load_halves(PTR, DESC, start, first, rows, length, stride_n, stride_h, h, offs_half, c, s,
                  HALF: tl.constexpr, ROPE: tl.constexpr, BY_DESC: tl.constexpr):
     """The two halves (BS, D/2) of head h of a q or k tile, rotated by position when ROPE, in PTR's
-    dtype (the dot operands)."""
+    dtype (the dot operands). ROPE == 2 (bf16 on the GPU): the rotation in bf16x2 arithmetic."""
     x1 = load_tile(PTR, DESC, start, first, rows, length, stride_n, h * stride_h, offs_half, BY_DESC)
     x2 = load_tile(PTR, DESC, start, first, rows, length, stride_n, h * stride_h + HALF, offs_half, BY_DESC)
     if ROPE:
-        r1, r2 = _rotate(x1, x2, c, s)
-        x1, x2 = r1.to(x1.dtype), r2.to(x2.dtype)
+        if ROPE == 2:
+            x1, x2 = _rotate_bf16x2(x1, x2, c.to(tl.bfloat16), s.to(tl.bfloat16))
+        else:
+            r1, r2 = _rotate(x1, x2, c, s)
+            x1, x2 = r1.to(x1.dtype), r2.to(x2.dtype)
     return x1, x2
 
 
@@ -369,6 +394,7 @@ def _launch(kernel, offsets, heads, block_size, cfg, args, descs, dim, rope, dev
     kernel's constexpr variants (HALVES), the same in both launches."""
     warps, stages, per_program = cfg[:3]
     per_program = heads if per_program <= 0 else min(per_program, heads)
+    rope_mode = 0 if not rope else 2 if _PACKED_ROPE and args[0].dtype == torch.bfloat16 and not INTERPRET else 1
     if descs[0] is None:
         launches = [(query_work(offsets, offsets, block_size, False, device), descs)]
     else:
@@ -378,7 +404,7 @@ def _launch(kernel, offsets, heads, block_size, cfg, args, descs, dim, rope, dev
         n_programs = work.shape[0] * cdiv(heads, per_program)
         if n_programs:
             kernel[(n_programs,)](*args[:-1], *tiles, offsets, work, heads, per_program, *args[-1],
-                                  HEAD_DIM=dim, BLOCK=block_size, ROPE=rope, TMA=tiles[0] is not None,
+                                  HEAD_DIM=dim, BLOCK=block_size, ROPE=rope_mode, TMA=tiles[0] is not None,
                                   num_warps=warps, num_stages=stages, **flags)
 
 
