@@ -20,8 +20,8 @@ blocks (a sequence of length L gets ceil(L / BS), an empty one none), built on t
 offsets' host copy (gemctl.ops.host: no device sync) and cached per batch layout
 (common.query_work with a tile of BS rows). The whole block fits one tile, so there is no online
 softmax: the forward loads q, k, v once, rotates the q and k tiles in registers (two halves, cos/sin
-rows by position; the rotated copies never reach HBM), and writes o and the per-row log2-sum-exp2
-(fp32, for the backward). The backward is one kernel too, per (block, head): it recomputes
+rows by position; the rotated copies never reach HBM; bf16 on the GPU in packed bf16x2 arithmetic,
+_rotate_bf16x2), and writes o and the per-row log2-sum-exp2 (fp32, for the backward). The backward is one kernel too, per (block, head): it recomputes
 p = exp2(s - lse), dv = p^T do (stored at once), dp = do v^T, the softmax backward's row term
 delta = rowsum(p * dp) (the whole row is in the tile: equal to rowsum(do * o), without reading o),
 ds = p * (dp - delta), dq~ = ds k~, dk~ = ds^T q~, and applies the inverse rotation
@@ -59,8 +59,8 @@ import triton.language as tl
 
 from gemctl.ops.reference.block import rope_cos_sin, rope_table_dtype
 from gemctl.ops.triton.common import (
-    INTERPRET, bucket_len, cdiv, config_field, gpu_checked, load_tile, pick_config, query_work, row_descriptors, store_rows,
-    whole_tile_work, work_item,
+    INTERPRET, bucket_len, cdiv, config_field, gpu_checked, load_tile, pick_config, query_work, row_descriptors,
+    store_rows, whole_tile_work, work_item,
 )
 
 LOG2E = 1.4426950408889634
@@ -80,7 +80,11 @@ LOG2E = 1.4426950408889634
 # compile (pick_config), a pinned one raises.
 # HALVES = 1 (forward, fifth field): v and o in (BS, D/2) halves, each half of o stored before the
 # next is formed: sm_90 ptxas (Triton 3.6), D=128, block 64 with RoPE, 4 warps, 2 stages: 224
-# registers against 253 (the fp32 output accumulator is half as wide). Pinned-only until timed.
+# registers against 253 (the fp32 output accumulator is half as wide), 200 with the bf16x2 rotation.
+# H200, 2026-12-01, self-1000 / self-4000 (docs/runs/2026-12-01_sweep_block_*): (4, 2, 0, 0, 1)
+# 111.5 / 95.0 us against 116.5 / 99.6 for (4, 2, 0) with the fp32 rotation, 107.2 / 91.8 against
+# 110.3 / 94.5 with bf16x2; it passed the GPU tier and joins autotuning. Its TMA twin
+# (4, 2, 0, 1, 1) was slower (115.0 / 104.9 us) and stays pinned-only.
 _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2, 2), (2, 1, 1),
                    (4, 1, 1, 1), (4, 2, 0, 1), (4, 3, 0, 1), (8, 2, 0, 1), (4, 2, 0, 0, 1), (4, 2, 0, 1, 1)]
 # HALVES = 1 (backward, fifth field): do, v and dv in (BS, D/2) halves, so the dv accumulator is
@@ -99,7 +103,7 @@ _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2,
 _BWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (8, 1, 2), (4, 2, 2),
                    (4, 1, 1, 1), (4, 2, 0, 1), (8, 1, 1, 1),
                    (4, 1, 1, 0, 1), (8, 1, 1, 0, 1), (4, 2, 0, 0, 1), (8, 2, 0, 0, 1), (4, 1, 0, 0, 1)]
-_GPU_CHECKED: set = {(4, 1, 1, 0, 1)}
+_GPU_CHECKED: set = {(4, 1, 1, 0, 1), (4, 2, 0, 0, 1)}  # for both kernels: each passed as either
 _PENDING_AUTOTUNE = False  # True: autotuning times every candidate (benchmarks of unchecked ones)
 # bf16 q and k rotated in packed bf16x2 arithmetic on the GPU (_rotate_bf16x2); False: in fp32 like
 # every other dtype and the interpreter (which runs no inline PTX), for benchmarks of the two.
@@ -388,13 +392,20 @@ def _descriptors(cfg, block_size, halves, wholes) -> tuple:
     return off if a is None or b is None else (*a, *b)
 
 
-def _launch(kernel, offsets, heads, block_size, cfg, args, descs, dim, rope, device, **flags):
+def _rope_mode(rope: bool, q: torch.Tensor, packed: bool) -> int:
+    """The kernels' ROPE constexpr: 0 without rope, 1 rotation in fp32, 2 in packed bf16x2 (bf16 on
+    the GPU, where the kernel asks for it with ``packed``)."""
+    if not rope:
+        return 0
+    return 2 if packed and _PACKED_ROPE and q.dtype == torch.bfloat16 and not INTERPRET else 1
+
+
+def _launch(kernel, offsets, heads, block_size, cfg, args, descs, dim, rope_mode, device, **flags):
     """One launch over every block, or with descriptors two: whole blocks by TMA, then the partial
-    last blocks by masked loads (same values either way; the rows are disjoint). ``flags``: the
-    kernel's constexpr variants (HALVES), the same in both launches."""
+    last blocks by masked loads (same values either way; the rows are disjoint). ``rope_mode``: see
+    _rope_mode; ``flags``: the kernel's constexpr variants (HALVES), the same in both launches."""
     warps, stages, per_program = cfg[:3]
     per_program = heads if per_program <= 0 else min(per_program, heads)
-    rope_mode = 0 if not rope else 2 if _PACKED_ROPE and args[0].dtype == torch.bfloat16 and not INTERPRET else 1
     if descs[0] is None:
         launches = [(query_work(offsets, offsets, block_size, False, device), descs)]
     else:
@@ -420,7 +431,7 @@ def _forward(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
         halves = bool(config_field(cfg, 4))  # v by (BS, D/2) blocks too
         descs = _descriptors(cfg, block_size, (q, k, v) if halves else (q, k), () if halves else (v,))
         _launch(_block_attn_fwd, offsets, heads, block_size, cfg, (q, k, v, out, lse, cos, sin, strides), descs, dim,
-                rope, q.device, HALVES=halves)
+                _rope_mode(rope, q, packed=True), q.device, HALVES=halves)
 
     key = ("block_attention_fwd", dim, q.dtype, block_size, _table_key(cos, rope), heads, bucket_len(n))
     run(pick_config(key, lambda: _tuned(_FWD_CANDIDATES), run, _INTERPRET_CONFIG))
@@ -439,8 +450,9 @@ def _backward(do, q, k, v, lse, cos, sin, offsets, max_len, block_size, rope_bas
     def run(cfg):
         args = (q, k, v, do, lse, dq, dk, dv, cos, sin, strides)
         descs = _descriptors(cfg, block_size, (q, k), (v, do))
-        _launch(_block_attn_bwd, offsets, heads, block_size, cfg, args, descs, dim, rope, q.device,
-                HALVES=bool(config_field(cfg, 4)))
+        # fp32 rotation: bf16x2 made the backward 1-2% slower (H200, 2026-12-01, tree de5bc75)
+        _launch(_block_attn_bwd, offsets, heads, block_size, cfg, args, descs, dim, _rope_mode(rope, q, packed=False),
+                q.device, HALVES=bool(config_field(cfg, 4)))
 
     key = ("block_attention_bwd", dim, q.dtype, block_size, _table_key(cos, rope), heads, bucket_len(n))
     run(pick_config(key, lambda: _tuned(_BWD_CANDIDATES), run, _INTERPRET_CONFIG))
