@@ -45,7 +45,7 @@ forward 96 KB, backward 129 KB (one program per SM). Registers, not shared memor
 programs per SM at D = 128: both kernels sit at the 255-register cap (docs/benchmarks.md).
 TMA: configs with a fourth field 1 load whole blocks through tensor descriptors (see the configs);
 HALVES: configs with a fifth field 1 hold v and o (forward), do, v and dv (backward) as (BS, D/2)
-halves; 2 (backward): the same, with v loaded at the start.
+halves.
 Known limits: no warp specialization, no persistent grid (Triton 3.x); the tables get no gradient.
 """
 
@@ -100,12 +100,12 @@ _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2,
 # all heads of a block in one program, unpipelined (the rope rows each gradient re-reads then come
 # from L1 for the heads after the first); it passed the GPU tier but ran 19-21% slower than
 # (4, 1, 1, 0, 1) (275.4 vs 231.2 us self-1000, H200, 2026-12-01), so it stays pinned-only.
-# HALVES = 2: v loaded with do, q and k at the start, so a block waits on memory once, not twice
-# (sm_90 ptxas: spills 648 -> 712 B a thread with rope, 0 -> 36 without). Pinned-only until timed.
+# Tried and dropped (H200, 2026-12-01, docs/runs/2026-12-01_sweep_block_early_v_61f9ad6.json): v
+# loaded with do, q and k at the start (one wait on memory per block instead of two) cost 64 B more
+# spill a thread and ran 14% slower (264.1 vs 232.2 us self-1000): spills, not latency, weigh here.
 _BWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (8, 1, 2), (4, 2, 2),
                    (4, 1, 1, 1), (4, 2, 0, 1), (8, 1, 1, 1),
-                   (4, 1, 1, 0, 1), (8, 1, 1, 0, 1), (4, 2, 0, 0, 1), (8, 2, 0, 0, 1), (4, 1, 0, 0, 1),
-                   (4, 1, 1, 0, 2)]
+                   (4, 1, 1, 0, 1), (8, 1, 1, 0, 1), (4, 2, 0, 0, 1), (8, 2, 0, 0, 1), (4, 1, 0, 0, 1)]
 _GPU_CHECKED: set = {(4, 1, 1, 0, 1), (4, 2, 0, 0, 1)}  # for both kernels: each passed as either
 _PENDING_AUTOTUNE = False  # True: autotuning times every candidate (benchmarks of unchecked ones)
 # bf16 q and k rotated in packed bf16x2 arithmetic on the GPU (_rotate_bf16x2); False: in fp32 like
@@ -283,9 +283,6 @@ def _bwd_head(Q, K, V, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, DO
     if HALVES:  # do, v and dv in (BS, D/2) halves: one fp32 accumulator half as wide (masked loads)
         do1 = load_tile(DO, DO_DESC, start, first, rows, length, stride_don, h * stride_doh, offs_half, False)
         do2 = load_tile(DO, DO_DESC, start, first, rows, length, stride_don, h * stride_doh + HALF, offs_half, False)
-        if HALVES == 2:  # v with do, q and k: one wait on memory per block instead of two
-            v1 = load_tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh, offs_half, False)
-            v2 = load_tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh + HALF, offs_half, False)
     else:
         do = load_tile(DO, DO_DESC, start, first, rows, length, stride_don, h * stride_doh, offs_d, BY_DESC)
     lse = tl.load(LSE + (start + rows) * num_heads + h, mask=row_ok, other=float("inf"))  # inf: p = 0
@@ -298,11 +295,9 @@ def _bwd_head(Q, K, V, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, DO
         pt = tl.trans(p.to(do1.dtype))
         store_rows(DV, tl.dot(pt, do1), start, rows, length, stride_dvn, h * stride_dvh, offs_half)
         store_rows(DV, tl.dot(pt, do2), start, rows, length, stride_dvn, h * stride_dvh + HALF, offs_half)
-        if HALVES == 1:  # v after dv is stored (fewer registers live)
-            v1 = load_tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh, offs_half, False)
+        v1 = load_tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh, offs_half, False)
         dp = tl.dot(do1, tl.trans(v1))
-        if HALVES == 1:
-            v2 = load_tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh + HALF, offs_half, False)
+        v2 = load_tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh + HALF, offs_half, False)
         dp = tl.dot(do2, tl.trans(v2), dp)
     else:
         dv = tl.dot(tl.trans(p.to(do.dtype)), do)
@@ -460,7 +455,7 @@ def _backward(do, q, k, v, lse, cos, sin, offsets, max_len, block_size, rope_bas
         descs = _descriptors(cfg, block_size, (q, k), (v, do))
         # fp32 rotation: bf16x2 made the backward 1-2% slower (H200, 2026-12-01, tree de5bc75)
         _launch(_block_attn_bwd, offsets, heads, block_size, cfg, args, descs, dim, _rope_mode(rope, q, packed=False),
-                q.device, HALVES=config_field(cfg, 4))
+                q.device, HALVES=bool(config_field(cfg, 4)))
 
     key = ("block_attention_bwd", dim, q.dtype, block_size, _table_key(cos, rope), heads, bucket_len(n))
     run(pick_config(key, lambda: _tuned(_BWD_CANDIDATES), run, _INTERPRET_CONFIG))
