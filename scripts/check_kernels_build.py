@@ -116,11 +116,7 @@ def kernels():
     halves, whole = "tensordesc<bf16[64, 64]>", "tensordesc<bf16[64, 128]>"  # whole blocks by TMA
     ba_tiles = dict(io, Q_DESC=halves, K_DESC=halves, V_DESC=whole, O_DESC=whole, DO_DESC=whole)
     yield ba._block_attn_fwd, ba_tiles, dict(HEAD_DIM=128, BLOCK=64, ROPE=True, TMA=True)
-    rows = "tensordesc<fp32[64, 64]>"  # the rope tables' rows of a block (io's tables are fp32)
-    bwd_tiles = dict(ba_tiles, DQ_DESC=halves, DK_DESC=halves, DV_DESC=whole, COS_DESC=rows, SIN_DESC=rows)
-    yield ba._block_attn_bwd, bwd_tiles, dict(HEAD_DIM=128, BLOCK=64, ROPE=True, TMA=True)
-    bwd_halves = dict(bwd_tiles, V_DESC=halves, DO_DESC=halves, DV_DESC=halves)  # + bf16x2 rotations
-    yield ba._block_attn_bwd, bwd_halves, dict(HEAD_DIM=128, BLOCK=64, ROPE=2, TMA=True, HALVES=True)
+    yield ba._block_attn_bwd, ba_tiles, dict(HEAD_DIM=128, BLOCK=64, ROPE=True, TMA=True)
 
 
 def column_cast_stores(target) -> list[str]:

@@ -127,18 +127,15 @@ def test_zero_length_sequences_cpu():
 @pytest.mark.parametrize("halves", [0, 1])
 def test_tma_whole_blocks_cpu(rope_kind, per_program, halves, monkeypatch):
     """TMA configs (fourth field 1): whole blocks through descriptors (q, k as halves; v too in the
-    forward's half-width config; the backward's gradients and rope rows too), partial ones by masked
-    loads; against float64, and bit for bit the values of the masked-load path, also with q, k, v as
-    views of one fused [N, 3, H, D] projection."""
-    built, tables = [], []
-    real, real_tables = common.row_descriptors, ba_kernels._table_descriptors
+    forward's half-width config), partial ones by masked loads; against float64, and bit for bit the
+    values of the masked-load path, also with q, k, v as views of one fused [N, 3, H, D] projection."""
+    built = []
+    real = common.row_descriptors
     monkeypatch.setattr(ba_kernels, "row_descriptors", lambda *a, **kw: built.append(real(*a, **kw)) or built[-1])
-    monkeypatch.setattr(ba_kernels, "_table_descriptors", lambda *a: tables.append(real_tables(*a)) or tables[-1])
     cfg = (1, 1, per_program, 1, halves)
     with common.forced_config({"block_attention_fwd": cfg, "block_attention_bwd": cfg}):
         _check(LENGTHS_CPU[0], 32, rope_kind, "cpu", torch.float32, tol=2e-5)
     assert built and all(d is not None for d in built)  # forward and backward ran with descriptors
-    assert all(d is not None for d in tables) and len(tables) == (2 if rope_kind else 0)  # the backward's rope rows
     lengths = [70, 0, 32, 5]
     off = offsets(lengths, "cpu")
     gen = torch.Generator().manual_seed(3)

@@ -45,7 +45,7 @@ forward 96 KB, backward 129 KB (one program per SM). Registers, not shared memor
 programs per SM at D = 128: both kernels sit at the 255-register cap (docs/benchmarks.md).
 TMA: configs with a fourth field 1 load whole blocks through tensor descriptors (see the configs);
 HALVES: configs with a fifth field 1 hold v and o (forward), do, v and dv (backward) as (BS, D/2)
-halves. A sixth field caps the registers per thread (maxnreg; 0: the compiler's choice).
+halves.
 Known limits: no warp specialization, no persistent grid (Triton 3.x); the tables get no gradient.
 """
 
@@ -60,7 +60,7 @@ import triton.language as tl
 from gemctl.ops.reference.block import rope_cos_sin, rope_table_dtype
 from gemctl.ops.triton.common import (
     INTERPRET, bucket_len, cdiv, config_field, gpu_checked, load_tile, pick_config, query_work, row_descriptors,
-    store_rows, store_tile, whole_tile_work, work_item,
+    store_rows, whole_tile_work, work_item,
 )
 
 LOG2E = 1.4426950408889634
@@ -103,15 +103,16 @@ _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2,
 # Tried and dropped (H200, 2026-12-01, docs/runs/2026-12-01_sweep_block_early_v_61f9ad6.json): v
 # loaded with do, q and k at the start (one wait on memory per block instead of two) cost 64 B more
 # spill a thread and ran 14% slower (264.1 vs 232.2 us self-1000): spills, not latency, weigh here.
-# (4, 1, 1, 1, 1): TMA and half-width, with every tile of a whole block through descriptors (q, k,
-# v, do loaded; dq, dk, dv stored; the rope rows loaded per head), so no address registers, and the
-# rotations in bf16x2. sm_90 ptxas (Triton 3.6), D=128, block 64, rope: 194 registers and no spills
-# against 255 and 648 B of spills for (4, 1, 1, 0, 1); capped at 168 (three programs per SM) 248 B.
-# Pinned-only until timed.
+# Also dropped: a half-width backward with every tile of a whole block through tensor descriptors
+# (q, k, v, do, the rope rows loaded; dq, dk, dv stored; rotations in bf16x2). sm_90 ptxas put it at
+# 194 registers and no spills (the masked loads' and stores' per-element addresses were most of the
+# spilled registers), yet it ran 48-52% slower (343-352 vs 231 us self-1000), 28-33% capped at 168
+# registers, and with masked stores or the rope rows by pointers not much faster (321-344 us): on
+# this stack the descriptor loads themselves cost the backward (raw: docs/runs/
+# 2026-12-01_sweep_block_tma_bwd_*; the GPU tier passed every variant).
 _BWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (8, 1, 2), (4, 2, 2),
                    (4, 1, 1, 1), (4, 2, 0, 1), (8, 1, 1, 1),
-                   (4, 1, 1, 0, 1), (8, 1, 1, 0, 1), (4, 2, 0, 0, 1), (8, 2, 0, 0, 1), (4, 1, 0, 0, 1),
-                   (4, 1, 1, 1, 1), (4, 1, 1, 1, 1, 168)]
+                   (4, 1, 1, 0, 1), (8, 1, 1, 0, 1), (4, 2, 0, 0, 1), (8, 2, 0, 0, 1), (4, 1, 0, 0, 1)]
 _GPU_CHECKED: set = {(4, 1, 1, 0, 1), (4, 2, 0, 0, 1)}  # for both kernels: each passed as either
 _PENDING_AUTOTUNE = False  # True: autotuning times every candidate (benchmarks of unchecked ones)
 # bf16 q and k rotated in packed bf16x2 arithmetic on the GPU (_rotate_bf16x2); False: in fp32 like
@@ -134,17 +135,6 @@ def _rope_rows(COS, SIN, rows, length, stride_rope, offs_half):
     c = tl.load(COS + ptrs, mask=mask, other=0.0).to(tl.float32)
     s = tl.load(SIN + ptrs, mask=mask, other=0.0).to(tl.float32)
     return c, s
-
-
-@triton.jit
-def _block_rope_rows(COS, SIN, COS_DESC, SIN_DESC, rows, first, length, stride_rope, offs_half,
-                     BY_DESC: tl.constexpr):
-    """_rope_rows of a block's positions; through the tables' descriptors ((BS, D/2) blocks) when
-    BY_DESC (a whole block: no masks, no address registers)."""
-    if BY_DESC:
-        return COS_DESC.load([first, 0]).to(tl.float32), SIN_DESC.load([first, 0]).to(tl.float32)
-    else:
-        return _rope_rows(COS, SIN, rows, length, stride_rope, offs_half)
 
 
 @triton.jit
@@ -171,16 +161,6 @@ def _rotate_bf16x2(x1, x2, c, s):
         fma.rn.bf16x2 $1, $2, $6, t;
         }""",
         "=r,=r,r,r,r,r,r", [x1, x2, c, ns, s], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
-
-
-@triton.jit
-def _unrotate(d1, d2, c, s, ROPE: tl.constexpr):
-    """The rotation's backward on fp32 gradient halves: [d1 c + d2 s, d2 c - d1 s] (by -theta); with
-    ROPE == 2 on the gradients rounded to bf16, in bf16x2 (their store rounds them anyway)."""
-    if ROPE == 2:
-        return _rotate_bf16x2(d1.to(tl.bfloat16), d2.to(tl.bfloat16), c.to(tl.bfloat16), -s.to(tl.bfloat16))
-    else:
-        return d1 * c + d2 * s, d2 * c - d1 * s
 
 
 @triton.jit
@@ -286,8 +266,8 @@ def _block_attn_fwd(
 
 
 @triton.jit
-def _bwd_head(Q, K, V, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, DK_DESC, DV_DESC,
-              COS_DESC, SIN_DESC, h, start, first, rows, length, c, s, num_heads,
+def _bwd_head(Q, K, V, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, DO_DESC,
+              h, start, first, rows, length, c, s, num_heads,
               stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
               stride_don, stride_doh, stride_dqn, stride_dqh, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
               stride_rope, qk_scale, scale, HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, BY_DESC: tl.constexpr,
@@ -307,14 +287,12 @@ def _bwd_head(Q, K, V, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, DO
     row_ok = rows < length
     offs_half = tl.arange(0, HALF)
     offs_d = tl.arange(0, HEAD_DIM)
-    if HALVES:  # do, v and dv in (BS, D/2) halves: one fp32 accumulator half as wide
-        do1 = load_tile(DO, DO_DESC, start, first, rows, length, stride_don, h * stride_doh, offs_half, BY_DESC)
-        do2 = load_tile(DO, DO_DESC, start, first, rows, length, stride_don, h * stride_doh + HALF, offs_half, BY_DESC)
+    if HALVES:  # do, v and dv in (BS, D/2) halves: one fp32 accumulator half as wide (masked loads)
+        do1 = load_tile(DO, DO_DESC, start, first, rows, length, stride_don, h * stride_doh, offs_half, False)
+        do2 = load_tile(DO, DO_DESC, start, first, rows, length, stride_don, h * stride_doh + HALF, offs_half, False)
     else:
         do = load_tile(DO, DO_DESC, start, first, rows, length, stride_don, h * stride_doh, offs_d, BY_DESC)
     lse = tl.load(LSE + (start + rows) * num_heads + h, mask=row_ok, other=float("inf"))  # inf: p = 0
-    if ROPE and BY_DESC:  # by TMA the block's rows come fresh for each head (no carried rows)
-        c, s = _block_rope_rows(COS, SIN, COS_DESC, SIN_DESC, rows, first, length, stride_rope, offs_half, BY_DESC)
     q1, q2, k1, k2, scores = _scores(Q, K, Q_DESC, K_DESC, start, first, rows, length, stride_qn, stride_qh, stride_kn,
                                      stride_kh, h, c, s, qk_scale, HALF, ROPE, BY_DESC)
     p = tl.math.exp2(scores - lse[:, None])
@@ -322,17 +300,15 @@ def _bwd_head(Q, K, V, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, DO
         p = tl.where(row_ok[None, :], p, 0.0)  # keys beyond L: 0
     if HALVES:
         pt = tl.trans(p.to(do1.dtype))
-        store_tile(DV, DV_DESC, tl.dot(pt, do1), start, first, rows, length, stride_dvn, h * stride_dvh, offs_half,
-                   BY_DESC)
-        store_tile(DV, DV_DESC, tl.dot(pt, do2), start, first, rows, length, stride_dvn, h * stride_dvh + HALF,
-                   offs_half, BY_DESC)
-        v1 = load_tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh, offs_half, BY_DESC)
+        store_rows(DV, tl.dot(pt, do1), start, rows, length, stride_dvn, h * stride_dvh, offs_half)
+        store_rows(DV, tl.dot(pt, do2), start, rows, length, stride_dvn, h * stride_dvh + HALF, offs_half)
+        v1 = load_tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh, offs_half, False)
         dp = tl.dot(do1, tl.trans(v1))
-        v2 = load_tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh + HALF, offs_half, BY_DESC)
+        v2 = load_tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh + HALF, offs_half, False)
         dp = tl.dot(do2, tl.trans(v2), dp)
     else:
         dv = tl.dot(tl.trans(p.to(do.dtype)), do)
-        store_tile(DV, DV_DESC, dv, start, first, rows, length, stride_dvn, h * stride_dvh, offs_d, BY_DESC)
+        store_rows(DV, dv, start, rows, length, stride_dvn, h * stride_dvh, offs_d)
         v = load_tile(V, V_DESC, start, first, rows, length, stride_vn, h * stride_vh, offs_d, BY_DESC)
         dp = tl.dot(do, tl.trans(v))
     delta = tl.sum(p * dp, 1)  # (BS,)
@@ -340,26 +316,24 @@ def _bwd_head(Q, K, V, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, DO
     ds = ds.to(q1.dtype)
     dq1, dq2 = tl.dot(ds, k1) * scale, tl.dot(ds, k2) * scale
     if ROPE:  # the rotation's backward: rotate the gradients by -theta
-        c, s = _block_rope_rows(COS, SIN, COS_DESC, SIN_DESC, rows, first, length, stride_rope, offs_half, BY_DESC)
-        dq1, dq2 = _unrotate(dq1, dq2, c, s, ROPE)
-    store_tile(DQ, DQ_DESC, dq1, start, first, rows, length, stride_dqn, h * stride_dqh, offs_half, BY_DESC)
-    store_tile(DQ, DQ_DESC, dq2, start, first, rows, length, stride_dqn, h * stride_dqh + HALF, offs_half, BY_DESC)
+        c, s = _rope_rows(COS, SIN, rows, length, stride_rope, offs_half)
+        dq1, dq2 = dq1 * c + dq2 * s, dq2 * c - dq1 * s
+    store_rows(DQ, dq1, start, rows, length, stride_dqn, h * stride_dqh, offs_half)
+    store_rows(DQ, dq2, start, rows, length, stride_dqn, h * stride_dqh + HALF, offs_half)
     ds_t = tl.trans(ds)
     dk1, dk2 = tl.dot(ds_t, q1) * scale, tl.dot(ds_t, q2) * scale
     if ROPE:
-        c, s = _block_rope_rows(COS, SIN, COS_DESC, SIN_DESC, rows, first, length, stride_rope, offs_half, BY_DESC)
-        dk1, dk2 = _unrotate(dk1, dk2, c, s, ROPE)
-    store_tile(DK, DK_DESC, dk1, start, first, rows, length, stride_dkn, h * stride_dkh, offs_half, BY_DESC)
-    store_tile(DK, DK_DESC, dk2, start, first, rows, length, stride_dkn, h * stride_dkh + HALF, offs_half, BY_DESC)
-    if BY_DESC:  # nothing to carry: each head loads its rows
-        c, s = 0.0, 0.0
+        c, s = _rope_rows(COS, SIN, rows, length, stride_rope, offs_half)
+        dk1, dk2 = dk1 * c + dk2 * s, dk2 * c - dk1 * s
+    store_rows(DK, dk1, start, rows, length, stride_dkn, h * stride_dkh, offs_half)
+    store_rows(DK, dk2, start, rows, length, stride_dkn, h * stride_dkh + HALF, offs_half)
     return c, s  # the re-read rows: the caller's loop carries these, not the setup's
 
 
 @triton.jit
 def _block_attn_bwd(
-    Q, K, V, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, DK_DESC, DV_DESC, COS_DESC,
-    SIN_DESC, OFFSETS, WORK, num_heads, heads_per_program,
+    Q, K, V, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, DO_DESC, OFFSETS, WORK, num_heads,
+    heads_per_program,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_don, stride_doh, stride_dqn, stride_dqh, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
     stride_rope, qk_scale, scale,
@@ -371,11 +345,11 @@ def _block_attn_bwd(
     # neither a pre-pass nor the forward's output is needed.
     # TMA: whole blocks' q, k (halves), v, do through the descriptors, as in the forward.
     HALF: tl.constexpr = HEAD_DIM // 2
-    start, length, first, rows, h0, h_end, c, s = _block_setup(WORK, OFFSETS, COS, SIN, stride_rope, heads_per_program,
-                                                               num_heads, BLOCK, HALF, ROPE and not TMA)
+    start, length, first, rows, h0, h_end, c, s = _block_setup(WORK, OFFSETS, COS, SIN, stride_rope,
+                                                               heads_per_program, num_heads, BLOCK, HALF, ROPE)
     for h in range(h0, h_end):  # TMA: whole blocks only, as in the forward
-        c, s = _bwd_head(Q, K, V, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, DK_DESC,
-                         DV_DESC, COS_DESC, SIN_DESC, h, start, first, rows, length, c, s, num_heads,
+        c, s = _bwd_head(Q, K, V, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, DO_DESC,
+                         h, start, first, rows, length, c, s, num_heads,
                          stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
                          stride_don, stride_doh, stride_dqn, stride_dqh, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
                          stride_rope, qk_scale, scale, HEAD_DIM, ROPE, TMA, HALVES)
@@ -416,41 +390,16 @@ def _table_key(cos, rope: bool):
     return str(cos.dtype).removeprefix("torch.") if rope else False
 
 
-def _descriptors(cfg, block_size, tiles, tables=()) -> tuple:
-    """The TMA descriptors of a config with the TMA field set, in the kernel's argument order: one
-    per (tensor, columns) of ``tiles`` ((BS, columns) blocks over the tensor as [N, H * D]), then
-    one per rope table of ``tables`` ((BS, D/2) blocks; None for a table the kernel never reads);
-    all None (masked loads, same values) without the field or where a layout does not allow them."""
-    off = (None,) * (len(tiles) + len(tables))
+def _descriptors(cfg, block_size, halves, wholes) -> tuple:
+    """The TMA descriptors of a config with the TMA field set: (BS, D/2) blocks over ``halves`` (q,
+    k), (BS, D) over ``wholes``; all None (masked loads, same values) without it or where a
+    tensor's layout does not allow them."""
+    off = (None,) * (len(halves) + len(wholes))
     if not config_field(cfg, 3):
         return off
-    descs = []
-    for t, cols in tiles:
-        d = row_descriptors(block_size, t, cols=cols)
-        if d is None:
-            return off
-        descs += d
-    for t in tables:
-        d = [None] if t is None else _table_descriptors(block_size, t)
-        if d is None:
-            return off
-        descs += d
-    return tuple(descs)
-
-
-def _table_descriptors(block_size, *tables):
-    """(block_size, D/2) blocks over the rows of 2-D rope tables, or None where TMA's alignment does
-    not hold (rows or base not 16-byte aligned, fewer rows than a block)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    descs = []
-    for t in tables:
-        rows, cols = t.shape
-        size = t.element_size()
-        if t.stride(1) != 1 or (t.stride(0) * size) % 16 or t.data_ptr() % 16 or (cols * size) % 16 or rows < block_size:
-            return None
-        descs.append(TensorDescriptor(t, [rows, cols], [t.stride(0), 1], [block_size, cols]))
-    return descs
+    half = halves[0].shape[-1] // 2
+    a, b = row_descriptors(block_size, *halves, cols=half), row_descriptors(block_size, *wholes)
+    return off if a is None or b is None else (*a, *b)
 
 
 def _rope_mode(rope: bool, q: torch.Tensor, packed: bool) -> int:
@@ -467,7 +416,6 @@ def _launch(kernel, offsets, heads, block_size, cfg, args, descs, dim, rope_mode
     _rope_mode; ``flags``: the kernel's constexpr variants (HALVES), the same in both launches."""
     warps, stages, per_program = cfg[:3]
     per_program = heads if per_program <= 0 else min(per_program, heads)
-    cap = {"maxnreg": config_field(cfg, 5)} if config_field(cfg, 5) else {}  # registers per thread
     if descs[0] is None:
         launches = [(query_work(offsets, offsets, block_size, False, device), descs)]
     else:
@@ -478,7 +426,7 @@ def _launch(kernel, offsets, heads, block_size, cfg, args, descs, dim, rope_mode
         if n_programs:
             kernel[(n_programs,)](*args[:-1], *tiles, offsets, work, heads, per_program, *args[-1],
                                   HEAD_DIM=dim, BLOCK=block_size, ROPE=rope_mode, TMA=tiles[0] is not None,
-                                  num_warps=warps, num_stages=stages, **flags, **cap)
+                                  num_warps=warps, num_stages=stages, **flags)
 
 
 def _forward(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
@@ -491,7 +439,7 @@ def _forward(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
 
     def run(cfg):
         halves = bool(config_field(cfg, 4))  # v by (BS, D/2) blocks too
-        descs = _descriptors(cfg, block_size, [(q, dim // 2), (k, dim // 2), (v, dim // 2 if halves else dim)])
+        descs = _descriptors(cfg, block_size, (q, k, v) if halves else (q, k), () if halves else (v,))
         _launch(_block_attn_fwd, offsets, heads, block_size, cfg, (q, k, v, out, lse, cos, sin, strides), descs, dim,
                 _rope_mode(rope, q, packed=True), q.device, HALVES=halves)
 
@@ -511,14 +459,10 @@ def _backward(do, q, k, v, lse, cos, sin, offsets, max_len, block_size, rope_bas
 
     def run(cfg):
         args = (q, k, v, do, lse, dq, dk, dv, cos, sin, strides)
-        halves, tma = bool(config_field(cfg, 4)), bool(config_field(cfg, 3))
-        wide = dim // 2 if halves else dim  # v, do and dv
-        descs = _descriptors(cfg, block_size, [(q, dim // 2), (k, dim // 2), (v, wide), (do, wide), (dq, dim // 2),
-                                               (dk, dim // 2), (dv, wide)], (cos, sin) if rope else (None, None))
-        # bf16x2 rotations with TMA only: with masked loads they made the backward 1-2% slower
-        # (spills; H200, 2026-12-01, tree de5bc75)
-        _launch(_block_attn_bwd, offsets, heads, block_size, cfg, args, descs, dim, _rope_mode(rope, q, packed=tma),
-                q.device, HALVES=halves)
+        descs = _descriptors(cfg, block_size, (q, k), (v, do))
+        # fp32 rotation: bf16x2 made the backward 1-2% slower (H200, 2026-12-01, tree de5bc75)
+        _launch(_block_attn_bwd, offsets, heads, block_size, cfg, args, descs, dim, _rope_mode(rope, q, packed=False),
+                q.device, HALVES=bool(config_field(cfg, 4)))
 
     key = ("block_attention_bwd", dim, q.dtype, block_size, _table_key(cos, rope), heads, bucket_len(n))
     run(pick_config(key, lambda: _tuned(_BWD_CANDIDATES), run, _INTERPRET_CONFIG))

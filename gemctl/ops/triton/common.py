@@ -320,17 +320,6 @@ def load_tile(PTR, DESC, start, first, rows, length, stride_n, col, offs, BY_DES
 
 
 @triton.jit
-def store_tile(PTR, DESC, value, start, first, rows, length, stride_n, col, offs, BY_DESC: tl.constexpr):
-    """load_tile's store: a tile (cast to the tensor's dtype) into columns [col, col + len(offs)) of
-    rows ``first + arange`` of a sequence; through DESC when BY_DESC (tiles inside the sequence),
-    else masked stores (rows past ``length`` are not written)."""
-    if BY_DESC:
-        DESC.store([start + first, col], value.to(DESC.dtype))
-    else:
-        store_rows(PTR, value, start, rows, length, stride_n, col, offs)
-
-
-@triton.jit
 def store_rows(PTR, value, start, rows, length, stride_n, head_offset, offs_d):
     """Store a (rows, D) tile (cast to PTR's dtype) into the rows of a sequence, rows < length."""
     ptrs = PTR + (start + rows)[:, None] * stride_n + head_offset + offs_d[None, :]
