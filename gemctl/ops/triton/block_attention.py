@@ -39,10 +39,12 @@ Bytes that must move (E = element size, T = tokens, H heads, D head dim):
 plus the rope tables' rows, read through L2 (max_len * D * 4 bytes of unique data).
 Each K/V element serves one block of queries, so the kernels are memory-bound at every block size.
 
-Shared memory per program (sm_90 compile, bf16, D = 128, 4 warps; scripts/check_kernels_build.py):
-forward 32 / 48 KB at block 64 without / with rope, backward 65 KB either way; block 128 with rope:
-forward 96 KB, backward 129 KB (one program per SM). Registers, not shared memory, bound the
-programs per SM at D = 128: both kernels sit at the 255-register cap (docs/benchmarks.md).
+Programs per SM at the tuned picks (sm_90 ptxas of Triton 3.6, compiled as the launch specializes
+them; bf16, D = 128, block 64, fp16 rope tables, 4 warps): the forward (4, 2, 0, 0, 1) holds 202
+registers and 80 KB of shared memory (two programs per SM); the backward (4, 1, 1, 0, 1) 168
+registers and 64 KB (three: both limits at once); without rope the backward needs 128 registers and
+56 KB (four). With fp32 tables the backward needs 218 registers (two): why fp16 tables made it 14%
+faster. Block 128 with rope: forward 96 KB, backward 129 KB (one program per SM).
 TMA: configs with a fourth field 1 load whole blocks through tensor descriptors (see the configs);
 HALVES: configs with a fifth field 1 hold v and o (forward), do, v and dv (backward) as (BS, D/2)
 halves.
@@ -79,8 +81,8 @@ LOG2E = 1.4426950408889634
 # of shared memory at 3 stages forward / 2 backward: autotuning skips a config that does not
 # compile (pick_config), a pinned one raises.
 # HALVES = 1 (forward, fifth field): v and o in (BS, D/2) halves, each half of o stored before the
-# next is formed: sm_90 ptxas (Triton 3.6), D=128, block 64 with RoPE, 4 warps, 2 stages: 224
-# registers against 253 (the fp32 output accumulator is half as wide), 200 with the bf16x2 rotation.
+# next is formed: sm_90 ptxas (Triton 3.6), D=128, block 64 with RoPE, 4 warps, 2 stages: 226
+# registers against 253 (the fp32 output accumulator is half as wide), 202 with the bf16x2 rotation.
 # H200, 2026-12-01, self-1000 / self-4000 (docs/runs/2026-12-01_sweep_block_*): (4, 2, 0, 0, 1)
 # 111.5 / 95.0 us against 116.5 / 99.6 for (4, 2, 0) with the fp32 rotation, 107.2 / 91.8 against
 # 110.3 / 94.5 with bf16x2; it passed the GPU tier and joins autotuning. Its TMA twin
@@ -89,7 +91,9 @@ _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2,
                    (4, 1, 1, 1), (4, 2, 0, 1), (4, 3, 0, 1), (8, 2, 0, 1), (4, 2, 0, 0, 1), (4, 2, 0, 1, 1)]
 # HALVES = 1 (backward, fifth field): do, v and dv in (BS, D/2) halves, so the dv accumulator is
 # half as wide; sm_90 ptxas (Triton 3.6), D=128, block 64 with RoPE: spill stores 576 -> 376 B per
-# thread at 4 warps, 88 -> 0 at 8 warps (254 registers). H200, 2026-11-30: the GPU tier passed all
+# thread at 4 warps, 88 -> 0 at 8 warps (254 registers; figures of the kernel of the time, compiled
+# with the tables' row stride unspecialized, which no launch does: see the module docstring for
+# today's). H200, 2026-11-30: the GPU tier passed all
 # four; (4, 1, 1, 0, 1) ran 2% faster than (4, 1, 1) (321 vs 328 us self-1000, 272 vs 277 us
 # self-4000) and joins autotuning; the other three were 25-40% slower and stay pinned-only. Since
 # the backward stopped reading o (ad18b2f) the full-width (4, 1, 1) wins again (294.7 vs 307.8 us
@@ -98,18 +102,18 @@ _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2,
 # 231.3 vs 256.2 us self-1000, 195.6 vs 215.6 us self-4000 (H200, 2026-12-01, tree 730ce6a), so the
 # tables' dtype is part of the autotune key (_table_key). (4, 1, 0, 0, 1): the half-width body with
 # all heads of a block in one program, unpipelined (the rope rows each gradient re-reads then come
-# from L1 for the heads after the first); it passed the GPU tier but ran 19-21% slower than
+# from L1 for the heads after the first; 255 registers and 100 B of spills with the head loop, two
+# programs per SM); it passed the GPU tier but ran 19-21% slower than
 # (4, 1, 1, 0, 1) (275.4 vs 231.2 us self-1000, H200, 2026-12-01), so it stays pinned-only.
 # Tried and dropped (H200, 2026-12-01, docs/runs/2026-12-01_sweep_block_early_v_61f9ad6.json): v
-# loaded with do, q and k at the start (one wait on memory per block instead of two) cost 64 B more
-# spill a thread and ran 14% slower (264.1 vs 232.2 us self-1000): spills, not latency, weigh here.
+# loaded with do, q and k at the start (one wait on memory per block instead of two) took 177
+# registers against the pick's 168, so two programs per SM instead of three, and ran 14% slower
+# (264.1 vs 232.2 us self-1000): the pick sits exactly at the three-program limit.
 # Also dropped: a half-width backward with every tile of a whole block through tensor descriptors
-# (q, k, v, do, the rope rows loaded; dq, dk, dv stored; rotations in bf16x2). sm_90 ptxas put it at
-# 194 registers and no spills (the masked loads' and stores' per-element addresses were most of the
-# spilled registers), yet it ran 48-52% slower (343-352 vs 231 us self-1000), 28-33% capped at 168
-# registers, and with masked stores or the rope rows by pointers not much faster (321-344 us): on
-# this stack the descriptor loads themselves cost the backward (raw: docs/runs/
-# 2026-12-01_sweep_block_tma_bwd_*; the GPU tier passed every variant).
+# (q, k, v, do, the rope rows loaded; dq, dk, dv stored; rotations in bf16x2): 171 registers (two
+# programs per SM), 48-52% slower (343-352 vs 231 us self-1000); capped at 168 registers (three,
+# 128 B of spills) still 28-33% slower, and with masked stores or the rope rows by pointers not much
+# faster (321-344 us). Raw: docs/runs/2026-12-01_sweep_block_tma_bwd_*; the GPU tier passed each.
 _BWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (8, 1, 2), (4, 2, 2),
                    (4, 1, 1, 1), (4, 2, 0, 1), (8, 1, 1, 1),
                    (4, 1, 1, 0, 1), (8, 1, 1, 0, 1), (4, 2, 0, 0, 1), (8, 2, 0, 0, 1), (4, 1, 0, 0, 1)]
@@ -277,7 +281,7 @@ def _bwd_head(Q, K, V, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, DO
     # is computed, and c, s are re-read (L1/L2) for each gradient's rotation and returned for the
     # caller's head loop to carry: that ends the setup rows' lifetime at the q/k rotation (keeping
     # them live across the body spilled twice as much: 1,016 vs 592 B per thread at 4 warps, sm_90
-    # ptxas). Holding dq, dk, dv together spilled ~1 KB per thread; this order measured 0.33 vs
+    # ptxas with the tables' stride unspecialized, as check_kernels_build compiled it then). Holding dq, dk, dv together spilled ~1 KB per thread; this order measured 0.33 vs
     # 0.41 ms on self-1000 (H200, docs/benchmarks.md).
     # delta = rowsum(p * dp): the whole softmax row is in the tile (one block of keys), so the
     # softmax backward's row term comes from p and dp, which the kernel forms anyway. It equals
