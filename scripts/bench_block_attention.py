@@ -256,7 +256,8 @@ def main() -> None:
     ap.add_argument("--dims", default="128", help="head dims of the sweep, e.g. '128,64'")
     ap.add_argument("--fwd-configs", default="", help="forward configs of the sweep, e.g. '4,1,1 8,1,1' "
                     "(default: the candidate list)")
-    ap.add_argument("--fp32-rope", action="store_true", help="rotate bf16 q and k in fp32, not in packed bf16x2")
+    ap.add_argument("--fp32-rope", action="store_true",
+                    help="forward: rotate bf16 q and k in fp32, not in packed bf16x2 (the backward always uses fp32)")
     ap.add_argument("--bwd-configs", default="", help="backward configs of the sweep (default: the candidate list)")
     ap.add_argument("--out", default="bench_block_attention.json")
     ap.add_argument("--only", nargs="*", help="workload names to run (default: self-1000 self-4000)")
@@ -277,8 +278,8 @@ def main() -> None:
         profile_step(api_pair(lambda q, k, v: ops.block_attention(q, k, v, off, max_len, block_size=64, rope=ROPE_BASE,
                                                                   backend="triton"), q, k, v, grad)[1], pins=pins)
         return
-    meta = {**base_meta(dtype="bfloat16", rope_base=ROPE_BASE, rope_math="fp32" if args.fp32_rope else "bf16x2"),
-            **ceilings()}
+    rope_math = {"fwd": "fp32" if args.fp32_rope else "bf16x2 on sm_90+, else fp32", "bwd": "fp32"}
+    meta = {**base_meta(dtype="bfloat16", rope_base=ROPE_BASE, rope_math=rope_math), **ceilings()}
     print(meta, flush=True)
     if args.sweep:
         fwd = _configs(args.fwd_configs) or block_kernels._FWD_CANDIDATES

@@ -86,12 +86,19 @@ def test_head_dim_64_one_program_per_head_cpu():
 
 @pytest.mark.parametrize("rope_kind", [None, "tables"])
 @pytest.mark.parametrize("which", ["block_attention_fwd", "block_attention_bwd"])
-def test_half_width_configs_cpu(which, rope_kind):
+def test_half_width_configs_cpu(which, rope_kind, monkeypatch):
     """The forward with v and o, the backward with do, v and dv in (BS, D/2) halves (config field 4),
-    against float64: partial and empty blocks, the head loop and one head per program."""
+    against float64: partial and empty blocks, the head loop and one head per program; the kernel
+    is launched with HALVES set."""
+    launched = []
+    real = ba_kernels._launch
+    monkeypatch.setattr(ba_kernels, "_launch", lambda kernel, *a, **flags: launched.append((kernel, flags))
+                        or real(kernel, *a, **flags))
+    kernel = ba_kernels._block_attn_fwd if which == "block_attention_fwd" else ba_kernels._block_attn_bwd
     for per_program in (0, 1):
         with common.forced_config({which: (1, 1, per_program, 0, 1)}):
             _check(LENGTHS_CPU[0], 32, rope_kind, "cpu", torch.float32, heads=2, dim=32, tol=2e-5)
+    assert [flags["HALVES"] for k, flags in launched if k is kernel] == [True, True]
 
 
 def test_reference_takes_tables_of_max_len_rows_cpu():
@@ -152,20 +159,43 @@ def test_tma_whole_blocks_cpu(rope_kind, per_program, halves, monkeypatch):
         assert torch.equal(a, b)
 
 
-def test_tma_candidates_wait_for_the_gpu_tier_cpu(monkeypatch):
-    """TMA candidates are pinned by tests and benchmarks but timed by the autotuner only once their
-    GPU tier has passed them (_GPU_CHECKED)."""
+def test_tma_candidates_wait_for_the_gpu_tier_cpu():
+    """TMA and half-width candidates are pinned by tests and benchmarks but timed by the autotuner
+    only once the GPU tier has passed them, per kernel (_FWD_CHECKED, _BWD_CHECKED): a config that
+    passed for one kernel does not join the other's autotuning."""
     for cands in (ba_kernels._FWD_CANDIDATES, ba_kernels._BWD_CANDIDATES):
         assert any(len(c) > 3 and c[3] for c in cands)
-        monkeypatch.setattr(ba_kernels, "_GPU_CHECKED", set())
-        assert ba_kernels._tuned(cands) == [c for c in cands if len(c) == 3]
-        monkeypatch.setattr(ba_kernels, "_GPU_CHECKED", {cands[-1]})
-        assert ba_kernels._tuned(cands)[-1] == cands[-1]
+        assert ba_kernels._tuned(cands, set()) == [c for c in cands if len(c) == 3]
+        assert ba_kernels._tuned(cands, {cands[-1]})[-1] == cands[-1]
+    fwd = ba_kernels._tuned(ba_kernels._FWD_CANDIDATES, ba_kernels._FWD_CHECKED)
+    bwd = ba_kernels._tuned(ba_kernels._BWD_CANDIDATES, ba_kernels._BWD_CHECKED)
+    assert (4, 2, 0, 0, 1) in fwd and (4, 2, 0, 0, 1) not in bwd  # checked as a forward, slower backward
+    assert (4, 1, 1, 0, 1) in bwd
     halves = common.row_descriptors(32, torch.zeros(40, 2, 32), cols=16)
     assert halves is not None and halves[0].block_shape == [32, 16]
     whole, partial = common.whole_tile_work(offsets([70, 0, 32, 5], "cpu"), 32, "cpu")
     assert sorted(map(tuple, whole.tolist())) == [(0, 0), (0, 1), (2, 0)]
     assert partial.tolist() == [[0, 2], [3, 0]]
+
+
+def test_packed_rotation_only_where_sm90_ptx_runs_cpu(monkeypatch):
+    """The bf16x2 rotation (ROPE == 2) is asked for by the forward only, for bf16 only, and given only
+    where sm_90 PTX runs: never under the interpreter or on the CPU, nor with _PACKED_ROPE off."""
+    bf16, f16, f32 = (torch.zeros(1, 1, 32, dtype=d) for d in (torch.bfloat16, torch.float16, torch.float32))
+    assert ba_kernels._rope_mode(False, bf16, True) == 0
+    assert ba_kernels._rope_mode(True, bf16, True) == 1  # the CPU: no inline PTX
+    monkeypatch.setattr(ba_kernels, "_sm90", lambda device: True)  # as on an H200
+    assert ba_kernels._rope_mode(True, bf16, True) == 2
+    assert [ba_kernels._rope_mode(True, x, True) for x in (f16, f32)] == [1, 1]
+    assert ba_kernels._rope_mode(True, bf16, False) == 1  # the backward
+    monkeypatch.setattr(ba_kernels, "_PACKED_ROPE", False)
+    assert ba_kernels._rope_mode(True, bf16, True) == 1
+
+
+def test_mixed_dtypes_are_refused_cpu():
+    off, q, k, v, _ = _inputs([5, 3], 2, 32, "cpu", torch.float32, 0)
+    with pytest.raises(ValueError, match="q, k and v must share one dtype"):
+        ba_kernels.block_attention_triton(q, k.double(), v, off, 5, block_size=32)
 
 
 def test_backward_is_deterministic_cpu():
@@ -300,6 +330,14 @@ def test_every_candidate_config_gpu(which, cfg):
     with common.forced_config({which: cfg}):
         _check(LENGTHS_GPU[1], 64, "tables", "cuda", torch.bfloat16, heads=4, dim=128, factor=2.0, elementwise=True)
         _check(LENGTHS_GPU[0], 32, None, "cuda", torch.bfloat16, heads=4, dim=64, factor=2.0, elementwise=True)
+
+
+@pytest.mark.gpu
+def test_packed_rotation_is_taken_on_sm90_gpu():
+    """On an sm_90+ GPU the bf16 forward rotates in bf16x2 (the path the tier's bf16 tests check)."""
+    q = torch.zeros(1, 1, 32, device="cuda", dtype=torch.bfloat16)
+    want = 2 if torch.cuda.get_device_capability() >= (9, 0) and torch.version.hip is None else 1
+    assert ba_kernels._rope_mode(True, q, True) == want and ba_kernels._rope_mode(True, q, False) == 1
 
 
 @pytest.mark.gpu

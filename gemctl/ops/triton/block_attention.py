@@ -5,7 +5,8 @@ Math, per sequence (length L) and block c (rows r in [c*BS, min((c+1)*BS, L)), B
     o_r = sum_{j in block c} softmax_j(scale * q~_r . k~_j) v_j      (non-causal, no bias)
 rope (rotate-half convention, as gemctl.ops.apply_rope): with x = [x1, x2] split at D/2 and the
 tables' rows c = cos[r], s = sin[r], rope(x, r) = [x1 c - x2 s, x2 c + x1 s]. The tables are
-``rope=(cos, sin)``, each ``[>= max_len, D // 2]`` (any float dtype, read and applied in fp32), or a
+``rope=(cos, sin)``, each ``[>= max_len, D // 2]`` (any float dtype, read in fp32; the rotation runs in
+fp32, or in bf16x2 for the bf16 forward on sm_90+, see _rope_mode), or a
 float base frequency b, for which the tables cos/sin(r * b ** (-i / (D/2))) are built in float64,
 stored on the device in ``rope_table_dtype(q.dtype)`` (fp16 for 16-bit inputs, fp32 otherwise) and
 cached per (base, D, device, dtype), grown to the next power of two of max_len.
@@ -20,9 +21,9 @@ blocks (a sequence of length L gets ceil(L / BS), an empty one none), built on t
 offsets' host copy (gemctl.ops.host: no device sync) and cached per batch layout
 (common.query_work with a tile of BS rows). The whole block fits one tile, so there is no online
 softmax: the forward loads q, k, v once, rotates the q and k tiles in registers (two halves, cos/sin
-rows by position; the rotated copies never reach HBM; bf16 on the GPU in packed bf16x2 arithmetic,
-_rotate_bf16x2), and writes o and the per-row log2-sum-exp2 (fp32, for the backward). The backward is one kernel too, per (block, head): it recomputes
-p = exp2(s - lse), dv = p^T do (stored at once), dp = do v^T, the softmax backward's row term
+rows by position; the rotated copies never reach HBM; bf16 on sm_90+ GPUs in packed bf16x2
+arithmetic, _rotate_bf16x2), and writes o and the per-row log2-sum-exp2 (fp32, for the backward). The backward
+is one kernel too, per (block, head): it recomputes p = exp2(s - lse), dv = p^T do (stored at once), dp = do v^T, the softmax backward's row term
 delta = rowsum(p * dp) (the whole row is in the tile: equal to rowsum(do * o), without reading o),
 ds = p * (dp - delta), dq~ = ds k~, dk~ = ds^T q~, and applies the inverse rotation
 (by -theta: [d1 c + d2 s, d2 c - d1 s]) to dq~ and dk~ in the epilogue, each gradient stored before
@@ -53,6 +54,7 @@ Known limits: no warp specialization, no persistent grid (Triton 3.x); the table
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -68,15 +70,16 @@ from gemctl.ops.triton.common import (
 LOG2E = 1.4426950408889634
 
 # Configs: (num_warps, num_stages, heads per program; 0 = all heads of the block in one program
-# [, TMA]). One tile per block, so the stage count matters only when a program loops over heads
+# [, TMA [, HALVES]]). One tile per block, so the stage count matters only when a program loops over heads
 # (the pipeliner can then prefetch the next head's tiles while this one computes).
 # TMA = 1: the tiles of whole blocks come through tensor descriptors over [N, H * D] (q and k as
-# two (BS, D/2) halves, v and do as (BS, D)) in one launch; the partial last blocks get a
+# two (BS, D/2) halves, v and do as (BS, D), or (BS, D/2) in the half-width forward) in one
+# launch; the partial last blocks get a
 # second launch with masked loads, so no row of another sequence is ever read. The descriptors'
 # loads land in shared memory asynchronously and need no address registers, which is what a
 # memory-bound kernel at the register cap lacks (docs/benchmarks.md). Timed on the H200
 # (2026-11-30): the forward's best TMA config within 2-5% of its twin either way, every TMA
-# backward slower (by 10% at 4 warps), so no TMA config joins autotuning (_GPU_CHECKED); they stay
+# backward slower (by 10% at 4 warps), so no TMA config joins autotuning (_FWD_CHECKED, _BWD_CHECKED); they stay
 # configs that can be pinned. At block 128 with rope (D=128) the staged tiles exceed the 227 KiB
 # of shared memory at 3 stages forward / 2 backward: autotuning skips a config that does not
 # compile (pick_config), a pinned one raises.
@@ -117,17 +120,19 @@ _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2,
 _BWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (8, 1, 2), (4, 2, 2),
                    (4, 1, 1, 1), (4, 2, 0, 1), (8, 1, 1, 1),
                    (4, 1, 1, 0, 1), (8, 1, 1, 0, 1), (4, 2, 0, 0, 1), (8, 2, 0, 0, 1), (4, 1, 0, 0, 1)]
-_GPU_CHECKED: set = {(4, 1, 1, 0, 1), (4, 2, 0, 0, 1)}  # for both kernels: each passed as either
+_FWD_CHECKED: set = {(4, 2, 0, 0, 1)}  # optional-field configs the GPU tier passed, per kernel
+_BWD_CHECKED: set = {(4, 1, 1, 0, 1)}
 _PENDING_AUTOTUNE = False  # True: autotuning times every candidate (benchmarks of unchecked ones)
-# bf16 q and k rotated in packed bf16x2 arithmetic on the GPU (_rotate_bf16x2); False: in fp32 like
-# every other dtype and the interpreter (which runs no inline PTX), for benchmarks of the two.
+# The forward's bf16 q and k rotated in packed bf16x2 arithmetic on sm_90+ GPUs (_rotate_bf16x2,
+# _rope_mode; the backward rotates in fp32); False: in fp32 like every other dtype, older GPUs and
+# the interpreter (which runs no inline PTX), for benchmarks of the two.
 _PACKED_ROPE = True
 _INTERPRET_CONFIG = (1, 1, 0)  # all heads in one program: the CPU tier exercises the head loop
 SUPPORTED_DIMS = (32, 64, 128)
 
 
-def _tuned(candidates: list) -> list:
-    return gpu_checked(candidates, 3, _GPU_CHECKED, _PENDING_AUTOTUNE)
+def _tuned(candidates: list, checked: set) -> list:
+    return gpu_checked(candidates, 3, checked, _PENDING_AUTOTUNE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,7 +224,8 @@ def _scores(Q, K, Q_DESC, K_DESC, start, first, rows, length, stride_qn, stride_
 def _fwd_head(Q, K, V, O, LSE, Q_DESC, K_DESC, V_DESC, h, start, first, rows, length, c, s, num_heads,
               stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, qk_scale,
               HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, BY_DESC: tl.constexpr, HALVES: tl.constexpr):
-    """One head of one block: o and the rows' log2-sum-exp2. BY_DESC: a whole block by TMA (no masks)."""
+    """One head of one block: o and the rows' log2-sum-exp2. BY_DESC: a whole block by TMA (no masks);
+    HALVES: v and o in (BS, D/2) halves."""
     offs_d = tl.arange(0, HEAD_DIM)
     _, _, _, _, scores = _scores(Q, K, Q_DESC, K_DESC, start, first, rows, length, stride_qn, stride_qh, stride_kn,
                                  stride_kh, h, c, s, qk_scale, HEAD_DIM // 2, ROPE, BY_DESC)
@@ -254,9 +260,9 @@ def _block_attn_fwd(
 ):
     # Q/K/V/O: [N, H, D] jagged values; LSE: fp32 [N, H] log2-sum-exp2 per row (for the backward);
     # COS/SIN: [>= max_len, D/2] rotation tables (unused unless ROPE); Q_DESC/K_DESC ((BS, D/2)
-    # blocks) and V_DESC ((BS, D)) over [N, H * D] when TMA; OFFSETS: int64 [B+1]; WORK: int32
-    # [n_work, 2] = (sequence, block); one program per block and group of heads_per_program heads
-    # (see _block_setup).
+    # blocks) and V_DESC ((BS, D), or (BS, D/2) with HALVES) over [N, H * D] when TMA; OFFSETS:
+    # int64 [B+1]; WORK: int32 [n_work, 2] = (sequence, block); one program per block and group of
+    # heads_per_program heads (see _block_setup).
     HALF: tl.constexpr = HEAD_DIM // 2
     start, length, first, rows, h0, h_end, c, s = _block_setup(WORK, OFFSETS, COS, SIN, stride_rope,
                                                                heads_per_program, num_heads, BLOCK, HALF, ROPE)
@@ -281,7 +287,8 @@ def _bwd_head(Q, K, V, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, DO
     # is computed, and c, s are re-read (L1/L2) for each gradient's rotation and returned for the
     # caller's head loop to carry: that ends the setup rows' lifetime at the q/k rotation (keeping
     # them live across the body spilled twice as much: 1,016 vs 592 B per thread at 4 warps, sm_90
-    # ptxas with the tables' stride unspecialized, as check_kernels_build compiled it then). Holding dq, dk, dv together spilled ~1 KB per thread; this order measured 0.33 vs
+    # ptxas with the tables' stride unspecialized, as check_kernels_build compiled it then).
+    # Holding dq, dk, dv together spilled ~1 KB per thread; this order measured 0.33 vs
     # 0.41 ms on self-1000 (H200, docs/benchmarks.md).
     # delta = rowsum(p * dp): the whole softmax row is in the tile (one block of keys), so the
     # softmax backward's row term comes from p and dp, which the kernel forms anyway. It equals
@@ -396,8 +403,8 @@ def _table_key(cos, rope: bool):
 
 def _descriptors(cfg, block_size, halves, wholes) -> tuple:
     """The TMA descriptors of a config with the TMA field set: (BS, D/2) blocks over ``halves`` (q,
-    k), (BS, D) over ``wholes``; all None (masked loads, same values) without it or where a
-    tensor's layout does not allow them."""
+    k; v too in the half-width forward), (BS, D) over ``wholes``; all None (masked loads, same
+    values) without it or where a tensor's layout does not allow them."""
     off = (None,) * (len(halves) + len(wholes))
     if not config_field(cfg, 3):
         return off
@@ -407,11 +414,20 @@ def _descriptors(cfg, block_size, halves, wholes) -> tuple:
 
 
 def _rope_mode(rope: bool, q: torch.Tensor, packed: bool) -> int:
-    """The kernels' ROPE constexpr: 0 without rope, 1 rotation in fp32, 2 in packed bf16x2 (bf16 on
-    the GPU, where the kernel asks for it with ``packed``)."""
+    """The kernels' ROPE constexpr: 0 without rope, 1 rotation in fp32, 2 in packed bf16x2
+    (_rotate_bf16x2): bf16 inputs on an NVIDIA GPU of compute capability 9.0 or newer (mul.bf16x2
+    needs sm_90), compiled (not under the interpreter), where the kernel asks for it (``packed``)
+    and _PACKED_ROPE allows it."""
     if not rope:
         return 0
-    return 2 if packed and _PACKED_ROPE and q.dtype == torch.bfloat16 and not INTERPRET else 1
+    return 2 if packed and _PACKED_ROPE and q.dtype == torch.bfloat16 and _sm90(q.device) else 1
+
+
+@functools.cache
+def _sm90(device: torch.device) -> bool:
+    """Compiled kernels on an NVIDIA GPU of compute capability >= 9.0 (inline sm_90 PTX runs)."""
+    return (not INTERPRET and device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
 def _launch(kernel, offsets, heads, block_size, cfg, args, descs, dim, rope_mode, device, **flags):
@@ -445,10 +461,12 @@ def _forward(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
         halves = bool(config_field(cfg, 4))  # v by (BS, D/2) blocks too
         descs = _descriptors(cfg, block_size, (q, k, v) if halves else (q, k), () if halves else (v,))
         _launch(_block_attn_fwd, offsets, heads, block_size, cfg, (q, k, v, out, lse, cos, sin, strides), descs, dim,
-                _rope_mode(rope, q, packed=True), q.device, HALVES=halves)
+                _rope_mode(rope, q, True), q.device, HALVES=halves)
 
-    key = ("block_attention_fwd", dim, q.dtype, block_size, _table_key(cos, rope), heads, bucket_len(n))
-    run(pick_config(key, lambda: _tuned(_FWD_CANDIDATES), run, _INTERPRET_CONFIG))
+    # the rotation's arithmetic (_rope_mode) too: configs timed with one are not the other's
+    key = ("block_attention_fwd", dim, q.dtype, block_size, _table_key(cos, rope), _rope_mode(rope, q, True), heads,
+           bucket_len(n))
+    run(pick_config(key, lambda: _tuned(_FWD_CANDIDATES, _FWD_CHECKED), run, _INTERPRET_CONFIG))
     return out, lse
 
 
@@ -465,11 +483,11 @@ def _backward(do, q, k, v, lse, cos, sin, offsets, max_len, block_size, rope_bas
         args = (q, k, v, do, lse, dq, dk, dv, cos, sin, strides)
         descs = _descriptors(cfg, block_size, (q, k), (v, do))
         # fp32 rotation: bf16x2 made the backward 1-2% slower (H200, 2026-12-01, tree de5bc75)
-        _launch(_block_attn_bwd, offsets, heads, block_size, cfg, args, descs, dim, _rope_mode(rope, q, packed=False),
+        _launch(_block_attn_bwd, offsets, heads, block_size, cfg, args, descs, dim, _rope_mode(rope, q, False),
                 q.device, HALVES=bool(config_field(cfg, 4)))
 
     key = ("block_attention_bwd", dim, q.dtype, block_size, _table_key(cos, rope), heads, bucket_len(n))
-    run(pick_config(key, lambda: _tuned(_BWD_CANDIDATES), run, _INTERPRET_CONFIG))
+    run(pick_config(key, lambda: _tuned(_BWD_CANDIDATES, _BWD_CHECKED), run, _INTERPRET_CONFIG))
     return dq, dk, dv
 
 
@@ -569,6 +587,9 @@ def block_attention_triton(q, k, v, offsets, max_len, *, block_size=64, rope=Non
         cos, sin = cos.detach(), sin.detach()
         if cos.stride() != sin.stride():  # the kernels step both by one row stride
             cos, sin = cos.contiguous(), sin.contiguous()
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"block_attention (triton): q, k and v must share one dtype, got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
     scale = dim**-0.5 if scale is None else float(scale)
     args = (q, k, v, cos, sin, offsets, int(max_len), int(block_size), rope_base, scale)
     if torch.compiler.is_compiling():  # traced as a custom op: no graph break
