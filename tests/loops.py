@@ -21,13 +21,13 @@ def attention_loop(q, k, v, q_offsets, k_offsets, *, causal=False, scale=None, b
         if lq == 0 or lk == 0:
             continue
         s = torch.einsum("ihd,jhd->hij", q[qs:qe], k[ks:ke]) * scale  # (H, Lq, Lk)
-        i = torch.arange(lq)[:, None]
-        j = torch.arange(lk)[None, :]
+        i = torch.arange(lq, device=q.device)[:, None]  # on q's device: the GPU tier's float64 references
+        j = torch.arange(lk, device=q.device)[None, :]  # run there, not on one CPU thread per xdist worker
         dist = i + lk - lq - j
         if bias is not None:
             bucket = relative_position_bucket(dist, bias.table.shape[1], bias.max_distance)
             s = s + bias.table.double()[:, bucket]
-        allowed = (dist >= 0) if causal else torch.ones(lq, lk, dtype=torch.bool)
+        allowed = (dist >= 0) if causal else torch.ones(lq, lk, dtype=torch.bool, device=q.device)
         if window is not None:
             allowed = allowed & (dist < window) & ((dist >= 0) if causal else (dist > -window))
         has_key = allowed.any(-1)
