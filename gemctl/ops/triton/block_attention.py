@@ -457,15 +457,16 @@ def _forward(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
                cos.stride(0), scale * LOG2E)
 
+    mode = _rope_mode(rope, q, True)
+
     def run(cfg):
         halves = bool(config_field(cfg, 4))  # v by (BS, D/2) blocks too
         descs = _descriptors(cfg, block_size, (q, k, v) if halves else (q, k), () if halves else (v,))
         _launch(_block_attn_fwd, offsets, heads, block_size, cfg, (q, k, v, out, lse, cos, sin, strides), descs, dim,
-                _rope_mode(rope, q, True), q.device, HALVES=halves)
+                mode, q.device, HALVES=halves)
 
-    # the rotation's arithmetic (_rope_mode) too: configs timed with one are not the other's
-    key = ("block_attention_fwd", dim, q.dtype, block_size, _table_key(cos, rope), _rope_mode(rope, q, True), heads,
-           bucket_len(n))
+    # the rotation's arithmetic (mode) too: configs timed with one are not the other's
+    key = ("block_attention_fwd", dim, q.dtype, block_size, _table_key(cos, rope), mode, heads, bucket_len(n))
     run(pick_config(key, lambda: _tuned(_FWD_CANDIDATES, _FWD_CHECKED), run, _INTERPRET_CONFIG))
     return out, lse
 
