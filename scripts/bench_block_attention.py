@@ -257,7 +257,8 @@ def main() -> None:
     ap.add_argument("--fwd-configs", default="", help="forward configs of the sweep, e.g. '4,1,1 8,1,1' "
                     "(default: the candidate list)")
     ap.add_argument("--fp32-rope", action="store_true",
-                    help="forward: rotate bf16 q and k in fp32, not in packed bf16x2 (the backward always uses fp32)")
+                    help="forward: rotate bf16 q and k in fp32, not in packed bf16x2 (the backward always "
+                    "rotates in fp32)")
     ap.add_argument("--bwd-configs", default="", help="backward configs of the sweep (default: the candidate list)")
     ap.add_argument("--out", default="bench_block_attention.json")
     ap.add_argument("--only", nargs="*", help="workload names to run (default: self-1000 self-4000)")

@@ -22,8 +22,9 @@ offsets' host copy (gemctl.ops.host: no device sync) and cached per batch layout
 (common.query_work with a tile of BS rows). The whole block fits one tile, so there is no online
 softmax: the forward loads q, k, v once, rotates the q and k tiles in registers (two halves, cos/sin
 rows by position; the rotated copies never reach HBM; bf16 on sm_90+ GPUs in packed bf16x2
-arithmetic, _rotate_bf16x2), and writes o and the per-row log2-sum-exp2 (fp32, for the backward). The backward
-is one kernel too, per (block, head): it recomputes p = exp2(s - lse), dv = p^T do (stored at once), dp = do v^T, the softmax backward's row term
+arithmetic, _rotate_bf16x2), and writes o and the per-row log2-sum-exp2 (fp32, for the backward).
+The backward is one kernel too, per (block, head): it recomputes p = exp2(s - lse), dv = p^T do
+(stored at once), dp = do v^T, the softmax backward's row term
 delta = rowsum(p * dp) (the whole row is in the tile: equal to rowsum(do * o), without reading o),
 ds = p * (dp - delta), dq~ = ds k~, dk~ = ds^T q~, and applies the inverse rotation
 (by -theta: [d1 c + d2 s, d2 c - d1 s]) to dq~ and dk~ in the epilogue, each gradient stored before
@@ -70,8 +71,8 @@ from gemctl.ops.triton.common import (
 LOG2E = 1.4426950408889634
 
 # Configs: (num_warps, num_stages, heads per program; 0 = all heads of the block in one program
-# [, TMA [, HALVES]]). One tile per block, so the stage count matters only when a program loops over heads
-# (the pipeliner can then prefetch the next head's tiles while this one computes).
+# [, TMA [, HALVES]]). One tile per block, so the stage count matters only when a program loops
+# over heads (the pipeliner can then prefetch the next head's tiles while this one computes).
 # TMA = 1: the tiles of whole blocks come through tensor descriptors over [N, H * D] (q and k as
 # two (BS, D/2) halves, v and do as (BS, D), or (BS, D/2) in the half-width forward) in one
 # launch; the partial last blocks get a
@@ -79,9 +80,10 @@ LOG2E = 1.4426950408889634
 # loads land in shared memory asynchronously and need no address registers, which is what a
 # memory-bound kernel at the register cap lacks (docs/benchmarks.md). Timed on the H200
 # (2026-11-30): the forward's best TMA config within 2-5% of its twin either way, every TMA
-# backward slower (by 10% at 4 warps), so no TMA config joins autotuning (_FWD_CHECKED, _BWD_CHECKED); they stay
-# configs that can be pinned. At block 128 with rope (D=128) the staged tiles exceed the 227 KiB
-# of shared memory at 3 stages forward / 2 backward: autotuning skips a config that does not
+# backward slower (by 10% at 4 warps), so no TMA config joins autotuning (_FWD_CHECKED,
+# _BWD_CHECKED); they stay configs that can be pinned. At block 128 with rope (D=128) the staged
+# tiles exceed the 227 KiB of shared memory at 3 stages forward / 2 backward: autotuning skips a
+# config that does not
 # compile (pick_config), a pinned one raises.
 # HALVES = 1 (forward, fifth field): v and o in (BS, D/2) halves, each half of o stored before the
 # next is formed: sm_90 ptxas (Triton 3.6), D=128, block 64 with RoPE, 4 warps, 2 stages: 226
