@@ -83,8 +83,7 @@ LOG2E = 1.4426950408889634
 # backward slower (by 10% at 4 warps), so no TMA config joins autotuning (_FWD_CHECKED,
 # _BWD_CHECKED); they stay configs that can be pinned. At block 128 with rope (D=128) the staged
 # tiles exceed the 227 KiB of shared memory at 3 stages forward / 2 backward: autotuning skips a
-# config that does not
-# compile (pick_config), a pinned one raises.
+# config that does not compile (pick_config), a pinned one raises.
 # HALVES = 1 (forward, fifth field): v and o in (BS, D/2) halves, each half of o stored before the
 # next is formed: sm_90 ptxas (Triton 3.6), D=128, block 64 with RoPE, 4 warps, 2 stages: 226
 # registers against 253 (the fp32 output accumulator is half as wide), 202 with the bf16x2 rotation.
