@@ -2,6 +2,7 @@
 
     python scripts/check_kernels_build.py [--arch 90]
     python scripts/check_kernels_build.py --ptxas 4,1      # registers / spills per kernel instead
+    python scripts/check_kernels_build.py --ptxas 4,2 --head-loop   # block attention with its head loop
 
 A cheap CI check that the kernels still build for the GPU they are tuned for (the CPU tier runs
 them under the interpreter, which accepts code the real compiler rejects). Must run without
@@ -39,7 +40,7 @@ def kernels():
     io = {n: "*bf16" for n in ("Q", "K", "V", "O", "DO", "DK", "DV", "DQ")}
     io.update(LSE="*fp32", DELTA="*fp32", DBIAS="*fp32", BIAS="*fp32", BUCKETS="*i32", Q_OFFSETS="*i64",
               K_OFFSETS="*i64", WORK="*i32", qk_scale="fp32", scale="fp32")
-    io.update(COS="*fp32", SIN="*fp32", OFFSETS="*i64", MROW="*fp32")
+    io.update(COS="*fp16", SIN="*fp16", OFFSETS="*i64", MROW="*fp32")  # rope_table_dtype(bf16)
     for causal in (False, True):
         for has_bias in (False, True):
             consts = dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, CAUSAL=causal, HAS_BIAS=has_bias)
@@ -230,10 +231,10 @@ def _aligned_attrs(fn, types: dict, consts: dict) -> dict:
     return {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
 
 
-def ptxas_stats(target, warps: int, stages: int) -> list[str]:
+def ptxas_stats(target, warps: int, stages: int, head_loop: bool = False) -> list[str]:
     """Registers and spill stores per thread of every kernel above (``ptxas -v`` on its PTX, the
     ptxas Triton bundles), compiled as a launch specializes it (_aligned_attrs; block attention with
-    one head per program) with ``warps`` and ``stages``: register and spill figures that
+    one head per program, or with ``head_loop`` its head loop) with ``warps`` and ``stages``: register and spill figures that
     docs/benchmarks.md can quote, reproducible without a GPU (Triton's version changes them: name it)."""
     import re
     import subprocess
@@ -246,8 +247,8 @@ def ptxas_stats(target, warps: int, stages: int) -> list[str]:
     lines = []
     for fn, types, consts in kernels():
         consts = _constexprs(fn, types, consts)
-        if "heads_per_program" in fn.arg_names:  # one head per program, as the tuned block configs run
-            consts["heads_per_program"] = 1
+        if "heads_per_program" in fn.arg_names and not head_loop:
+            consts["heads_per_program"] = 1  # Triton specializes the value 1: one-head configs get no loop
         src = ASTSource(fn=fn, signature=_signature(fn, types, consts), constexprs=consts,
                         attrs=_aligned_attrs(fn, types, consts))
         compiled = triton.compile(src, target=target, options={"num_warps": warps, "num_stages": stages})
@@ -267,6 +268,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--ptxas", metavar="WARPS,STAGES", help="print registers and spills per kernel (e.g. 4,1) instead")
+    ap.add_argument("--head-loop", action="store_true",
+                    help="with --ptxas: block attention as configs with several heads per program launch it "
+                         "(the forward's (4, 2, 0, ...) picks), not with one")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("check_kernels_build: unset TRITON_INTERPRET (the interpreter compiles nothing)", file=sys.stderr)
@@ -281,7 +285,7 @@ def main() -> int:
             warps, stages = (int(v) for v in args.ptxas.split(","))
         except ValueError:
             ap.error(f"--ptxas {args.ptxas}: WARPS,STAGES expected, e.g. 4,1")
-        print("\n".join(ptxas_stats(target, warps, stages)))
+        print("\n".join(ptxas_stats(target, warps, stages, args.head_loop)))
         return 0
     for fn, types, consts in kernels():
         t0 = time.time()
