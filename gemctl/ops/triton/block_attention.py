@@ -124,7 +124,8 @@ _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2,
 # warp count and register cap; v's halves requested together (one wait on memory, not two): no
 # change; q and k rotated in bf16x2 (14% fewer SASS instructions): 1-2% slower; the gradients'
 # inverse rotation in bf16x2 too: 172 registers, 18% slower; the gradients' rope rows requested
-# before their dots: no change (kept for dk too: 195 registers, 10% slower). docs/benchmarks.md
+# before their dots: no change (kept for dk too: 195 registers, 10% slower); the tiles of programs
+# one to six waves ahead prefetched into L2: 10-17% slower. docs/benchmarks.md
 # has the table and an Nsight Compute profile of the pick.
 _BWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (8, 1, 2), (4, 2, 2),
                    (4, 1, 1, 1), (4, 2, 0, 1), (8, 1, 1, 1),
