@@ -1,7 +1,7 @@
 """Compile every bundled Triton kernel for Hopper (sm_90) without a GPU.
 
     python scripts/check_kernels_build.py [--arch 90]
-    python scripts/check_kernels_build.py --ptxas 4,1      # registers / spills per kernel instead
+    python scripts/check_kernels_build.py --ptxas 4,1      # registers, spills, programs per SM instead
     python scripts/check_kernels_build.py --ptxas 4,2 --head-loop   # block attention with its head loop
 
 A cheap CI check that the kernels still build for the GPU they are tuned for (the CPU tier runs
@@ -231,6 +231,25 @@ def _aligned_attrs(fn, types: dict, consts: dict) -> dict:
     return {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
 
 
+# Per-SM limits of the architectures --ptxas reports occupancy for: registers, shared memory a
+# kernel can use (the largest carve-out), shared memory the runtime reserves per block, warps,
+# blocks. sm_90 (H100/H200): CUDA's occupancy tables; they reproduce Nsight Compute's "Block Limit"
+# figures for the block-attention picks on the H200 (docs/runs/2026-12-01_ncu_block_self1000_d714d25.txt).
+_SM_LIMITS = {90: (65536, 233472, 1024, 64, 32), 80: (65536, 167936, 1024, 64, 32)}
+
+
+def programs_per_sm(registers: int, warps: int, shared: int, arch: int = 90) -> tuple[int, str]:
+    """Resident programs (thread blocks) per SM for a kernel of ``registers`` per thread, ``warps``
+    warps and ``shared`` bytes of shared memory, and what limits them ("registers", "shared memory",
+    "warps", "blocks"; ties name both). Registers are allocated per warp in units of 256."""
+    regs_sm, smem_sm, smem_reserved, warps_sm, blocks_sm = _SM_LIMITS[arch]
+    per_warp = -(-registers * 32 // 256) * 256
+    limits = {"registers": regs_sm // (per_warp * warps), "shared memory": smem_sm // (shared + smem_reserved),
+              "warps": warps_sm // warps, "blocks": blocks_sm}
+    n = min(limits.values())
+    return n, " and ".join(k for k, v in limits.items() if v == n)
+
+
 def ptxas_stats(target, warps: int, stages: int, head_loop: bool = False) -> list[str]:
     """Registers and spill stores per thread of every kernel above (``ptxas -v`` on its PTX, the
     ptxas Triton bundles), compiled as a launch specializes it (_aligned_attrs; block attention with
@@ -259,15 +278,21 @@ def ptxas_stats(target, warps: int, stages: int, head_loop: bool = False) -> lis
                                   os.devnull], capture_output=True, text=True).stderr
         regs = re.search(r"Used (\d+) registers", out)
         spill = re.search(r"(\d+) bytes spill stores", out)
+        occupancy = ""
+        if regs and target.arch in _SM_LIMITS:
+            n, limit = programs_per_sm(int(regs.group(1)), warps, compiled.metadata.shared, target.arch)
+            occupancy = f", {n} per SM ({limit})"
         lines.append(f"{fn.__name__:<24} {_flags(consts)[:60]:<60} {regs.group(1) if regs else '?':>3} registers, "
-                     f"{spill.group(1) if spill else '?':>4} B spill stores, {compiled.metadata.shared} B shared")
+                     f"{spill.group(1) if spill else '?':>4} B spill stores, {compiled.metadata.shared} B shared"
+                     f"{occupancy}")
     return lines
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--ptxas", metavar="WARPS,STAGES", help="print registers and spills per kernel (e.g. 4,1) instead")
+    ap.add_argument("--ptxas", metavar="WARPS,STAGES",
+                    help="print registers, spills, shared memory and programs per SM per kernel (e.g. 4,1) instead")
     ap.add_argument("--head-loop", action="store_true",
                     help="with --ptxas: block attention as configs with several heads per program launch it "
                          "(the forward's (4, 2, 0, ...) picks), not with one")

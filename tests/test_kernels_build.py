@@ -38,6 +38,22 @@ def test_kernels_compile_for_sm90():
     assert len(specs) == 13 and all(ln.endswith(": stable") for ln in specs), proc.stdout
 
 
+def test_programs_per_sm_match_the_h200_profiles():
+    """--ptxas's occupancy against Nsight Compute's block limits on the H200 (2026-11-30/12-01,
+    docs/runs/*ncu*): the block-attention picks and the GDPA cross-128 forward."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from check_kernels_build import programs_per_sm
+
+    both = "registers and shared memory"
+    assert programs_per_sm(168, 4, 65536) == (3, both)  # block attention backward (4, 1, 1, 0, 1)
+    assert programs_per_sm(202, 4, 81920) == (2, both)  # block attention forward (4, 2, 0, 0, 1)
+    assert programs_per_sm(153, 4, 65536) == (3, both)  # GDPA forward 64x32, 3 stages
+    assert programs_per_sm(128, 4, 57344) == (4, both)  # the block backward without rope
+    assert programs_per_sm(177, 4, 65536) == (2, "registers")  # the early-v backward: 177 rounds up to 184
+    assert programs_per_sm(40, 1, 1024) == (32, "blocks")
+    assert programs_per_sm(64, 8, 0) == (4, "registers")
+
+
 def test_compile_time_is_counted_outside_tuning(monkeypatch):
     """Triton's compile hooks time each compile; compiles while pick_config tunes are tuning time
     already; a hook installed before ours still runs, and its answer (skip the compile) stands
