@@ -231,30 +231,35 @@ def _aligned_attrs(fn, types: dict, consts: dict) -> dict:
     return {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
 
 
-# Per-SM limits of the architectures --ptxas reports occupancy for: registers, shared memory a
-# kernel can use (the largest carve-out), shared memory the runtime reserves per block, warps,
-# blocks. sm_90 (H100/H200): CUDA's occupancy tables; they reproduce Nsight Compute's "Block Limit"
-# figures for the block-attention picks on the H200 (docs/runs/2026-12-01_ncu_block_self1000_d714d25.txt).
-_SM_LIMITS = {90: (65536, 233472, 1024, 64, 32), 80: (65536, 167936, 1024, 64, 32)}
+# Per-SM limits of sm_90 (H100/H200), the architecture --ptxas reports occupancy for: registers,
+# shared memory a kernel can use (the largest carve-out), shared memory the runtime reserves per
+# block, warps, blocks. With the allocation rules of programs_per_sm they reproduce Nsight Compute's
+# "Block Limit" figures of every kernel profiled on the H200 (docs/runs/*ncu*).
+_SM90_LIMITS = (65536, 233472, 1024, 64, 32)
 
 
-def programs_per_sm(registers: int, warps: int, shared: int, arch: int = 90) -> tuple[int, str]:
-    """Resident programs (thread blocks) per SM for a kernel of ``registers`` per thread, ``warps``
-    warps and ``shared`` bytes of shared memory, and what limits them ("registers", "shared memory",
-    "warps", "blocks"; ties name both). Registers are allocated per warp in units of 256."""
-    regs_sm, smem_sm, smem_reserved, warps_sm, blocks_sm = _SM_LIMITS[arch]
-    per_warp = -(-registers * 32 // 256) * 256
-    limits = {"registers": regs_sm // (per_warp * warps), "shared memory": smem_sm // (shared + smem_reserved),
-              "warps": warps_sm // warps, "blocks": blocks_sm}
+def programs_per_sm(registers: int, warps: int, shared: int) -> tuple[int, str]:
+    """Resident programs (thread blocks) per sm_90 SM for a kernel of ``registers`` per thread,
+    ``warps`` warps and ``shared`` bytes of shared memory, and what limits them ("registers",
+    "shared memory", "warps", "blocks"; ties name each; 0 programs: the kernel does not fit).
+    Registers are allocated per warp in units of 256 from the SM's four sub-partitions of 16,384
+    (a warp's registers come from one of them), shared memory in units of 128 bytes."""
+    regs_sm, smem_sm, smem_reserved, warps_sm, blocks_sm = _SM90_LIMITS
+    limits = {"warps": warps_sm // warps, "blocks": blocks_sm}
+    if registers:
+        per_warp = -(-registers * 32 // 256) * 256
+        limits["registers"] = (regs_sm // 4 // per_warp) * 4 // warps
+    limits["shared memory"] = smem_sm // (-(-shared // 128) * 128 + smem_reserved)
     n = min(limits.values())
     return n, " and ".join(k for k, v in limits.items() if v == n)
 
 
 def ptxas_stats(target, warps: int, stages: int, head_loop: bool = False) -> list[str]:
-    """Registers and spill stores per thread of every kernel above (``ptxas -v`` on its PTX, the
-    ptxas Triton bundles), compiled as a launch specializes it (_aligned_attrs; block attention with
-    one head per program, or with ``head_loop`` its head loop) with ``warps`` and ``stages``: register and spill figures that
-    docs/benchmarks.md can quote, reproducible without a GPU (Triton's version changes them: name it)."""
+    """Registers and spill stores per thread (``ptxas -v`` on its PTX, the ptxas Triton bundles),
+    shared memory and, for sm_90, programs per SM (programs_per_sm) of every kernel above, compiled as
+    a launch specializes it (_aligned_attrs; block attention with one head per program, or with
+    ``head_loop`` its head loop) with ``warps`` and ``stages``: figures that docs/benchmarks.md can
+    quote, reproducible without a GPU (Triton's version changes them: name it)."""
     import re
     import subprocess
     import tempfile
@@ -279,9 +284,9 @@ def ptxas_stats(target, warps: int, stages: int, head_loop: bool = False) -> lis
         regs = re.search(r"Used (\d+) registers", out)
         spill = re.search(r"(\d+) bytes spill stores", out)
         occupancy = ""
-        if regs and target.arch in _SM_LIMITS:
-            n, limit = programs_per_sm(int(regs.group(1)), warps, compiled.metadata.shared, target.arch)
-            occupancy = f", {n} per SM ({limit})"
+        if regs and target.arch == 90:
+            n, limit = programs_per_sm(int(regs.group(1)), compiled.metadata.num_warps, compiled.metadata.shared)
+            occupancy = f", {n} per SM ({limit})" if n else f", does not fit an SM ({limit})"
         lines.append(f"{fn.__name__:<24} {_flags(consts)[:60]:<60} {regs.group(1) if regs else '?':>3} registers, "
                      f"{spill.group(1) if spill else '?':>4} B spill stores, {compiled.metadata.shared} B shared"
                      f"{occupancy}")

@@ -39,19 +39,26 @@ def test_kernels_compile_for_sm90():
 
 
 def test_programs_per_sm_match_the_h200_profiles():
-    """--ptxas's occupancy against Nsight Compute's block limits on the H200 (2026-11-30/12-01,
-    docs/runs/*ncu*): the block-attention picks and the GDPA cross-128 forward."""
+    """--ptxas's occupancy against Nsight Compute's block limits on the H200 (registers, shared
+    memory) for kernels profiled there (docs/runs/*ncu*), and the rules' edges."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from check_kernels_build import programs_per_sm
 
     both = "registers and shared memory"
-    assert programs_per_sm(168, 4, 65536) == (3, both)  # block attention backward (4, 1, 1, 0, 1)
-    assert programs_per_sm(202, 4, 81920) == (2, both)  # block attention forward (4, 2, 0, 0, 1)
-    assert programs_per_sm(153, 4, 65536) == (3, both)  # GDPA forward 64x32, 3 stages
-    assert programs_per_sm(128, 4, 57344) == (4, both)  # the block backward without rope
-    assert programs_per_sm(177, 4, 65536) == (2, "registers")  # the early-v backward: 177 rounds up to 184
-    assert programs_per_sm(40, 1, 1024) == (32, "blocks")
-    assert programs_per_sm(64, 8, 0) == (4, "registers")
+    # 2026-12-01_ncu_block_self1000_d714d25.txt: block attention backward (4, 1, 1, 0, 1), forward (4, 2, 0, 0, 1)
+    assert programs_per_sm(168, 4, 65536) == (3, both)
+    assert programs_per_sm(202, 4, 81920) == (2, both)
+    # 2026-11-30_ncu_gdpa_cross128_pinned_b0d749e.txt: GDPA forward 64x32 (3, 3); dK/dV and dQ at 255 registers (2)
+    assert programs_per_sm(153, 4, 65536) == (3, both)
+    assert programs_per_sm(255, 4, 0)[0] == 2
+    # the rules: 177 registers round up to 184 a thread; the four 16,384-register sub-partitions
+    # (81 registers at 2 warps: 5 warps a sub-partition, 10 programs, not 65536 // 5,632 = 11);
+    # shared memory in 128-byte units; no registers (no limit from them); a kernel that does not fit
+    assert programs_per_sm(177, 4, 65536) == (2, "registers")
+    assert programs_per_sm(81, 2, 0) == (10, "registers")
+    assert programs_per_sm(40, 4, 57345) == (3, "shared memory") and programs_per_sm(40, 4, 57344)[0] == 4
+    assert programs_per_sm(0, 1, 0) == (32, "blocks")
+    assert programs_per_sm(255, 16, 0) == (0, "registers")
 
 
 def test_compile_time_is_counted_outside_tuning(monkeypatch):
