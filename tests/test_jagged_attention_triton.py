@@ -62,9 +62,10 @@ def _check(q_lengths, k_lengths, causal, with_bias, device, dtype, heads=2, dim=
 
     # The float64 reference runs on the inputs' device (float64 has no TF32 path, so it is as exact
     # on the GPU). That did not make the GPU tier's slow tests fast: the causal and windowed ones on
-    # the 1000-token batch still take ~60 s each under 16 xdist workers (docs/runs/
-    # 2026-12-01_tierlog_d714d25.tsv); alone, one took 20 s, most of it Triton compiling the kernel
-    # variants it needs (docs/runs/2026-12-01_cprofile_jagged_test_d714d25.txt).
+    # the 1000-token batch still take ~60 s each under 16 xdist workers, of which the tier's log
+    # counts ~9 s as Triton compiles (docs/runs/2026-12-01_tierlog_d714d25.tsv). Alone under
+    # cProfile one took 20 s, its largest item Triton's code generator (docs/runs/
+    # 2026-12-01_cprofile_jagged_test_d714d25.txt). Where the rest goes under xdist is not known.
     ref_in = [t.detach().double().requires_grad_(True) if t is not None else None for t in (q, k, v, table)]
     ref_bias = None if table is None else ops.RelativePositionBias(ref_in[3], 40)
     ref = attention_loop(ref_in[0], ref_in[1], ref_in[2], qo.cpu(), ko.cpu(), causal=causal, bias=ref_bias, window=window)

@@ -24,6 +24,8 @@ for w in block_attention_workloads():
             forced["block_attention_bwd"] = cfg_bwd
             with common.forced_config(forced):
                 t = kernel_times(qq, kk, vv, off, max_len, 64, tables, gg)
-            print(f"{w.name} {name:10s} strides {tuple(qq.stride())} bwd {cfg_bwd}: fwd {t['fwd_kernel_ms']*1e3:.1f} us "
-                  f"({100 * roofline_ms(counts['fwd_bytes'], copy) / t['fwd_kernel_ms']:.1f}%), bwd {t['bwd_kernel_ms']*1e3:.1f} us "
-                  f"({100 * roofline_ms(counts['bwd_bytes'], copy) / t['bwd_kernel_ms']:.1f}%)", flush=True)
+            fwd, bwd = t["fwd_kernel_ms"], t["bwd_kernel_ms"]
+            fwd_pct = 100 * roofline_ms(counts["fwd_bytes"], copy) / fwd
+            bwd_pct = 100 * roofline_ms(counts["bwd_bytes"], copy) / bwd
+            print(f"{w.name} {name:10s} strides {tuple(qq.stride())} bwd {cfg_bwd}: "
+                  f"fwd {fwd * 1e3:.1f} us ({fwd_pct:.1f}%), bwd {bwd * 1e3:.1f} us ({bwd_pct:.1f}%)", flush=True)

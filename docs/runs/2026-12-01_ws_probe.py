@@ -1,5 +1,7 @@
 """Minimal GDPA-like forward (q tile 64 x 128 over 128 keys in 32-key tiles via TMA, polynomial GELU) with and
-without tl.range(warp_specialize=True), on the GPU: correctness against torch and time. Usage: ws_gpu.py WS WARPS"""
+without tl.range(warp_specialize=True), on the GPU: correctness against torch and time.
+Usage: python3 2026-12-01_ws_probe.py WS WARPS STAGES (e.g. 1 4 2). The run's log (.log beside this file) also
+printed a bandwidth column with a wrong unit; that print is gone, nothing else changed."""
 import sys, time, torch, triton, triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -46,7 +48,6 @@ def main():
         assert err < 2e-2, (t, err)
     ms = triton.testing.do_bench_cudagraph(run, rep=200)
     flops = 4 * tiles * BM * NK * D
-    nbytes = (2 * q.numel() + 2 * k.numel() * 1) * 2  # q read + o write, k and v once
-    print(f"WS={int(ws)} warps={warps} stages={stages}: {ms * 1e3:.1f} us, {flops / ms / 1e9:.0f} TF/s, {nbytes / ms / 1e9:.0f} GB/s", flush=True)
+    print(f"WS={int(ws)} warps={warps} stages={stages}: {ms * 1e3:.1f} us, {flops / ms / 1e9:.0f} TF/s", flush=True)
 
 main()

@@ -120,13 +120,13 @@ _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2,
 # faster (321-344 us). Raw: docs/runs/2026-12-01_sweep_block_tma_bwd_*; the GPU tier passed each.
 # Also dropped (H200, 2026-12-01, tree d714d25, diffs in docs/runs/2026-12-01_block_bwd_*.patch):
 # two programs per (block, head), one forming dq, the other dk and dv in the transposed form (each
-# rotated operand staged once): 40 KB of shared memory but 182 registers, 1.35-3.0x slower at every
+# rotated operand staged once): 40 KB of shared memory but 182 registers, 1.3-3.0x slower at every
 # warp count and register cap; v's halves requested together (one wait on memory, not two): no
 # change; q and k rotated in bf16x2 (14% fewer SASS instructions): 1-2% slower; the gradients'
-# inverse rotation in bf16x2 too: 172 registers, 18% slower; the gradients' rope rows requested
-# before their dots: no change (kept for dk too: 195 registers, 10% slower); the tiles of programs
-# one to six waves ahead prefetched into L2: 10-17% slower. docs/benchmarks.md has the table and an
-# Nsight Compute profile of the pick.
+# inverse rotation in bf16x2 too: 172 registers, 18% slower; dq's rope rows requested before its
+# dots: no change (dk's too: 1-2% slower; kept from dq to dk: 195 registers, 10% slower); the tiles
+# of the programs 132 to 792 launches later prefetched into L2: 10-23% slower. docs/benchmarks.md
+# has the table and an Nsight Compute profile of the pick.
 _BWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (8, 1, 2), (4, 2, 2),
                    (4, 1, 1, 1), (4, 2, 0, 1), (8, 1, 1, 1),
                    (4, 1, 1, 0, 1), (8, 1, 1, 0, 1), (4, 2, 0, 0, 1), (8, 2, 0, 0, 1), (4, 1, 0, 0, 1)]
