@@ -32,7 +32,10 @@ WINDOW_GPU = [1, 63, 64, 256, 2000]
 
 def _inputs(q_lengths, k_lengths, heads, dim, device, dtype, seed, with_bias):
     gen = torch.Generator().manual_seed(seed)
-    qo, ko = offsets(q_lengths, device), offsets(k_lengths, device)
+    # Self-attention gets one offsets tensor for both sides, as the model passes it: the forward
+    # then reads the bias as tiles (bias_tile_table), cross-attention by gathers.
+    qo = offsets(q_lengths, device)
+    ko = qo if list(q_lengths) == list(k_lengths) else offsets(k_lengths, device)
     def make(n):
         return torch.randn(n, heads, dim, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_(True)
     q, k, v = make(int(qo[-1])), make(int(ko[-1])), make(int(ko[-1]))
@@ -193,6 +196,58 @@ def test_tma_needs_row_views_cpu():
     assert common.row_descriptors(16, torch.zeros(1, 2, 16).expand(40, 2, 16)) is None  # rows overlap
 
 
+def _bias_forward_both_ways(lengths, causal, window, max_distance, device, dtype, heads=2, dim=32):
+    """The forward with the bias read as tiles and by gathers (same offsets object, so both run
+    the self-attention path): outputs and log-sum-exps, and how often the tile table was built."""
+    off = offsets(lengths, device)
+    n = int(off[-1])
+    gen = torch.Generator().manual_seed(len(lengths) + max_distance)
+    q, k, v = (torch.randn(n, heads, dim, generator=gen).to(device, dtype) for _ in range(3))
+    bias = ops.RelativePositionBias((torch.randn(heads, 16, generator=gen) * 0.5).to(device), max_distance)
+    runs, built = [], []
+    real = ja_kernels.bias_tile_table
+    for tiles in (True, False):
+        ja_kernels._BIAS_TILES, ja_kernels.bias_tile_table = tiles, lambda *a: built.append(tiles) or real(*a)
+        try:
+            runs.append(ja_kernels._forward(q, k, v, off, off, max(lengths), max(lengths), bias, causal, dim**-0.5,
+                                            window or 0)[:2])
+        finally:
+            ja_kernels._BIAS_TILES, ja_kernels.bias_tile_table = True, real
+    return runs, built
+
+
+@pytest.mark.parametrize("lengths", SELF_CPU)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [None, 7, 17])
+def test_bias_tiles_are_the_gathers_bits_cpu(lengths, causal, window):
+    """Self-attention's bias tiles hold the per-distance table's values: the forward's output and
+    log-sum-exp are bit for bit those of the gathers, for distances inside and beyond the table's
+    clamp (max_distance 8 and 40 against lengths up to 70), with windows and causality."""
+    for max_distance in (8, 40):
+        (tiled, gathered), built = _bias_forward_both_ways(lengths, causal, window, max_distance, "cpu", torch.float32)
+        assert built == [True]  # the tile path ran, and only with _BIAS_TILES
+        assert all(torch.equal(a, b) for a, b in zip(tiled, gathered))
+
+
+def test_cross_attention_bias_is_gathered_cpu(monkeypatch):
+    """Different offsets tensors (cross-attention, shift != 0) never take the tile table."""
+    monkeypatch.setattr(ja_kernels, "bias_tile_table", lambda *a: pytest.fail("tile table built for cross-attention"))
+    _check(*CROSS_CPU[0], True, True, "cpu", torch.float32, tol=2e-5)
+
+
+def test_bias_tile_table_layout_cpu():
+    """Tile t of the table holds bias(min(|d0 + a - b|, max_d)) with d0 = D_LO + t * G, D_LO and the
+    tile count as the kernel computes them; the end tiles are constant."""
+    per_distance = torch.arange(3 * 41, dtype=torch.float32).view(3, 41)  # head h: 41 h + |d|
+    table = ja_kernels.bias_tile_table(per_distance, 40, 32, 16)
+    g, d_lo = 16, -((40 + 32 + 15) // 16) * 16
+    assert table.shape == (3, ((40 + 16 + 15) // 16 * 16 - d_lo) // g + 1, 32, 16)
+    for t in (0, 3, table.shape[1] - 1):
+        d = (d_lo + t * g + torch.arange(32)[:, None] - torch.arange(16)[None, :]).abs().clamp(max=40)
+        assert torch.equal(table[2, t], 41 * 2 + d.float())
+    assert (table[:, 0] == table[:, 0, :1, :1]).all() and (table[:, -1] == table[:, -1, :1, :1]).all()
+
+
 @pytest.mark.parametrize("window", WINDOW_CPU)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -318,6 +373,21 @@ def test_every_candidate_config_gpu(which, cfg):
         _check(SELF_GPU[1], SELF_GPU[1], True, True, "cuda", torch.bfloat16, heads=4, dim=64, **strict)
         _check(*CROSS_GPU[0], True, True, "cuda", torch.bfloat16, heads=4, dim=128, window=100, **strict)
         _check(SELF_GPU[0], SELF_GPU[0], False, True, "cuda", torch.bfloat16, heads=4, dim=128, window=64, **strict)
+
+
+_FWD_CONFIGS = [c for w, c in _EVERY_CONFIG if w == "fwd"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", _FWD_CONFIGS, ids=["_".join(map(str, c)) for c in _FWD_CONFIGS])
+def test_bias_tiles_are_the_gathers_bits_gpu(cfg):
+    """Every forward candidate, bf16, D=128: the bias tiles give the gathers' bits (one long among
+    short, uniform lengths; causal or not; distances past the clamp)."""
+    with common.forced_config({"fwd": cfg}):
+        for lengths, causal, window in ((SELF_GPU[1], True, None), (SELF_GPU[2], False, None), (SELF_GPU[0], True, 64)):
+            (tiled, gathered), built = _bias_forward_both_ways(lengths, causal, window, 128, "cuda", torch.bfloat16,
+                                                               heads=4, dim=128)
+            assert built == [True] and all(torch.equal(a, b) for a, b in zip(tiled, gathered))
 
 
 _TMA_CONFIGS = [(w, c) for w, c in _EVERY_CONFIG if len(c) > (5 if w == "dkdv" else 4) and c[5 if w == "dkdv" else 4]]

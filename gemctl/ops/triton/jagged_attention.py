@@ -36,6 +36,14 @@ store zeros), so nothing is zero-filled first. No atomics: the bias gradient is 
 program in registers and summed over programs in a fixed order, so gradients are bitwise identical
 for identical inputs.
 
+Bias: the kernels read bias_h(|d|) from a per-|distance| table [H, max_distance + 1] (fp32, log2
+units), one gather per score. In self-attention (the same offsets tensor for queries and keys, so
+shift = 0) every forward tile's distances are d0 + a - b with d0 = m0 - start_n a multiple of
+G = min(BLOCK_M, BLOCK_N): the forward then reads each tile's bias as one plain 2-D tile of a table
+[H, NT, BLOCK_M, BLOCK_N] built per call from the per-distance one (bias_tile_table; the same
+values, so the same bits), 1.3-1.6x faster than the gathers on the H200 (docs/benchmarks.md). The
+backward passes still gather.
+
 Measured on one H200 (2026-11-29): see docs/benchmarks.md ("jagged_attention").
 TMA: configs that load the tiles needing no mask through tensor descriptors (K/V in the forward
 and dQ passes, Q/dO in the dK/dV pass); masked tiles keep masked loads, so no row of another
@@ -136,6 +144,19 @@ def _bias_tile(BIAS, h, dist, stride_bias_h, bias_max):
     return tl.load(BIAS + h * stride_bias_h + ad)
 
 
+@triton.jit
+def _bias_tile_table(BIAS, h, d0, stride_bias_h, bias_max, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # BIAS: the bias tiles of every tile offset d0 = m0 + shift - start_n (a multiple of
+    # G = min(BLOCK_M, BLOCK_N) in self-attention), [H, NT, BLOCK_M, BLOCK_N] fp32 in log2 units,
+    # tile t for d0 = D_LO + t * G (bias_tile_table builds it): a plain 2-D load, no gather.
+    G: tl.constexpr = BLOCK_M if BLOCK_M < BLOCK_N else BLOCK_N
+    d_lo = -((bias_max + BLOCK_M + G - 1) // G) * G
+    n_t = (((bias_max + BLOCK_N + G - 1) // G) * G - d_lo) // G + 1
+    t = tl.minimum(tl.maximum((d0 - d_lo) // G, 0), n_t - 1)
+    rows = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    return tl.load(BIAS + h * stride_bias_h + t * (BLOCK_M * BLOCK_N) + rows)
+
+
 # MXFP8 probabilities (operand_quant of gemctl.ops.jagged_attention, MX recipes): MX_P codes the
 # element format and scale rule of P's quantization (0: none; see mx_p_code).
 def mx_p_code(elem: torch.dtype, scale_rule: str, block: int) -> int:
@@ -196,7 +217,8 @@ def _fwd_tile(
     acc, m_i, l_i, q, K, V, K_DESC, V_DESC, BIAS, h, k_start, start_n, k_len, shift,
     offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh, stride_bias_h, bias_max, qk_scale, window,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr, MX_P: tl.constexpr = 0,
-    TMA: tl.constexpr = False, FOLD_SCALE: tl.constexpr = False, LAZY: tl.constexpr = False,
+    TMA: tl.constexpr = False, FOLD_SCALE: tl.constexpr = False, LAZY: tl.constexpr = False, m0=0,
+    BLOCK_M: tl.constexpr = 0, BLOCK_N: tl.constexpr = 0,
 ):
     # LAZY: FlashAttention 4's lazy rescaling: the accumulator is rescaled only in tiles where some
     # row's running maximum grows by more than 2^8 (log2 units); otherwise the stale maximum stays,
@@ -217,7 +239,9 @@ def _fwd_tile(
     v = load_tile(V, V_DESC, k_start, start_n, cols, k_len, stride_vn, h * stride_vh, offs_d,
               TMA and not MASK)  # (BN, D)
     dist = offs_m[:, None] + shift - cols[None, :]
-    if HAS_BIAS:
+    if HAS_BIAS == 2:  # self-attention: the tile's bias as one plain tile of a table
+        s += _bias_tile_table(BIAS, h, m0 + shift - start_n, stride_bias_h, bias_max, BLOCK_M, BLOCK_N)
+    elif HAS_BIAS:
         s += _bias_tile(BIAS, h, dist, stride_bias_h, bias_max)
     if MASK:
         s = tl.where(_visible(kmask[None, :], dist, window, CAUSAL, WINDOWED), s, float("-inf"))
@@ -328,17 +352,17 @@ def _jagged_attn_fwd(
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, K_DESC, V_DESC, BIAS, h, k_start, start_n, k_len, shift,
                                       offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh,
                                       stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, True, True, MX_P,
-                                      TMA, FOLD_SCALE, LAZY)
+                                      TMA, FOLD_SCALE, LAZY, m0, BLOCK_M, BLOCK_N)
     for start_n in range(full_lo, full_end, BLOCK_N):
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, K_DESC, V_DESC, BIAS, h, k_start, start_n, k_len, shift,
                                   offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh,
                                   stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, False, WINDOWED, MX_P,
-                                  TMA, FOLD_SCALE, LAZY)
+                                  TMA, FOLD_SCALE, LAZY, m0, BLOCK_M, BLOCK_N)
     for start_n in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, K_DESC, V_DESC, BIAS, h, k_start, start_n, k_len, shift,
                                   offs_m, offs_n, offs_d, stride_kn, stride_kh, stride_vn, stride_vh,
                                   stride_bias_h, bias_max, qk_scale, window, CAUSAL, HAS_BIAS, True, WINDOWED, MX_P,
-                                  TMA, FOLD_SCALE, LAZY)
+                                  TMA, FOLD_SCALE, LAZY, m0, BLOCK_M, BLOCK_N)
     has_key = l_i > 0.0
     l_safe = tl.where(has_key, l_i, 1.0)
     out = acc / l_safe[:, None]  # rows with no visible key: acc = 0 -> zeros
@@ -577,6 +601,29 @@ def _bias_tables(bias: RelativePositionBias | None, num_heads: int, device):
     return per_distance, buckets.to(torch.int32).contiguous(), max_d, bias.num_buckets
 
 
+_BIAS_TILES = True  # self-attention forwards read the bias as plain tiles (bias_tile_table); False: gathers
+_tile_index_cache: dict = {}
+
+
+def bias_tile_table(per_distance: torch.Tensor, max_d: int, block_m: int, block_n: int) -> torch.Tensor:
+    """The forward's bias tiles [H, NT, BM, BN] (fp32, log2 units) from the per-|distance| table
+    [H, max_d + 1]: tile t holds bias(|d0 + a - b|) for row a, column b and d0 = D_LO + t * G
+    (G = min(BM, BN)), every tile offset a self-attention tile (m0 - start_n, both multiples of
+    their tile) can have, D_LO and NT as _bias_tile_table computes them; the end tiles are
+    constant (every |distance| beyond max_d), so offsets past them clamp to them."""
+    g = min(block_m, block_n)
+    d_lo = -cdiv(max_d + block_m, g) * g
+    n_t = (cdiv(max_d + block_n, g) * g - d_lo) // g + 1
+    key = (max_d, block_m, block_n, per_distance.device)
+    if key not in _tile_index_cache:
+        d0 = d_lo + g * torch.arange(n_t, device=per_distance.device)
+        a = torch.arange(block_m, device=per_distance.device)
+        b = torch.arange(block_n, device=per_distance.device)
+        dist = d0[:, None, None] + a[None, :, None] - b[None, None, :]
+        _tile_index_cache[key] = dist.abs().clamp(max=max_d)
+    return per_distance[:, _tile_index_cache[key]].contiguous()
+
+
 def _check_mx_tile(mx_p: int, block_n: int) -> None:
     if mx_p and block_n % 32:
         raise ValueError(f"jagged_attention: MX probabilities need key tiles of whole 32-key blocks, got BLOCK_N={block_n}")
@@ -590,6 +637,7 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, 
     bias_d, _, bias_max, _ = _bias_tables(bias, heads, q.device)
     qk_scale = scale * LOG2E
     kernel_window = window if window > 0 else NO_WINDOW
+    tiles = _BIAS_TILES and q_offsets is k_offsets  # self-attention: every tile offset a multiple of G
 
     def run(cfg):
         bm, bn, warps, stages = cfg[:4]
@@ -599,17 +647,21 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, 
             return
         # Where the descriptors cannot be built the same tiles run by masked loads (same values).
         descs = row_descriptors(bn, k, v) if config_field(cfg, 4) else None
+        bias_t, has_bias = bias_d, int(bias is not None)
+        if bias is not None and tiles:
+            bias_t, has_bias = bias_tile_table(bias_d, bias_max, bm, bn), 2
         _jagged_attn_fwd[(work.shape[0], heads)](
-            q, k, v, out, lse, mrow if mx_p else lse, q_offsets, k_offsets, work, bias_d, *(descs or (None, None)),
+            q, k, v, out, lse, mrow if mx_p else lse, q_offsets, k_offsets, work, bias_t, *(descs or (None, None)),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-            bias_d.stride(0), bias_max, heads, qk_scale, kernel_window,
-            HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias is not None, WINDOWED=window > 0,
+            bias_t.stride(0), bias_max, heads, qk_scale, kernel_window,
+            HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=has_bias, WINDOWED=window > 0,
             MX_P=mx_p, TMA=descs is not None, FOLD_SCALE=bias is None and qk_scale > 0, LAZY=bool(config_field(cfg, 5)),
             num_warps=warps, num_stages=stages,
         )
 
     size = "large" if dim >= 128 else "small"
-    key = ("fwd", dim, q.dtype, causal, bias is not None, _window_key(window), bucket_len(max_q_len), bucket_len(max_k_len),
+    bias_kind = (bias is not None) * (2 if tiles else 1)  # gathers and tiles: configs timed apart
+    key = ("fwd", dim, q.dtype, causal, bias_kind, _window_key(window), bucket_len(max_q_len), bucket_len(max_k_len),
            mx_p)
     run(pick_config(key, lambda: _tuned(_FWD_CANDIDATES[size], 4), run,
                     **({"interpret_config": _MX_INTERPRET} if mx_p else {})))
