@@ -219,14 +219,18 @@ def _bias_forward_both_ways(lengths, causal, window, max_distance, device, dtype
 @pytest.mark.parametrize("lengths", SELF_CPU)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("window", [None, 7, 17])
-def test_bias_tiles_are_the_gathers_bits_cpu(lengths, causal, window):
+@pytest.mark.parametrize("tile", [(16, 16), (16, 32), (32, 16)])
+def test_bias_tiles_are_the_gathers_bits_cpu(lengths, causal, window, tile):
     """Self-attention's bias tiles hold the per-distance table's values: the forward's output and
     log-sum-exp are bit for bit those of the gathers, for distances inside and beyond the table's
-    clamp (max_distance 8 and 40 against lengths up to 70), with windows and causality."""
-    for max_distance in (8, 40):
-        (tiled, gathered), built = _bias_forward_both_ways(lengths, causal, window, max_distance, "cpu", torch.float32)
-        assert built == [True]  # the tile path ran, and only with _BIAS_TILES
-        assert all(torch.equal(a, b) for a, b in zip(tiled, gathered))
+    clamp (max_distance 8 and 40 against lengths up to 70), with windows and causality, square and
+    oblong tiles (the table's offsets step by the smaller side)."""
+    with common.forced_config({"fwd": (*tile, 1, 1)}):
+        for max_distance in (8, 40):
+            (tiled, gathered), built = _bias_forward_both_ways(lengths, causal, window, max_distance, "cpu",
+                                                               torch.float32)
+            assert built == [True]  # the tile path ran, and only with _BIAS_TILES
+            assert all(torch.equal(a, b) for a, b in zip(tiled, gathered))
 
 
 def test_cross_attention_bias_is_gathered_cpu(monkeypatch):
