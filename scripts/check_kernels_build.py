@@ -56,6 +56,8 @@ def kernels():
     for causal in (False, True):  # the unmasked tiles by TMA
         consts = dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, CAUSAL=causal, HAS_BIAS=causal, TMA=True)
         yield ja._jagged_attn_fwd, dict(io, **tiles), dict(consts, WINDOWED=False, LAZY=not causal)  # + lazy rescaling
+        if causal:  # the model's forward: causal, the bias as tiles, the unmasked tiles by TMA
+            yield ja._jagged_attn_fwd, dict(io, **tiles), dict(consts, WINDOWED=False, HAS_BIAS=2)
         yield ja._jagged_attn_bwd_dkdv, dict(io, **tiles), dict(consts, TRANSPOSED=causal)
         if causal:
             yield ja._jagged_attn_bwd_dq, dict(io, **tiles), dict(consts, NUM_BUCKETS=32)

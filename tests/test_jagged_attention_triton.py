@@ -205,14 +205,14 @@ def _bias_forward_both_ways(lengths, causal, window, max_distance, device, dtype
     q, k, v = (torch.randn(n, heads, dim, generator=gen).to(device, dtype) for _ in range(3))
     bias = ops.RelativePositionBias((torch.randn(heads, 16, generator=gen) * 0.5).to(device), max_distance)
     runs, built = [], []
-    real = ja_kernels.bias_tile_table
+    real, before = ja_kernels.bias_tile_table, ja_kernels._BIAS_TILES
     for tiles in (True, False):
         ja_kernels._BIAS_TILES, ja_kernels.bias_tile_table = tiles, lambda *a: built.append(tiles) or real(*a)
         try:
             runs.append(ja_kernels._forward(q, k, v, off, off, max(lengths), max(lengths), bias, causal, dim**-0.5,
                                             window or 0)[:2])
         finally:
-            ja_kernels._BIAS_TILES, ja_kernels.bias_tile_table = True, real
+            ja_kernels._BIAS_TILES, ja_kernels.bias_tile_table = before, real
     return runs, built
 
 
@@ -234,9 +234,17 @@ def test_bias_tiles_are_the_gathers_bits_cpu(lengths, causal, window, tile):
 
 
 def test_cross_attention_bias_is_gathered_cpu(monkeypatch):
-    """Different offsets tensors (cross-attention, shift != 0) never take the tile table."""
+    """Different layouts (cross-attention, shift != 0) never take the tile table; two offsets tensors
+    with the same values (self-attention passed as copies) do."""
+    real = ja_kernels.bias_tile_table
     monkeypatch.setattr(ja_kernels, "bias_tile_table", lambda *a: pytest.fail("tile table built for cross-attention"))
     _check(*CROSS_CPU[0], True, True, "cpu", torch.float32, tol=2e-5)
+    built = []
+    monkeypatch.setattr(ja_kernels, "bias_tile_table", lambda *a: built.append(1) or real(*a))
+    q = k = v = torch.randn(20, 2, 32)
+    bias = ops.RelativePositionBias(torch.randn(2, 16), 8)
+    ops.jagged_attention(q, k, v, offsets([20], "cpu"), offsets([20], "cpu"), 20, 20, bias=bias, backend="triton")
+    assert built == [1]
 
 
 def test_bias_tile_table_layout_cpu():

@@ -37,12 +37,13 @@ program in registers and summed over programs in a fixed order, so gradients are
 for identical inputs.
 
 Bias: the kernels read bias_h(|d|) from a per-|distance| table [H, max_distance + 1] (fp32, log2
-units), one gather per score. In self-attention (the same offsets tensor for queries and keys, so
+units), one gather per score. In self-attention (one offsets layout for queries and keys, so
 shift = 0) every forward tile's distances are d0 + a - b with d0 = m0 - start_n a multiple of
 G = min(BLOCK_M, BLOCK_N): the forward then reads each tile's bias as one plain 2-D tile of a table
 [H, NT, BLOCK_M, BLOCK_N] built per call from the per-distance one (bias_tile_table; the same
-values, so the same bits), 1.3-1.6x faster than the gathers on the H200 (docs/benchmarks.md). The
-backward passes still gather.
+values, so the same bits), 1.3-1.6x faster than the gathers on the H200, best config against best
+(docs/benchmarks.md). The table grows with heads and max_distance (H = 4, max_distance 1024:
+2.2-4.7 MB; 16 heads at 2048 would be ~17-36 MB a call). The backward passes still gather.
 
 Measured on one H200 (2026-11-29): see docs/benchmarks.md ("jagged_attention").
 TMA: configs that load the tiles needing no mask through tensor descriptors (K/V in the forward
@@ -61,7 +62,7 @@ from gemctl.ops import host
 from gemctl.ops.bias import RelativePositionBias, relative_position_bucket
 from gemctl.ops.triton.common import (
     bucket_len, cdiv, config_field, gpu_checked, key_work, load_rows, load_tile, next_pow2, pick_config, query_work,
-    row_descriptors, store_rows, work_item,
+    row_descriptors, same_offsets, store_rows, work_item,
 )
 from gemctl.ops.triton.mx_quant import _shared_exponent
 
@@ -602,7 +603,8 @@ def _bias_tables(bias: RelativePositionBias | None, num_heads: int, device):
 
 
 _BIAS_TILES = True  # self-attention forwards read the bias as plain tiles (bias_tile_table); False: gathers
-_tile_index_cache: dict = {}
+_tile_index_cache: dict = {}  # (max_d, BM, BN, device) -> int32 |distance| index [NT, BM, BN]
+_TILE_INDEX_ENTRIES = 16  # autotuning builds one per candidate tile shape; older entries are dropped
 
 
 def bias_tile_table(per_distance: torch.Tensor, max_d: int, block_m: int, block_n: int) -> torch.Tensor:
@@ -616,9 +618,11 @@ def bias_tile_table(per_distance: torch.Tensor, max_d: int, block_m: int, block_
     n_t = (cdiv(max_d + block_n, g) * g - d_lo) // g + 1
     key = (max_d, block_m, block_n, per_distance.device)
     if key not in _tile_index_cache:
-        d0 = d_lo + g * torch.arange(n_t, device=per_distance.device)
-        a = torch.arange(block_m, device=per_distance.device)
-        b = torch.arange(block_n, device=per_distance.device)
+        if len(_tile_index_cache) >= _TILE_INDEX_ENTRIES:
+            _tile_index_cache.pop(next(iter(_tile_index_cache)))
+        d0 = d_lo + g * torch.arange(n_t, device=per_distance.device, dtype=torch.int32)
+        a = torch.arange(block_m, device=per_distance.device, dtype=torch.int32)
+        b = torch.arange(block_n, device=per_distance.device, dtype=torch.int32)
         dist = d0[:, None, None] + a[None, :, None] - b[None, None, :]
         _tile_index_cache[key] = dist.abs().clamp(max=max_d)
     return per_distance[:, _tile_index_cache[key]].contiguous()
@@ -637,7 +641,9 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, 
     bias_d, _, bias_max, _ = _bias_tables(bias, heads, q.device)
     qk_scale = scale * LOG2E
     kernel_window = window if window > 0 else NO_WINDOW
-    tiles = _BIAS_TILES and q_offsets is k_offsets  # self-attention: every tile offset a multiple of G
+    # self-attention (one layout for queries and keys): every sequence's shift is 0, so every tile
+    # offset is a multiple of G
+    tiles = _BIAS_TILES and bias is not None and same_offsets(q_offsets, k_offsets)
 
     def run(cfg):
         bm, bn, warps, stages = cfg[:4]
