@@ -49,8 +49,13 @@ def kernels():
                 yield ja._jagged_attn_bwd_dkdv, io, dict(consts, TRANSPOSED=transposed)
             yield ja._jagged_attn_bwd_dq, io, dict(consts, NUM_BUCKETS=32)
     yield ja._jagged_attn_fwd, io, dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, CAUSAL=True, HAS_BIAS=True, WINDOWED=True)
-    # self-attention's bias read as plain tiles (bias_tile_table), the model's case
-    yield ja._jagged_attn_fwd, io, dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=32, CAUSAL=True, HAS_BIAS=2, WINDOWED=False)
+    # self-attention's bias read as plain tiles (bias_tile_table), the model's case; the backward's
+    # passes too (dK/dV straight and transposed, dQ)
+    tiled = dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=32, CAUSAL=True, HAS_BIAS=2)
+    yield ja._jagged_attn_fwd, io, dict(tiled, WINDOWED=False)
+    for transposed in (False, True):
+        yield ja._jagged_attn_bwd_dkdv, io, dict(tiled, TRANSPOSED=transposed)
+    yield ja._jagged_attn_bwd_dq, io, dict(tiled, NUM_BUCKETS=32)
     yield ja._bwd_delta, io, dict(HEAD_DIM=128, BLOCK_R=ja._DELTA_ROWS)  # the backward's rowsum(dO * O)
     tiles = {name: "tensordesc<bf16[64, 128]>" for name in ("K_DESC", "V_DESC", "Q_DESC", "DO_DESC")}
     for causal in (False, True):  # the unmasked tiles by TMA

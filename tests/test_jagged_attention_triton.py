@@ -233,6 +233,47 @@ def test_bias_tiles_are_the_gathers_bits_cpu(lengths, causal, window, tile):
             assert all(torch.equal(a, b) for a, b in zip(tiled, gathered))
 
 
+def _bias_backward_both_ways(lengths, causal, window, max_distance, device, dtype, heads=2, dim=32):
+    """The backward (dq, dk, dv, the bias table's gradient) with the bias read as tiles
+    (_BIAS_TILES_BWD) and by gathers, from one forward; and how often the tile table was built."""
+    off = offsets(lengths, device)
+    n = int(off[-1])
+    gen = torch.Generator().manual_seed(len(lengths) + max_distance + 1)
+    q, k, v, grad = (torch.randn(n, heads, dim, generator=gen).to(device, dtype) for _ in range(4))
+    bias = ops.RelativePositionBias((torch.randn(heads, 16, generator=gen) * 0.5).to(device), max_distance)
+    out, lse, _ = ja_kernels._forward(q, k, v, off, off, max(lengths), max(lengths), bias, causal, dim**-0.5,
+                                      window or 0)
+    runs, built = [], []
+    real, before = ja_kernels.bias_tile_table, ja_kernels._BIAS_TILES_BWD
+    for tiles in (True, False):
+        ja_kernels._BIAS_TILES_BWD, ja_kernels.bias_tile_table = tiles, lambda *a: built.append(tiles) or real(*a)
+        try:
+            runs.append(ja_kernels._backward(grad, q, k, v, out, lse, off, off, max(lengths), max(lengths), bias,
+                                             causal, dim**-0.5, window or 0))
+        finally:
+            ja_kernels._BIAS_TILES_BWD, ja_kernels.bias_tile_table = before, real
+    return runs, built
+
+
+@pytest.mark.parametrize("forced", [{"dkdv": (16, 16, 1, 1, 0), "dq": (16, 16, 1, 1)},
+                                    {"dkdv": (16, 32, 1, 1, 1), "dq": (32, 16, 1, 1)},
+                                    {"dkdv": (32, 16, 1, 1, 0), "dq": (16, 32, 1, 1)}],
+                         ids=["square", "transposed-dkdv", "oblong"])
+@pytest.mark.parametrize("lengths", SELF_CPU[:2])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [None, 17])
+def test_backward_bias_tiles_are_the_gathers_bits_cpu(forced, lengths, causal, window):
+    """The backward passes read the same tiles (the dK/dV pass's transposed formulation from the
+    table stored keys x queries): dq, dk, dv and the bias table's gradient bit for bit the
+    gathers', distances inside and beyond the clamp."""
+    with common.forced_config(forced):
+        for max_distance in (8, 40):
+            (tiled, gathered), built = _bias_backward_both_ways(lengths, causal, window, max_distance, "cpu",
+                                                                torch.float32)
+            assert built == [True, True]  # dK/dV and dQ, only with _BIAS_TILES_BWD
+            assert all(torch.equal(a, b) for a, b in zip(tiled, gathered))
+
+
 def test_cross_attention_bias_is_gathered_cpu(monkeypatch):
     """Different layouts (cross-attention, shift != 0) never take the tile table; two offsets tensors
     with the same values (self-attention passed as copies) do."""
@@ -400,6 +441,20 @@ def test_bias_tiles_are_the_gathers_bits_gpu(cfg):
             (tiled, gathered), built = _bias_forward_both_ways(lengths, causal, window, 128, "cuda", torch.bfloat16,
                                                                heads=4, dim=128)
             assert built == [True] and all(torch.equal(a, b) for a, b in zip(tiled, gathered))
+
+
+_BWD_CONFIGS = [(w, c) for w, c in _EVERY_CONFIG if w != "fwd"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which,cfg", _BWD_CONFIGS, ids=[f"{w}-{'_'.join(map(str, c))}" for w, c in _BWD_CONFIGS])
+def test_backward_bias_tiles_are_the_gathers_bits_gpu(which, cfg):
+    """Every dK/dV and dQ candidate, bf16, D=128: the backward's bias tiles give the gathers' bits."""
+    with common.forced_config({which: cfg}):
+        for lengths, causal, window in ((SELF_GPU[1], True, None), (SELF_GPU[2], False, None), (SELF_GPU[0], True, 64)):
+            (tiled, gathered), built = _bias_backward_both_ways(lengths, causal, window, 128, "cuda", torch.bfloat16,
+                                                                heads=4, dim=128)
+            assert built == [True, True] and all(torch.equal(a, b) for a, b in zip(tiled, gathered))
 
 
 _TMA_CONFIGS = [(w, c) for w, c in _EVERY_CONFIG if len(c) > (5 if w == "dkdv" else 4) and c[5 if w == "dkdv" else 4]]

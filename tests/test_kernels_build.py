@@ -19,9 +19,9 @@ def test_kernels_compile_for_sm90():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ": ok" in ln]
-    # jagged attention (16: dK/dV in both formulations; + the windowed forward, + the forward with the
-    # bias as tiles, + delta, + 6 with the unmasked tiles by TMA (one with lazy rescaling, one with the
-    # bias as tiles), + 3 with MXFP8 probabilities) + gdpa (12, + the forward
+    # jagged attention (16: dK/dV in both formulations; + the windowed forward, + the three passes
+    # with the bias as tiles (dK/dV in both formulations), + delta, + 6 with the unmasked tiles by TMA
+    # (one with lazy rescaling, one with the bias as tiles), + 3 with MXFP8 probabilities) + gdpa (12, + the forward
     # with whole key tiles by TMA) + block attention (8, + forward and backward in (BS, D/2) halves, +
     # the forward rotating in bf16x2, full and half width, + forward and backward with whole blocks
     # by TMA) + MX quantize (5 by rows, 5 down the columns) and RMSNorm->MX (2) + FP8 GEMMs (6: row-wise, silu' epilogue, promoted,
@@ -29,7 +29,7 @@ def test_kernels_compile_for_sm90():
     # in flight, by atomic max, two sweeps, RMSNorm fused; columns, from column bytes, 4 programs
     # per chunk, RMSNorm recomputed) + the RMSNorm backward (1) + the persistent TMA GEMM (2: silu'
     # epilogue, token-chunk scales)
-    assert len(lines) == 16 + 3 + 6 + 3 + 13 + 14 + 12 + 6 + 10 + 1 + 2, proc.stdout
+    assert len(lines) == 16 + 6 + 6 + 3 + 13 + 14 + 12 + 6 + 10 + 1 + 2, proc.stdout
     # the FP8 column casts at a jagged token count (not a multiple of 16) keep 16-byte vector stores
     stores = [ln for ln in proc.stdout.splitlines() if "jagged R:" in ln]
     assert len(stores) == 3 and all(ln.endswith(": vector") for ln in stores), proc.stdout

@@ -43,7 +43,9 @@ G = min(BLOCK_M, BLOCK_N): the forward then reads each tile's bias as one plain 
 [H, NT, BLOCK_M, BLOCK_N] built per call from the per-distance one (bias_tile_table; the same
 values, so the same bits), 1.3-1.6x faster than the gathers on the H200, best config against best
 (docs/benchmarks.md). The table grows with heads and max_distance (H = 4, max_distance 1024:
-2.2-4.7 MB; 16 heads at 2048 would be ~17-36 MB a call). The backward passes still gather.
+2.2-4.7 MB; 16 heads at 2048 would be ~17-36 MB a call). The backward passes can read the same
+tiles (_BIAS_TILES_BWD; the dK/dV pass's transposed formulation from the table stored keys x
+queries), bit-identical to their gathers on the CPU tier; off until timed on a GPU.
 
 Measured on one H200 (2026-11-29): see docs/benchmarks.md ("jagged_attention").
 TMA: configs that load the tiles needing no mask through tensor descriptors (K/V in the forward
@@ -146,15 +148,20 @@ def _bias_tile(BIAS, h, dist, stride_bias_h, bias_max):
 
 
 @triton.jit
-def _bias_tile_table(BIAS, h, d0, stride_bias_h, bias_max, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _bias_tile_table(BIAS, h, d0, stride_bias_h, bias_max, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     TRANS: tl.constexpr = False):
     # BIAS: the bias tiles of every tile offset d0 = m0 + shift - start_n (a multiple of
     # G = min(BLOCK_M, BLOCK_N) in self-attention), [H, NT, BLOCK_M, BLOCK_N] fp32 in log2 units,
     # tile t for d0 = D_LO + t * G (bias_tile_table builds it): a plain 2-D load, no gather.
+    # TRANS: the (BLOCK_N, BLOCK_M) tiles of keys x queries, from the table stored [H, NT, BN, BM].
     G: tl.constexpr = BLOCK_M if BLOCK_M < BLOCK_N else BLOCK_N
     d_lo = -((bias_max + BLOCK_M + G - 1) // G) * G
     n_t = (((bias_max + BLOCK_N + G - 1) // G) * G - d_lo) // G + 1
     t = tl.minimum(tl.maximum((d0 - d_lo) // G, 0), n_t - 1)
-    rows = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    if TRANS:
+        rows = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    else:
+        rows = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     return tl.load(BIAS + h * stride_bias_h + t * (BLOCK_M * BLOCK_N) + rows)
 
 
@@ -376,11 +383,14 @@ def _jagged_attn_fwd(
 
 @triton.jit
 def _bwd_scores(q, k, BIAS, h, dist, lse, stride_bias_h, bias_max, qk_scale, valid,
-                HAS_BIAS: tl.constexpr, MASK: tl.constexpr):
+                HAS_BIAS: tl.constexpr, MASK: tl.constexpr, d0=0, BLOCK_M: tl.constexpr = 0,
+                BLOCK_N: tl.constexpr = 0):
     """Recompute p = softmax probabilities of a (BM, BN) tile from q, k and the saved LSE; also
-    the scores s (log2 units, bias included)."""
+    the scores s (log2 units, bias included; HAS_BIAS == 2: the tile of offset d0 from the table)."""
     s = tl.dot(q, tl.trans(k)) * qk_scale
-    if HAS_BIAS:
+    if HAS_BIAS == 2:
+        s += _bias_tile_table(BIAS, h, d0, stride_bias_h, bias_max, BLOCK_M, BLOCK_N)
+    elif HAS_BIAS:
         s += _bias_tile(BIAS, h, dist, stride_bias_h, bias_max)
     p = tl.math.exp2(s - lse[:, None])
     if MASK:
@@ -463,7 +473,10 @@ def _jagged_attn_bwd_dkdv(
             if TRANSPOSED:  # q^T and do^T are views of the tiles staged in shared memory
                 dist_t = offs_m[None, :] + shift - offs_n[:, None]
                 s_t = tl.dot(k, tl.trans(q)) * qk_scale
-                if HAS_BIAS:
+                if HAS_BIAS == 2:
+                    s_t += _bias_tile_table(BIAS, h, start_m + shift - n0, stride_bias_h, bias_max, BLOCK_M, BLOCK_N,
+                                            True)
+                elif HAS_BIAS:
                     s_t += _bias_tile(BIAS, h, dist_t, stride_bias_h, bias_max)
                 p_t = tl.math.exp2(s_t - lse[None, :])
                 if phase != 1:
@@ -483,7 +496,7 @@ def _jagged_attn_bwd_dkdv(
                 dist = offs_m[:, None] + shift - offs_n[None, :]
                 valid = _visible(kmask[None, :], dist, window, CAUSAL, True)
                 p, s = _bwd_scores(q, k, BIAS, h, dist, lse, stride_bias_h, bias_max, qk_scale, valid, HAS_BIAS,
-                                   phase != 1)
+                                   phase != 1, start_m + shift - n0, BLOCK_M, BLOCK_N)
                 if MX_P:
                     pq = tl.where(row_ok[:, None], tl.math.exp2(s - m_row[:, None]), 0.0)
                     if phase != 1:
@@ -542,7 +555,8 @@ def _jagged_attn_bwd_dq(
             v = load_tile(V, V_DESC, k_start, start_n, offs_n, k_len, stride_vn, h * stride_vh, offs_d, by_tma)
             dist = offs_m[:, None] + shift - offs_n[None, :]
             valid = _visible(kmask[None, :], dist, window, CAUSAL, True)
-            p, _ = _bwd_scores(q, k, BIAS, h, dist, lse, stride_bias_h, bias_max, qk_scale, valid, HAS_BIAS, phase != 1)
+            p, _ = _bwd_scores(q, k, BIAS, h, dist, lse, stride_bias_h, bias_max, qk_scale, valid, HAS_BIAS, phase != 1,
+                               m0 + shift - start_n, BLOCK_M, BLOCK_N)
             dp = tl.dot(do, tl.trans(v))
             ds = p * (dp - delta[:, None])  # gradient of the natural-units score s_ij
             dq += tl.dot(ds.to(k.dtype), k)
@@ -603,6 +617,9 @@ def _bias_tables(bias: RelativePositionBias | None, num_heads: int, device):
 
 
 _BIAS_TILES = True  # self-attention forwards read the bias as plain tiles (bias_tile_table); False: gathers
+# The backward passes (dK/dV straight or transposed, dQ) the same way; off until timed on a GPU (the
+# CPU tier checks it bit for bit against the gathers).
+_BIAS_TILES_BWD = False
 _tile_index_cache: dict = {}  # (max_d, BM, BN, device) -> int32 |distance| index [NT, BM, BN]
 _TILE_INDEX_ENTRIES = 16  # autotuning builds one per candidate tile shape; older entries are dropped
 
@@ -653,7 +670,7 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, 
             return
         # Where the descriptors cannot be built the same tiles run by masked loads (same values).
         descs = row_descriptors(bn, k, v) if config_field(cfg, 4) else None
-        bias_t, has_bias = bias_d, int(bias is not None)
+        bias_t, has_bias = bias_d, bias is not None
         if bias is not None and tiles:
             bias_t, has_bias = bias_tile_table(bias_d, bias_max, bm, bn), 2
         _jagged_attn_fwd[(work.shape[0], heads)](
@@ -666,7 +683,7 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, 
         )
 
     size = "large" if dim >= 128 else "small"
-    bias_kind = (bias is not None) * (2 if tiles else 1)  # gathers and tiles: configs timed apart
+    bias_kind = 2 if tiles else bias is not None  # gathers and tiles: configs timed apart (bools as before)
     key = ("fwd", dim, q.dtype, causal, bias_kind, _window_key(window), bucket_len(max_q_len), bucket_len(max_k_len),
            mx_p)
     run(pick_config(key, lambda: _tuned(_FWD_CANDIDATES[size], 4), run,
@@ -695,6 +712,9 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
     nb_pad = max(16, next_pow2(n_buckets))
     qk_scale = scale * LOG2E
     has_bias = bias is not None
+    # the bias as tiles (see _forward) in self-attention, where _BIAS_TILES_BWD allows it
+    tiles = _BIAS_TILES_BWD and has_bias and same_offsets(q_offsets, k_offsets)
+    bias_kind = 2 if tiles else has_bias  # the autotune key's bias field, and the kernels' HAS_BIAS
     kernel_window = window if window > 0 else NO_WINDOW
     state = {}
 
@@ -703,14 +723,18 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
         _check_mx_tile(mx_p, bn)
         kwork = key_work(q_offsets, k_offsets, bn, causal, q.device, include_empty=True)
         descs = row_descriptors(bm, q, do) if config_field(cfg, 5) else None
+        bias_t = bias_d
+        if tiles:  # the transposed formulation reads (BN, BM) tiles of keys x queries
+            bias_t = bias_tile_table(bias_d, bias_max, bm, bn)
+            bias_t = bias_t.transpose(-1, -2).contiguous() if transposed else bias_t
         if kwork.shape[0]:
             _jagged_attn_bwd_dkdv[(kwork.shape[0], heads)](
-                q, k, v, do, lse, delta, dk, dv, mrow if mx_p else lse, q_offsets, k_offsets, kwork, bias_d,
+                q, k, v, do, lse, delta, dk, dv, mrow if mx_p else lse, q_offsets, k_offsets, kwork, bias_t,
                 *(descs or (None, None)),
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-                bias_d.stride(0), bias_max, heads, qk_scale, scale, kernel_window,
-                HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=has_bias, TRANSPOSED=bool(transposed),
+                bias_t.stride(0), bias_max, heads, qk_scale, scale, kernel_window,
+                HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias_kind, TRANSPOSED=bool(transposed),
                 MX_P=mx_p, TMA=descs is not None, num_warps=warps, num_stages=stages,
             )
 
@@ -721,19 +745,20 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
         dbias = (torch.zeros(max(qwork.shape[0], 1), heads, nb_pad, device=q.device, dtype=torch.float32)
                  if has_bias else bias_d)
         descs = row_descriptors(bn, k, v) if config_field(cfg, 4) else None
+        bias_t = bias_tile_table(bias_d, bias_max, bm, bn) if tiles else bias_d
         if qwork.shape[0]:
             _jagged_attn_bwd_dq[(qwork.shape[0], heads)](
-                q, k, v, do, lse, delta, dq, dbias, q_offsets, k_offsets, qwork, bias_d, buckets,
+                q, k, v, do, lse, delta, dq, dbias, q_offsets, k_offsets, qwork, bias_t, buckets,
                 *(descs or (None, None)),
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
-                bias_d.stride(0), bias_max, heads, qk_scale, scale, kernel_window,
-                HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=has_bias, NUM_BUCKETS=nb_pad,
+                bias_t.stride(0), bias_max, heads, qk_scale, scale, kernel_window,
+                HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias_kind, NUM_BUCKETS=nb_pad,
                 TMA=descs is not None, num_warps=warps, num_stages=stages,
             )
         state["dbias"] = dbias
 
-    key = (dim, q.dtype, causal, has_bias, _window_key(window), bucket_len(max_q_len), bucket_len(max_k_len))
+    key = (dim, q.dtype, causal, bias_kind, _window_key(window), bucket_len(max_q_len), bucket_len(max_k_len))
     run_dkdv(pick_config(("dkdv",) + key + (mx_p,), lambda: _tuned(_DKDV_CANDIDATES, 5), run_dkdv,
                          _DKDV_MX_INTERPRET if mx_p else _DKDV_INTERPRET))
     run_dq(pick_config(("dq",) + key, lambda: _tuned(_DQ_CANDIDATES, 4), run_dq))
