@@ -53,8 +53,8 @@ def kernels():
     # passes too (dK/dV straight and transposed, dQ)
     tiled = dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=32, CAUSAL=True, HAS_BIAS=2)
     yield ja._jagged_attn_fwd, io, dict(tiled, WINDOWED=False)
-    for transposed in (False, True):
-        yield ja._jagged_attn_bwd_dkdv, io, dict(tiled, TRANSPOSED=transposed)
+    yield ja._jagged_attn_bwd_dkdv, io, dict(tiled, TRANSPOSED=False)
+    yield ja._jagged_attn_bwd_dkdv, io, dict(tiled, BLOCK_M=32, BLOCK_N=64, TRANSPOSED=True)  # as its candidates
     yield ja._jagged_attn_bwd_dq, io, dict(tiled, NUM_BUCKETS=32)
     yield ja._bwd_delta, io, dict(HEAD_DIM=128, BLOCK_R=ja._DELTA_ROWS)  # the backward's rowsum(dO * O)
     tiles = {name: "tensordesc<bf16[64, 128]>" for name in ("K_DESC", "V_DESC", "Q_DESC", "DO_DESC")}

@@ -625,7 +625,7 @@ _TILE_INDEX_ENTRIES = 16  # autotuning builds one per candidate tile shape; olde
 
 
 def bias_tile_table(per_distance: torch.Tensor, max_d: int, block_m: int, block_n: int) -> torch.Tensor:
-    """The forward's bias tiles [H, NT, BM, BN] (fp32, log2 units) from the per-|distance| table
+    """The bias tiles [H, NT, BM, BN] (fp32, log2 units) from the per-|distance| table
     [H, max_d + 1]: tile t holds bias(|d0 + a - b|) for row a, column b and d0 = D_LO + t * G
     (G = min(BM, BN)), every tile offset a self-attention tile (m0 - start_n, both multiples of
     their tile) can have, D_LO and NT as _bias_tile_table computes them; the end tiles are
