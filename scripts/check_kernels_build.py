@@ -296,7 +296,7 @@ def ptxas_stats(target, warps: int, stages: int, head_loop: bool = False) -> lis
         if regs and target.arch == 90:
             n, limit = programs_per_sm(int(regs.group(1)), compiled.metadata.num_warps, compiled.metadata.shared)
             occupancy = f", {n} per SM ({limit})" if n else f", does not fit an SM ({limit})"
-        lines.append(f"{fn.__name__:<24} {_flags(consts)[:60]:<60} {regs.group(1) if regs else '?':>3} registers, "
+        lines.append(f"{fn.__name__:<24} {_flags(consts):<60} {regs.group(1) if regs else '?':>3} registers, "
                      f"{spill.group(1) if spill else '?':>4} B spill stores, {compiled.metadata.shared} B shared"
                      f"{occupancy}")
     return lines

@@ -299,6 +299,7 @@ def test_bias_tile_table_layout_cpu():
         d = (d_lo + t * g + torch.arange(32)[:, None] - torch.arange(16)[None, :]).abs().clamp(max=40)
         assert torch.equal(table[2, t], 41 * 2 + d.float())
     assert (table[:, 0] == table[:, 0, :1, :1]).all() and (table[:, -1] == table[:, -1, :1, :1]).all()
+    assert torch.equal(ja_kernels.bias_tile_table(per_distance, 40, 32, 16, transposed=True), table.transpose(-1, -2))
 
 
 @pytest.mark.parametrize("window", WINDOW_CPU)

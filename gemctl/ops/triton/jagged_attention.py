@@ -624,16 +624,18 @@ _tile_index_cache: dict = {}  # (max_d, BM, BN, device) -> int32 |distance| inde
 _TILE_INDEX_ENTRIES = 16  # autotuning builds one per candidate tile shape; older entries are dropped
 
 
-def bias_tile_table(per_distance: torch.Tensor, max_d: int, block_m: int, block_n: int) -> torch.Tensor:
+def bias_tile_table(per_distance: torch.Tensor, max_d: int, block_m: int, block_n: int,
+                    transposed: bool = False) -> torch.Tensor:
     """The bias tiles [H, NT, BM, BN] (fp32, log2 units) from the per-|distance| table
     [H, max_d + 1]: tile t holds bias(|d0 + a - b|) for row a, column b and d0 = D_LO + t * G
     (G = min(BM, BN)), every tile offset a self-attention tile (m0 - start_n, both multiples of
     their tile) can have, D_LO and NT as _bias_tile_table computes them; the end tiles are
-    constant (every |distance| beyond max_d), so offsets past them clamp to them."""
+    constant (every |distance| beyond max_d), so offsets past them clamp to them. ``transposed``:
+    each tile stored [BN, BM] (the dK/dV pass's keys x queries), gathered so directly."""
     g = min(block_m, block_n)
     d_lo = -cdiv(max_d + block_m, g) * g
     n_t = (cdiv(max_d + block_n, g) * g - d_lo) // g + 1
-    key = (max_d, block_m, block_n, per_distance.device)
+    key = (max_d, block_m, block_n, transposed, per_distance.device)
     if key not in _tile_index_cache:
         if len(_tile_index_cache) >= _TILE_INDEX_ENTRIES:
             _tile_index_cache.pop(next(iter(_tile_index_cache)))
@@ -641,7 +643,8 @@ def bias_tile_table(per_distance: torch.Tensor, max_d: int, block_m: int, block_
         a = torch.arange(block_m, device=per_distance.device, dtype=torch.int32)
         b = torch.arange(block_n, device=per_distance.device, dtype=torch.int32)
         dist = d0[:, None, None] + a[None, :, None] - b[None, None, :]
-        _tile_index_cache[key] = dist.abs().clamp(max=max_d)
+        index = dist.abs().clamp(max=max_d)
+        _tile_index_cache[key] = index.transpose(1, 2).contiguous() if transposed else index
     return per_distance[:, _tile_index_cache[key]].contiguous()
 
 
@@ -725,8 +728,7 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
         descs = row_descriptors(bm, q, do) if config_field(cfg, 5) else None
         bias_t = bias_d
         if tiles:  # the transposed formulation reads (BN, BM) tiles of keys x queries
-            bias_t = bias_tile_table(bias_d, bias_max, bm, bn)
-            bias_t = bias_t.transpose(-1, -2).contiguous() if transposed else bias_t
+            bias_t = bias_tile_table(bias_d, bias_max, bm, bn, bool(transposed))
         if kwork.shape[0]:
             _jagged_attn_bwd_dkdv[(kwork.shape[0], heads)](
                 q, k, v, do, lse, delta, dk, dv, mrow if mx_p else lse, q_offsets, k_offsets, kwork, bias_t,
