@@ -190,6 +190,7 @@ def test_gdpa_backward_deterministic_gpu():
 
 
 def test_gdpa_torch_compile_no_graph_break_cpu():
+    ops.preload()  # as the trainer does: alone, this test had the op's first call import inside the compile
     qo, ko = offsets([4, 4, 4]), offsets([0, 17, 3])
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(12, 2, 32, generator=gen, requires_grad=True)
