@@ -288,6 +288,21 @@ def test_cross_attention_bias_is_gathered_cpu(monkeypatch):
     assert built == [1]
 
 
+def test_bias_tiles_over_the_size_cap_are_gathered_cpu(monkeypatch):
+    """A launch whose table would exceed _BIAS_TILE_BYTES gathers instead, forward and backward,
+    with the same bits; _tile_table_bytes is the table's real size."""
+    per_distance = torch.zeros(3, 41)
+    assert ja_kernels._tile_table_bytes(3, 40, 32, 16) == ja_kernels.bias_tile_table(per_distance, 40, 32, 16).numel() * 4
+    (tiled, _), _ = _bias_forward_both_ways([40, 3], True, None, 40, "cpu", torch.float32)
+    monkeypatch.setattr(ja_kernels, "_BIAS_TILES_BWD", True)
+    (tiled_bwd, _), _ = _bias_backward_both_ways([40, 3], True, None, 40, "cpu", torch.float32)
+    monkeypatch.setattr(ja_kernels, "_BIAS_TILE_BYTES", 0)
+    (capped, gathered), built = _bias_forward_both_ways([40, 3], True, None, 40, "cpu", torch.float32)
+    assert built == [] and all(torch.equal(a, b) for a, b in zip(capped, tiled))
+    (capped_bwd, _), built = _bias_backward_both_ways([40, 3], True, None, 40, "cpu", torch.float32)
+    assert built == [] and all(torch.equal(a, b) for a, b in zip(capped_bwd, tiled_bwd))
+
+
 def test_bias_tile_table_layout_cpu():
     """Tile t of the table holds bias(min(|d0 + a - b|, max_d)) with d0 = D_LO + t * G, D_LO and the
     tile count as the kernel computes them; the end tiles are constant."""

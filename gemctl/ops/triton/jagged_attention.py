@@ -43,7 +43,8 @@ G = min(BLOCK_M, BLOCK_N): the forward then reads each tile's bias as one plain 
 [H, NT, BLOCK_M, BLOCK_N] built per call from the per-distance one (bias_tile_table; the same
 values, so the same bits), 1.3-1.6x faster than the gathers on the H200, best config against best
 (docs/benchmarks.md). The table grows with heads and max_distance (H = 4, max_distance 1024:
-2.2-4.7 MB; 16 heads at 2048 would be ~17-36 MB a call). The backward passes can read the same
+2.2-4.7 MB; 16 heads at 2048 ~17-36 MB a call); a launch whose table would pass _BIAS_TILE_BYTES
+(64 MiB) gathers instead. The backward passes can read the same
 tiles (_BIAS_TILES_BWD; the dK/dV pass's transposed formulation from the table stored keys x
 queries), bit-identical to their gathers on the CPU tier; off until timed on a GPU.
 
@@ -622,6 +623,16 @@ _BIAS_TILES = True  # self-attention forwards read the bias as plain tiles (bias
 _BIAS_TILES_BWD = False
 _tile_index_cache: dict = {}  # (max_d, BM, BN, device) -> int32 |distance| index [NT, BM, BN]
 _TILE_INDEX_ENTRIES = 16  # autotuning builds one per candidate tile shape; older entries are dropped
+# A launch whose table would exceed this many bytes gathers instead (H * NT * BM * BN * 4 bytes grows
+# with heads and max_distance: 16 heads at max_distance 2048 take ~17-36 MB with the tile shapes of
+# the candidates; a table is built per call).
+_BIAS_TILE_BYTES = 64 << 20
+
+
+def _tile_table_bytes(heads: int, max_d: int, block_m: int, block_n: int) -> int:
+    g = min(block_m, block_n)
+    n_t = (cdiv(max_d + block_n, g) * g + cdiv(max_d + block_m, g) * g) // g + 1
+    return heads * n_t * block_m * block_n * 4
 
 
 def bias_tile_table(per_distance: torch.Tensor, max_d: int, block_m: int, block_n: int,
@@ -674,7 +685,7 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, 
         # Where the descriptors cannot be built the same tiles run by masked loads (same values).
         descs = row_descriptors(bn, k, v) if config_field(cfg, 4) else None
         bias_t, has_bias = bias_d, bias is not None
-        if bias is not None and tiles:
+        if bias is not None and tiles and _tile_table_bytes(heads, bias_max, bm, bn) <= _BIAS_TILE_BYTES:
             bias_t, has_bias = bias_tile_table(bias_d, bias_max, bm, bn), 2
         _jagged_attn_fwd[(work.shape[0], heads)](
             q, k, v, out, lse, mrow if mx_p else lse, q_offsets, k_offsets, work, bias_t, *(descs or (None, None)),
@@ -717,7 +728,7 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
     has_bias = bias is not None
     # the bias as tiles (see _forward) in self-attention, where _BIAS_TILES_BWD allows it
     tiles = _BIAS_TILES_BWD and has_bias and same_offsets(q_offsets, k_offsets)
-    bias_kind = 2 if tiles else has_bias  # the autotune key's bias field, and the kernels' HAS_BIAS
+    bias_kind = 2 if tiles else has_bias  # the autotune key's bias field
     kernel_window = window if window > 0 else NO_WINDOW
     state = {}
 
@@ -726,9 +737,10 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
         _check_mx_tile(mx_p, bn)
         kwork = key_work(q_offsets, k_offsets, bn, causal, q.device, include_empty=True)
         descs = row_descriptors(bm, q, do) if config_field(cfg, 5) else None
-        bias_t = bias_d
-        if tiles:  # the transposed formulation reads (BN, BM) tiles of keys x queries
-            bias_t = bias_tile_table(bias_d, bias_max, bm, bn, bool(transposed))
+        bias_t, kind = bias_d, has_bias
+        if tiles and _tile_table_bytes(heads, bias_max, bm, bn) <= _BIAS_TILE_BYTES:
+            # the transposed formulation reads (BN, BM) tiles of keys x queries
+            bias_t, kind = bias_tile_table(bias_d, bias_max, bm, bn, bool(transposed)), 2
         if kwork.shape[0]:
             _jagged_attn_bwd_dkdv[(kwork.shape[0], heads)](
                 q, k, v, do, lse, delta, dk, dv, mrow if mx_p else lse, q_offsets, k_offsets, kwork, bias_t,
@@ -736,7 +748,7 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
                 bias_t.stride(0), bias_max, heads, qk_scale, scale, kernel_window,
-                HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias_kind, TRANSPOSED=bool(transposed),
+                HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=kind, TRANSPOSED=bool(transposed),
                 MX_P=mx_p, TMA=descs is not None, num_warps=warps, num_stages=stages,
             )
 
@@ -747,7 +759,9 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
         dbias = (torch.zeros(max(qwork.shape[0], 1), heads, nb_pad, device=q.device, dtype=torch.float32)
                  if has_bias else bias_d)
         descs = row_descriptors(bn, k, v) if config_field(cfg, 4) else None
-        bias_t = bias_tile_table(bias_d, bias_max, bm, bn) if tiles else bias_d
+        bias_t, kind = bias_d, has_bias
+        if tiles and _tile_table_bytes(heads, bias_max, bm, bn) <= _BIAS_TILE_BYTES:
+            bias_t, kind = bias_tile_table(bias_d, bias_max, bm, bn), 2
         if qwork.shape[0]:
             _jagged_attn_bwd_dq[(qwork.shape[0], heads)](
                 q, k, v, do, lse, delta, dq, dbias, q_offsets, k_offsets, qwork, bias_t, buckets,
@@ -755,7 +769,7 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
                 bias_t.stride(0), bias_max, heads, qk_scale, scale, kernel_window,
-                HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias_kind, NUM_BUCKETS=nb_pad,
+                HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=kind, NUM_BUCKETS=nb_pad,
                 TMA=descs is not None, num_warps=warps, num_stages=stages,
             )
         state["dbias"] = dbias
