@@ -629,10 +629,15 @@ _TILE_INDEX_ENTRIES = 16  # autotuning builds one per candidate tile shape; olde
 _BIAS_TILE_BYTES = 64 << 20
 
 
-def _tile_table_bytes(heads: int, max_d: int, block_m: int, block_n: int) -> int:
+def _tile_table_span(max_d: int, block_m: int, block_n: int) -> tuple[int, int, int]:
+    """(G, D_LO, NT) of a bias tile table, as _bias_tile_table computes them in the kernel."""
     g = min(block_m, block_n)
-    n_t = (cdiv(max_d + block_n, g) * g + cdiv(max_d + block_m, g) * g) // g + 1
-    return heads * n_t * block_m * block_n * 4
+    d_lo = -cdiv(max_d + block_m, g) * g
+    return g, d_lo, (cdiv(max_d + block_n, g) * g - d_lo) // g + 1
+
+
+def _tile_table_bytes(heads: int, max_d: int, block_m: int, block_n: int) -> int:
+    return heads * _tile_table_span(max_d, block_m, block_n)[2] * block_m * block_n * 4
 
 
 def bias_tile_table(per_distance: torch.Tensor, max_d: int, block_m: int, block_n: int,
@@ -643,13 +648,11 @@ def bias_tile_table(per_distance: torch.Tensor, max_d: int, block_m: int, block_
     their tile) can have, D_LO and NT as _bias_tile_table computes them; the end tiles are
     constant (every |distance| beyond max_d), so offsets past them clamp to them. ``transposed``:
     each tile stored [BN, BM] (the dK/dV pass's keys x queries), gathered so directly."""
-    g = min(block_m, block_n)
-    d_lo = -cdiv(max_d + block_m, g) * g
-    n_t = (cdiv(max_d + block_n, g) * g - d_lo) // g + 1
     key = (max_d, block_m, block_n, transposed, per_distance.device)
     if key not in _tile_index_cache:
         if len(_tile_index_cache) >= _TILE_INDEX_ENTRIES:
             _tile_index_cache.pop(next(iter(_tile_index_cache)))
+        g, d_lo, n_t = _tile_table_span(max_d, block_m, block_n)
         d0 = d_lo + g * torch.arange(n_t, device=per_distance.device, dtype=torch.int32)
         a = torch.arange(block_m, device=per_distance.device, dtype=torch.int32)
         b = torch.arange(block_n, device=per_distance.device, dtype=torch.int32)
@@ -657,6 +660,15 @@ def bias_tile_table(per_distance: torch.Tensor, max_d: int, block_m: int, block_
         index = dist.abs().clamp(max=max_d)
         _tile_index_cache[key] = index.transpose(1, 2).contiguous() if transposed else index
     return per_distance[:, _tile_index_cache[key]].contiguous()
+
+
+def _bias_operand(per_distance, max_d: int, heads: int, block_m: int, block_n: int, has_bias: bool, tiles: bool,
+                  transposed: bool = False):
+    """(the BIAS tensor, HAS_BIAS) of one launch: the tile table (HAS_BIAS 2) where ``tiles`` allows it
+    and the table stays within _BIAS_TILE_BYTES, else the per-distance table for gathers."""
+    if tiles and _tile_table_bytes(heads, max_d, block_m, block_n) <= _BIAS_TILE_BYTES:
+        return bias_tile_table(per_distance, max_d, block_m, block_n, transposed), 2
+    return per_distance, has_bias
 
 
 def _check_mx_tile(mx_p: int, block_n: int) -> None:
@@ -684,9 +696,7 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, 
             return
         # Where the descriptors cannot be built the same tiles run by masked loads (same values).
         descs = row_descriptors(bn, k, v) if config_field(cfg, 4) else None
-        bias_t, has_bias = bias_d, bias is not None
-        if bias is not None and tiles and _tile_table_bytes(heads, bias_max, bm, bn) <= _BIAS_TILE_BYTES:
-            bias_t, has_bias = bias_tile_table(bias_d, bias_max, bm, bn), 2
+        bias_t, has_bias = _bias_operand(bias_d, bias_max, heads, bm, bn, bias is not None, tiles)
         _jagged_attn_fwd[(work.shape[0], heads)](
             q, k, v, out, lse, mrow if mx_p else lse, q_offsets, k_offsets, work, bias_t, *(descs or (None, None)),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
@@ -737,10 +747,8 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
         _check_mx_tile(mx_p, bn)
         kwork = key_work(q_offsets, k_offsets, bn, causal, q.device, include_empty=True)
         descs = row_descriptors(bm, q, do) if config_field(cfg, 5) else None
-        bias_t, kind = bias_d, has_bias
-        if tiles and _tile_table_bytes(heads, bias_max, bm, bn) <= _BIAS_TILE_BYTES:
-            # the transposed formulation reads (BN, BM) tiles of keys x queries
-            bias_t, kind = bias_tile_table(bias_d, bias_max, bm, bn, bool(transposed)), 2
+        # the transposed formulation reads (BN, BM) tiles of keys x queries
+        bias_t, kind = _bias_operand(bias_d, bias_max, heads, bm, bn, has_bias, tiles, bool(transposed))
         if kwork.shape[0]:
             _jagged_attn_bwd_dkdv[(kwork.shape[0], heads)](
                 q, k, v, do, lse, delta, dk, dv, mrow if mx_p else lse, q_offsets, k_offsets, kwork, bias_t,
@@ -759,9 +767,7 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
         dbias = (torch.zeros(max(qwork.shape[0], 1), heads, nb_pad, device=q.device, dtype=torch.float32)
                  if has_bias else bias_d)
         descs = row_descriptors(bn, k, v) if config_field(cfg, 4) else None
-        bias_t, kind = bias_d, has_bias
-        if tiles and _tile_table_bytes(heads, bias_max, bm, bn) <= _BIAS_TILE_BYTES:
-            bias_t, kind = bias_tile_table(bias_d, bias_max, bm, bn), 2
+        bias_t, kind = _bias_operand(bias_d, bias_max, heads, bm, bn, has_bias, tiles)
         if qwork.shape[0]:
             _jagged_attn_bwd_dq[(qwork.shape[0], heads)](
                 q, k, v, do, lse, delta, dq, dbias, q_offsets, k_offsets, qwork, bias_t, buckets,
