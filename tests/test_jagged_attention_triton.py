@@ -196,6 +196,22 @@ def test_tma_needs_row_views_cpu():
     assert common.row_descriptors(16, torch.zeros(1, 2, 16).expand(40, 2, 16)) is None  # rows overlap
 
 
+def _tiles_and_gathers(flag: str, call):
+    """``call()`` with the module flag ``flag`` (_BIAS_TILES or _BIAS_TILES_BWD) on, then off:
+    both results, and the flag's value at each bias_tile_table build."""
+    runs, built = [], []
+    real, before = ja_kernels.bias_tile_table, getattr(ja_kernels, flag)
+    for tiles in (True, False):
+        setattr(ja_kernels, flag, tiles)
+        ja_kernels.bias_tile_table = lambda *a, tiles=tiles, **kw: built.append(tiles) or real(*a, **kw)
+        try:
+            runs.append(call())
+        finally:
+            setattr(ja_kernels, flag, before)
+            ja_kernels.bias_tile_table = real
+    return runs, built
+
+
 def _bias_forward_both_ways(lengths, causal, window, max_distance, device, dtype, heads=2, dim=32):
     """The forward with the bias read as tiles and by gathers (same offsets object, so both run
     the self-attention path): outputs and log-sum-exps, and how often the tile table was built."""
@@ -204,16 +220,8 @@ def _bias_forward_both_ways(lengths, causal, window, max_distance, device, dtype
     gen = torch.Generator().manual_seed(len(lengths) + max_distance)
     q, k, v = (torch.randn(n, heads, dim, generator=gen).to(device, dtype) for _ in range(3))
     bias = ops.RelativePositionBias((torch.randn(heads, 16, generator=gen) * 0.5).to(device), max_distance)
-    runs, built = [], []
-    real, before = ja_kernels.bias_tile_table, ja_kernels._BIAS_TILES
-    for tiles in (True, False):
-        ja_kernels._BIAS_TILES, ja_kernels.bias_tile_table = tiles, lambda *a: built.append(tiles) or real(*a)
-        try:
-            runs.append(ja_kernels._forward(q, k, v, off, off, max(lengths), max(lengths), bias, causal, dim**-0.5,
-                                            window or 0)[:2])
-        finally:
-            ja_kernels._BIAS_TILES, ja_kernels.bias_tile_table = before, real
-    return runs, built
+    return _tiles_and_gathers("_BIAS_TILES", lambda: ja_kernels._forward(
+        q, k, v, off, off, max(lengths), max(lengths), bias, causal, dim**-0.5, window or 0)[:2])
 
 
 @pytest.mark.parametrize("lengths", SELF_CPU)
@@ -243,16 +251,8 @@ def _bias_backward_both_ways(lengths, causal, window, max_distance, device, dtyp
     bias = ops.RelativePositionBias((torch.randn(heads, 16, generator=gen) * 0.5).to(device), max_distance)
     out, lse, _ = ja_kernels._forward(q, k, v, off, off, max(lengths), max(lengths), bias, causal, dim**-0.5,
                                       window or 0)
-    runs, built = [], []
-    real, before = ja_kernels.bias_tile_table, ja_kernels._BIAS_TILES_BWD
-    for tiles in (True, False):
-        ja_kernels._BIAS_TILES_BWD, ja_kernels.bias_tile_table = tiles, lambda *a: built.append(tiles) or real(*a)
-        try:
-            runs.append(ja_kernels._backward(grad, q, k, v, out, lse, off, off, max(lengths), max(lengths), bias,
-                                             causal, dim**-0.5, window or 0))
-        finally:
-            ja_kernels._BIAS_TILES_BWD, ja_kernels.bias_tile_table = before, real
-    return runs, built
+    return _tiles_and_gathers("_BIAS_TILES_BWD", lambda: ja_kernels._backward(
+        grad, q, k, v, out, lse, off, off, max(lengths), max(lengths), bias, causal, dim**-0.5, window or 0))
 
 
 @pytest.mark.parametrize("forced", [{"dkdv": (16, 16, 1, 1, 0), "dq": (16, 16, 1, 1)},
