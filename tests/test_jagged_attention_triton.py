@@ -274,6 +274,62 @@ def test_backward_bias_tiles_are_the_gathers_bits_cpu(forced, lengths, causal, w
             assert all(torch.equal(a, b) for a, b in zip(tiled, gathered))
 
 
+def _check_bias_gradient_of_a_tile(tile, max_distance, diag, device):
+    """_dbias_tile of random ds tiles against the float64 sum per bucket."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def one_tile(DS, OUT, BUCKETS, d0, bias_max, BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
+                 DIAG: tl.constexpr):
+        a = tl.arange(0, BM)[:, None]
+        b = tl.arange(0, BN)[None, :]
+        out = ja_kernels._dbias_tile(tl.load(DS + a * BN + b), d0 + a - b, d0, BUCKETS, bias_max, tl.arange(0, NB),
+                                     BM, BN, DIAG)
+        tl.store(OUT + tl.arange(0, NB), out)
+
+    bm, bn = tile
+    buckets = ops.relative_position_bucket(torch.arange(max_distance + 1), 32, max_distance)
+    gen = torch.Generator().manual_seed(bm + bn + max_distance)
+    few = ja_kernels._DBIAS_DIAGONAL_MIN.value
+
+    def tile_buckets(d0):
+        return buckets[(d0 + torch.arange(bm)[:, None] - torch.arange(bn)[None, :]).abs().clamp(max=max_distance)]
+
+    some = next(d0 for d0 in range(2000) if 1 < len(tile_buckets(d0).unique()) <= few)  # the masked sums' case
+    spans = set()
+    for d0 in (0, -bn + 1, -bn, bm - 1, bm, 5, -7, some, -some, bm + bn, -3 * bn, 100, -100, 700, 1030, -2000):
+        ds = torch.randn(bm, bn, generator=gen, dtype=torch.float64)
+        got = torch.empty(32, device=device)
+        one_tile[(1,)](ds.float().to(device), got, buckets.to(device, torch.int32), d0, max_distance, BM=bm, BN=bn,
+                       NB=32, DIAG=diag)
+        want = torch.zeros(32, dtype=torch.float64).index_add_(0, tile_buckets(d0).flatten(), ds.flatten())
+        torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5)
+        spans.add(len(tile_buckets(d0).unique()))
+    assert 1 in spans and any(1 < n <= few for n in spans) and max(spans) > few  # every path ran
+
+
+_DIAG_IDS = ["masked-sums", "diagonals"]
+
+
+@pytest.mark.parametrize("tile", [(16, 16), (32, 16), (16, 32), (64, 32)])
+@pytest.mark.parametrize("max_distance", [8, 40, 1024])
+@pytest.mark.parametrize("diag", [False, True], ids=_DIAG_IDS)
+def test_bias_gradient_of_a_tile_cpu(tile, max_distance, diag):
+    """_dbias_tile sums a ds tile per bucket of |d0 + a - b|: one bucket, a few (masked sums) and many
+    (diagonal sums first by a register gather where BM >= BN, or masked sums), for tiles on, beside
+    and far from the diagonal, both signs."""
+    _check_bias_gradient_of_a_tile(tile, max_distance, diag, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", sorted({c[:2] for c in ja_kernels._DQ_CANDIDATES}))
+@pytest.mark.parametrize("diag", [False, True], ids=_DIAG_IDS)
+def test_bias_gradient_of_a_tile_gpu(tile, diag):
+    """The same on the GPU for the dQ candidates' tile shapes (the register gather compiled)."""
+    _check_bias_gradient_of_a_tile(tile, 1024, diag, "cuda")
+
+
 def test_cross_attention_bias_is_gathered_cpu(monkeypatch):
     """Different layouts (cross-attention, shift != 0) never take the tile table; two offsets tensors
     with the same values (self-attention passed as copies) do."""

@@ -512,6 +512,49 @@ def _jagged_attn_bwd_dkdv(
     store_rows(DV, dv, k_start, offs_n, k_len, stride_dvn, h * stride_dvh, offs_d)
 
 
+# A tile spanning more buckets than this reduces ds along its diagonals first (_dbias_tile).
+_DBIAS_DIAGONAL_MIN = tl.constexpr(4)
+
+
+@triton.jit
+def _dbias_tile(ds, dist, d0, BUCKETS, bias_max, bucket_ids, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                DIAG: tl.constexpr = True):
+    """The bias-table gradient of one (BM, BN) tile of ds (rows past the sequence zeroed): the sum of
+    ds over each bucket, as a [NUM_BUCKETS] vector. dist = d0 + a - b (row a, column b), so |distance|
+    spans a contiguous range of the tile and its buckets do too. One bucket (far from the diagonal):
+    one sum. A few: one masked sum per bucket. Many (near the diagonal, up to NUM_BUCKETS): the
+    tile's diagonals are summed first (each holds one distance) and the 2 * BM diagonal sums go to
+    their buckets, a cost independent of how many buckets the tile spans."""
+    d_lo = d0 - (BLOCK_N - 1)
+    d_hi = d0 + BLOCK_M - 1
+    ad_lo = tl.where((d_lo <= 0) & (d_hi >= 0), 0, tl.minimum(tl.abs(d_lo), tl.abs(d_hi)))
+    ad_hi = tl.maximum(tl.abs(d_lo), tl.abs(d_hi))
+    b_lo = tl.load(BUCKETS + tl.minimum(ad_lo, bias_max))
+    b_hi = tl.load(BUCKETS + tl.minimum(ad_hi, bias_max))
+    out = tl.zeros(bucket_ids.shape, dtype=tl.float32)
+    if b_lo == b_hi:
+        out = tl.where(bucket_ids == b_lo, tl.sum(tl.sum(ds, 1), 0), 0.0)
+    elif (b_hi - b_lo < _DBIAS_DIAGONAL_MIN) | (BLOCK_M < BLOCK_N) | (not DIAG):
+        tile_bucket = tl.load(BUCKETS + tl.minimum(tl.abs(dist), bias_max))
+        for bkt in range(b_lo, b_hi + 1):
+            part = tl.sum(tl.sum(tl.where(tile_bucket == bkt, ds, 0.0), 1), 0)
+            out += tl.where(bucket_ids == bkt, part, 0.0)
+    else:
+        # Skew the tile along its rows (BM >= BN: at most one wrap): y[i, b] = ds[(i + b) % BM, b]
+        # lies on diagonal a - b = i, or i - BM where it wrapped; row sums of y are diagonal sums.
+        rows = tl.arange(0, BLOCK_M)
+        turn = rows[:, None] + tl.arange(0, BLOCK_N)[None, :]
+        wrapped = turn >= BLOCK_M
+        y = tl.gather(ds, tl.where(wrapped, turn - BLOCK_M, turn), 0)
+        on_i = tl.sum(tl.where(wrapped, 0.0, y), 1)  # distance d0 + i
+        on_i_less = tl.sum(tl.where(wrapped, y, 0.0), 1)  # distance d0 + i - BM
+        b_i = tl.load(BUCKETS + tl.minimum(tl.abs(d0 + rows), bias_max))
+        b_i_less = tl.load(BUCKETS + tl.minimum(tl.abs(d0 + rows - BLOCK_M), bias_max))
+        out = tl.sum(tl.where(b_i[:, None] == bucket_ids[None, :], on_i[:, None], 0.0), 0)
+        out += tl.sum(tl.where(b_i_less[:, None] == bucket_ids[None, :], on_i_less[:, None], 0.0), 0)
+    return out
+
+
 @triton.jit
 def _jagged_attn_bwd_dq(
     Q, K, V, DO, LSE, DELTA, DQ, DBIAS, Q_OFFSETS, K_OFFSETS, WORK, BIAS, BUCKETS, K_DESC, V_DESC,
@@ -520,6 +563,7 @@ def _jagged_attn_bwd_dq(
     stride_bias_h, bias_max, num_heads, qk_scale, scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_BUCKETS: tl.constexpr, TMA: tl.constexpr = False,
+    DBIAS_DIAG: tl.constexpr = True,
 ):
     # WORK: (sequence, query tile) as in the forward. DBIAS: fp32 [n_work, H, NUM_BUCKETS]
     # partial bias gradients, one row per program (summed on the host side in a fixed order).
@@ -562,19 +606,8 @@ def _jagged_attn_bwd_dq(
             ds = p * (dp - delta[:, None])  # gradient of the natural-units score s_ij
             dq += tl.dot(ds.to(k.dtype), k)
             if HAS_BIAS:
-                # |distance| spans a contiguous range in a tile, so its buckets do too: reduce ds
-                # once per bucket present (1-2 far from the diagonal, <= NUM_BUCKETS near it).
-                d_lo = m0 + shift - (start_n + BLOCK_N - 1)
-                d_hi = m0 + BLOCK_M - 1 + shift - start_n
-                ad_lo = tl.where((d_lo <= 0) & (d_hi >= 0), 0, tl.minimum(tl.abs(d_lo), tl.abs(d_hi)))
-                ad_hi = tl.maximum(tl.abs(d_lo), tl.abs(d_hi))
-                b_lo = tl.load(BUCKETS + tl.minimum(ad_lo, bias_max))
-                b_hi = tl.load(BUCKETS + tl.minimum(ad_hi, bias_max))
-                tile_bucket = tl.load(BUCKETS + tl.minimum(tl.abs(dist), bias_max))
-                ds_rows = tl.where(row_ok[:, None], ds, 0.0)
-                for bkt in range(b_lo, b_hi + 1):
-                    part = tl.sum(tl.sum(tl.where(tile_bucket == bkt, ds_rows, 0.0), 1), 0)
-                    dbias += tl.where(bucket_ids == bkt, part, 0.0)
+                dbias += _dbias_tile(tl.where(row_ok[:, None], ds, 0.0), dist, m0 + shift - start_n, BUCKETS, bias_max,
+                                     bucket_ids, BLOCK_M, BLOCK_N, DBIAS_DIAG)
     store_rows(DQ, dq * scale, q_start, offs_m, q_len, stride_dqn, h * stride_dqh, offs_d)
     if HAS_BIAS:
         tl.store(DBIAS + (pid * num_heads + h) * NUM_BUCKETS + bucket_ids, dbias)
@@ -620,13 +653,16 @@ def _bias_tables(bias: RelativePositionBias | None, num_heads: int, device):
 _BIAS_TILES = True  # self-attention forwards read the bias as plain tiles (bias_tile_table); False: gathers
 # The backward passes (dK/dV straight or transposed, dQ) the same way; off until timed on a GPU (the
 # CPU tier checks it bit for bit against the gathers).
-_BIAS_TILES_BWD = False
+_BIAS_TILES_BWD: bool | str = True  # True: both passes; "dkdv" or "dq": that pass only
 _tile_index_cache: dict = {}  # (max_d, BM, BN, device) -> int32 |distance| index [NT, BM, BN]
 _TILE_INDEX_ENTRIES = 16  # autotuning builds one per candidate tile shape; older entries are dropped
 # A launch whose table would exceed this many bytes gathers instead (H * NT * BM * BN * 4 bytes grows
 # with heads and max_distance: 16 heads at max_distance 2048 take ~17-36 MB with the tile shapes of
 # the candidates; a table is built per call).
 _BIAS_TILE_BYTES = 64 << 20
+# The dQ pass's bias gradient sums a tile spanning many buckets along its diagonals first
+# (_dbias_tile); False: one masked sum per bucket, as before.
+_DBIAS_DIAG = True
 
 
 def _tile_table_span(max_d: int, block_m: int, block_n: int) -> tuple[int, int, int]:
@@ -737,8 +773,9 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
     qk_scale = scale * LOG2E
     has_bias = bias is not None
     # the bias as tiles (see _forward) in self-attention, where _BIAS_TILES_BWD allows it
-    tiles = _BIAS_TILES_BWD and has_bias and same_offsets(q_offsets, k_offsets)
-    bias_kind = 2 if tiles else has_bias  # the autotune key's bias field
+    self_attention = has_bias and same_offsets(q_offsets, k_offsets)
+    tiles_dkdv, tiles_dq = (self_attention and _BIAS_TILES_BWD in (True, name) for name in ("dkdv", "dq"))
+    bias_kind = (2 if tiles_dkdv else has_bias, 2 if tiles_dq else has_bias)  # the autotune keys' bias field
     kernel_window = window if window > 0 else NO_WINDOW
     state = {}
 
@@ -748,7 +785,7 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
         kwork = key_work(q_offsets, k_offsets, bn, causal, q.device, include_empty=True)
         descs = row_descriptors(bm, q, do) if config_field(cfg, 5) else None
         # the transposed formulation reads (BN, BM) tiles of keys x queries
-        bias_t, kind = _bias_operand(bias_d, bias_max, heads, bm, bn, has_bias, tiles, bool(transposed))
+        bias_t, kind = _bias_operand(bias_d, bias_max, heads, bm, bn, has_bias, tiles_dkdv, bool(transposed))
         if kwork.shape[0]:
             _jagged_attn_bwd_dkdv[(kwork.shape[0], heads)](
                 q, k, v, do, lse, delta, dk, dv, mrow if mx_p else lse, q_offsets, k_offsets, kwork, bias_t,
@@ -767,7 +804,7 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
         dbias = (torch.zeros(max(qwork.shape[0], 1), heads, nb_pad, device=q.device, dtype=torch.float32)
                  if has_bias else bias_d)
         descs = row_descriptors(bn, k, v) if config_field(cfg, 4) else None
-        bias_t, kind = _bias_operand(bias_d, bias_max, heads, bm, bn, has_bias, tiles)
+        bias_t, kind = _bias_operand(bias_d, bias_max, heads, bm, bn, has_bias, tiles_dq)
         if qwork.shape[0]:
             _jagged_attn_bwd_dq[(qwork.shape[0], heads)](
                 q, k, v, do, lse, delta, dq, dbias, q_offsets, k_offsets, qwork, bias_t, buckets,
@@ -776,14 +813,17 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
                 do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
                 bias_t.stride(0), bias_max, heads, qk_scale, scale, kernel_window,
                 HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=kind, NUM_BUCKETS=nb_pad,
-                TMA=descs is not None, num_warps=warps, num_stages=stages,
+                TMA=descs is not None, DBIAS_DIAG=_DBIAS_DIAG, num_warps=warps, num_stages=stages,
             )
         state["dbias"] = dbias
 
-    key = (dim, q.dtype, causal, bias_kind, _window_key(window), bucket_len(max_q_len), bucket_len(max_k_len))
-    run_dkdv(pick_config(("dkdv",) + key + (mx_p,), lambda: _tuned(_DKDV_CANDIDATES, 5), run_dkdv,
+    def key(kind):
+        return (dim, q.dtype, causal, kind, _window_key(window), bucket_len(max_q_len), bucket_len(max_k_len))
+
+    run_dkdv(pick_config(("dkdv",) + key(bias_kind[0]) + (mx_p,), lambda: _tuned(_DKDV_CANDIDATES, 5), run_dkdv,
                          _DKDV_MX_INTERPRET if mx_p else _DKDV_INTERPRET))
-    run_dq(pick_config(("dq",) + key, lambda: _tuned(_DQ_CANDIDATES, 4), run_dq))
+    run_dq(pick_config(("dq",) + key(bias_kind[1]) + (bool(_DBIAS_DIAG) and has_bias,),
+                       lambda: _tuned(_DQ_CANDIDATES, 4), run_dq))
     dtable = None
     if has_bias:
         dtable = state["dbias"].sum(0)[:, :n_buckets].to(bias.table.dtype)  # fixed-order reduction
