@@ -330,6 +330,27 @@ def test_bias_gradient_of_a_tile_gpu(tile, diag):
     _check_bias_gradient_of_a_tile(tile, 1024, diag, "cuda")
 
 
+@pytest.mark.parametrize("passes", ["dkdv", "dq"])
+def test_backward_bias_tiles_per_pass_cpu(monkeypatch, passes):
+    """_BIAS_TILES_BWD naming one pass builds that pass's table only; the gradients keep the gathers' bits."""
+    off = offsets([40, 3, 17], "cpu")
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, grad = (torch.randn(60, 2, 32, generator=gen) for _ in range(4))
+    bias = ops.RelativePositionBias(torch.randn(2, 16, generator=gen) * 0.5, 40)
+    calls = []
+    real = ja_kernels.bias_tile_table
+    monkeypatch.setattr(ja_kernels, "bias_tile_table", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    runs = []
+    with common.forced_config({"dkdv": (16, 16, 1, 1, 0), "dq": (16, 16, 1, 1)}):
+        out, lse, _ = ja_kernels._forward(q, k, v, off, off, 40, 40, bias, True, 32**-0.5, 0)
+        for flag in (passes, False):
+            monkeypatch.setattr(ja_kernels, "_BIAS_TILES_BWD", flag)
+            calls.clear()
+            runs.append(ja_kernels._backward(grad, q, k, v, out, lse, off, off, 40, 40, bias, True, 32**-0.5, 0))
+            assert len(calls) == (1 if flag else 0)
+    assert all(torch.equal(x, y) for x, y in zip(*runs))
+
+
 def test_cross_attention_bias_is_gathered_cpu(monkeypatch):
     """Different layouts (cross-attention, shift != 0) never take the tile table; two offsets tensors
     with the same values (self-attention passed as copies) do."""
