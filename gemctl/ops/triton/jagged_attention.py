@@ -44,9 +44,11 @@ G = min(BLOCK_M, BLOCK_N): the forward then reads each tile's bias as one plain 
 values, so the same bits), 1.3-1.6x faster than the gathers on the H200, best config against best
 (docs/benchmarks.md). The table grows with heads and max_distance (H = 4, max_distance 1024:
 2.2-4.7 MB; 16 heads at 2048 ~17-36 MB a call); a launch whose table would pass _BIAS_TILE_BYTES
-(64 MiB) gathers instead. The backward passes can read the same
-tiles (_BIAS_TILES_BWD; the dK/dV pass's transposed formulation from the table stored keys x
-queries), bit-identical to their gathers on the CPU tier; off until timed on a GPU.
+(64 MiB) gathers instead. The backward passes read the same tiles (_BIAS_TILES_BWD; the dK/dV
+pass's transposed formulation from the table stored keys x queries), bit-identical to their
+gathers. The dQ pass's bias gradient sums a tile spanning many buckets along its diagonals first
+(_dbias_tile). Together 1.7-1.9x on the biased backward and 1.25-1.31x on the small_h200 step
+(H200, docs/benchmarks.md).
 
 Measured on one H200 (2026-11-29): see docs/benchmarks.md ("jagged_attention").
 TMA: configs that load the tiles needing no mask through tensor descriptors (K/V in the forward
