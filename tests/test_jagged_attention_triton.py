@@ -337,17 +337,17 @@ def test_backward_bias_tiles_per_pass_cpu(monkeypatch, passes):
     gen = torch.Generator().manual_seed(3)
     q, k, v, grad = (torch.randn(60, 2, 32, generator=gen) for _ in range(4))
     bias = ops.RelativePositionBias(torch.randn(2, 16, generator=gen) * 0.5, 40)
-    calls = []
-    real = ja_kernels.bias_tile_table
-    monkeypatch.setattr(ja_kernels, "bias_tile_table", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    kinds = []  # HAS_BIAS of each launch's bias operand, dK/dV first: 2 = tiles
+    real = ja_kernels._bias_operand
+    monkeypatch.setattr(ja_kernels, "_bias_operand", lambda *a, **kw: kinds.append(real(*a, **kw)[1]) or real(*a, **kw))
     runs = []
     with common.forced_config({"dkdv": (16, 16, 1, 1, 0), "dq": (16, 16, 1, 1)}):
         out, lse, _ = ja_kernels._forward(q, k, v, off, off, 40, 40, bias, True, 32**-0.5, 0)
         for flag in (passes, False):
             monkeypatch.setattr(ja_kernels, "_BIAS_TILES_BWD", flag)
-            calls.clear()
+            kinds.clear()
             runs.append(ja_kernels._backward(grad, q, k, v, out, lse, off, off, 40, 40, bias, True, 32**-0.5, 0))
-            assert len(calls) == (1 if flag else 0)
+            assert kinds == ([2, True] if flag == "dkdv" else [True, 2] if flag == "dq" else [True, True])
     assert all(torch.equal(x, y) for x, y in zip(*runs))
 
 
