@@ -145,6 +145,7 @@ class ParallelConfig:
     dp_replicate: int = 1
     dp_shard: int = 1
     ep: int = 1  # expert-parallel degree: MoE experts split over groups of ep ranks (gemctl.parallel.expert)
+    compile: bool = False  # torch.compile every sequence-tower layer (gemctl.parallel.compile)
     sparse: SparseParallelConfig = field(default_factory=SparseParallelConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
 

@@ -5,7 +5,7 @@ model in one fixed order (STYLE.md, after torchtitan's parallelize):
                               tables (gemctl.parallel.sparse); fsdp: tables are FSDP row shards
     1b. expert parallelism  - parallel.ep > 1: MoE experts split over EP groups (gemctl.parallel.expert)
     2. activation checkpointing - not yet
-    3. torch.compile        - not yet
+    3. torch.compile        - parallel.compile: every sequence-tower layer (gemctl.parallel.compile)
     4. FSDP2 / HSDP          - every dense block, then the root (gemctl.parallel.dense)
 """
 
@@ -21,13 +21,15 @@ class Parallelized:
     fused_sparse: object = None  # the tables' fused optimizer (torchrec)
     expert_groups: object = None  # gemctl.parallel.expert.ExpertGroups (ep > 1)
     expert_params: list = field(default_factory=list)
+    compiled_layers: int = 0  # sequence-tower layers under torch.compile (parallel.compile)
 
 
 def parallelize(model, ctx: ParallelContext, cfg, device, formats: dict[str, str]) -> Parallelized:
-    """Apply the layout of ``ctx`` to ``model`` (in place); a process outside torchrun is left as
-    it is."""
+    """Apply the layout of ``ctx`` to ``model`` (in place); a process outside torchrun is only
+    compiled (parallel.compile), not sharded."""
     out = Parallelized()
     if not ctx.sharded:
+        _compile(model, cfg, out)
         return out
     ignored = set()
     if cfg.parallel.sparse.sharding == "torchrec":
@@ -41,8 +43,16 @@ def parallelize(model, ctx: ParallelContext, cfg, device, formats: dict[str, str
         out.expert_groups = build_groups(ctx.world_size, ctx.rank, cfg.parallel.ep)
         out.expert_params = shard_experts(model, out.expert_groups)
         ignored |= set(out.expert_params)
+    _compile(model, cfg, out)
     apply_fsdp(model, ctx.mesh, cfg.precision, device, formats, ignored_params=ignored or None)
     return out
+
+
+def _compile(model, cfg, out: Parallelized) -> None:
+    if cfg.parallel.compile:
+        from gemctl.parallel.compile import apply_compile
+
+        out.compiled_layers = apply_compile(model)
 
 
 __all__ = ["ParallelContext", "init_parallel", "parallelize", "apply_fsdp"]

@@ -112,6 +112,11 @@ class Trainer:
         par = parallelize(self.model, self.ctx, cfg, self.device, self.formats)
         self.table_plan, fused_sparse = par.table_plan, par.fused_sparse
         self.expert_groups, self.expert_params = par.expert_groups, par.expert_params
+        if par.compiled_layers:
+            from gemctl.parallel.compile import BACKEND
+
+            self._say(f"parallel.compile: {par.compiled_layers} sequence-tower layers under torch.compile ({BACKEND}); "
+                      "the first steps compile them (left out of the step times)")
         # This rank's parameter bytes as stored between steps (FSDP2 keeps the root and the last
         # block gathered after a forward, so this is measured before any).
         self.param_bytes = sum(local_tensor(p).numel() * p.element_size() for p in self.model.parameters())
@@ -364,7 +369,8 @@ class Trainer:
                         if step + 1 > tcfg.warmup_timing_steps:
                             totals.merge(window, elapsed)
                             if setup and not setup_timed:
-                                self._say(f"[yellow]Triton autotuning or compiling ran after the {tcfg.warmup_timing_steps} "
+                                self._say(f"[yellow]Triton autotuning or compiling (or torch.compile) ran after the "
+                                          f"{tcfg.warmup_timing_steps} "
                                           f"untimed steps ({setup:.1f} s by step {step + 1}, new shapes); taken out of the "
                                           "step times (perf.setup_s_in_timed_steps). More "
                                           "train.warmup_timing_steps tunes before timing.[/yellow]")
@@ -434,13 +440,15 @@ class Trainer:
 
 
 def kernel_setup_seconds() -> float:
-    """Seconds the Triton kernels have spent autotuning and compiling in this process (0 without
-    Triton): one-off work, left out of the step times."""
+    """Seconds the Triton kernels have spent autotuning and compiling, and torch.compile compiling
+    (parallel.compile), in this process: one-off work, left out of the step times."""
+    from gemctl.parallel.compile import compile_seconds
+
     try:
         from gemctl.ops.triton.common import setup_seconds
     except ImportError:
-        return 0.0
-    return setup_seconds()
+        return compile_seconds()
+    return setup_seconds() + compile_seconds()
 
 
 @dataclass
