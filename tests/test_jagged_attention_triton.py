@@ -633,3 +633,24 @@ def test_torch_compile_no_graph_break_cpu(monkeypatch):
     assert torch.allclose(loss, ref_loss)
     for a, b in zip(grads, ref_grads):
         assert torch.allclose(a, b)
+
+
+def test_bias_bucket_table_is_built_once_per_layout(monkeypatch):
+    """The bucket of each |distance| depends on (max_distance, buckets, device) only: built on the
+    first call and reused (it was ~10 small kernels a call); the per-distance bias follows the
+    table's current values on every call."""
+    calls = []
+    real = ja_kernels.relative_position_bucket
+    monkeypatch.setattr(ja_kernels, "relative_position_bucket", lambda *a: calls.append(a[1:]) or real(*a))
+    monkeypatch.setattr(ja_kernels, "_BUCKETS", {})
+    table = torch.randn(2, 16)
+    bias = ops.RelativePositionBias(table, 40)
+    d1, b1, max_d, nb = ja_kernels._bias_tables(bias, 2, torch.device("cpu"))
+    table.mul_(2.0)  # an optimizer step
+    d2, b2, _, _ = ja_kernels._bias_tables(bias, 2, torch.device("cpu"))
+    assert calls == [(16, 40)] and b2 is b1 and (max_d, nb) == (40, 16)
+    want = ops.relative_position_bucket(torch.arange(41), 16, 40)
+    assert torch.equal(b1, want.to(torch.int32))
+    assert torch.equal(d2, table[:, want] * ja_kernels.LOG2E) and torch.equal(d2, 2 * d1)
+    ja_kernels._bias_tables(ops.RelativePositionBias(table, 80), 2, torch.device("cpu"))
+    assert calls == [(16, 40), (16, 80)]

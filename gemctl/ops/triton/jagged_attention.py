@@ -519,6 +519,17 @@ _DBIAS_DIAGONAL_MIN = tl.constexpr(4)
 
 
 @triton.jit
+def _dbias_masked(ds, dist, BUCKETS, bias_max, bucket_ids, b_lo, b_hi):
+    """One masked sum of ds per bucket in [b_lo, b_hi], as a [NUM_BUCKETS] vector."""
+    tile_bucket = tl.load(BUCKETS + tl.minimum(tl.abs(dist), bias_max))
+    out = tl.zeros(bucket_ids.shape, dtype=tl.float32)
+    for bkt in range(b_lo, b_hi + 1):
+        part = tl.sum(tl.sum(tl.where(tile_bucket == bkt, ds, 0.0), 1), 0)
+        out += tl.where(bucket_ids == bkt, part, 0.0)
+    return out
+
+
+@triton.jit
 def _dbias_tile(ds, dist, d0, BUCKETS, bias_max, bucket_ids, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 DIAG: tl.constexpr = True):
     """The bias-table gradient of one (BM, BN) tile of ds (rows past the sequence zeroed): the sum of
@@ -536,11 +547,10 @@ def _dbias_tile(ds, dist, d0, BUCKETS, bias_max, bucket_ids, BLOCK_M: tl.constex
     out = tl.zeros(bucket_ids.shape, dtype=tl.float32)
     if b_lo == b_hi:
         out = tl.where(bucket_ids == b_lo, tl.sum(tl.sum(ds, 1), 0), 0.0)
-    elif (b_hi - b_lo < _DBIAS_DIAGONAL_MIN) | (BLOCK_M < BLOCK_N) | (not DIAG):
-        tile_bucket = tl.load(BUCKETS + tl.minimum(tl.abs(dist), bias_max))
-        for bkt in range(b_lo, b_hi + 1):
-            part = tl.sum(tl.sum(tl.where(tile_bucket == bkt, ds, 0.0), 1), 0)
-            out += tl.where(bucket_ids == bkt, part, 0.0)
+    elif not DIAG or BLOCK_M < BLOCK_N:  # compile-time: the skew below is not built at all
+        out = _dbias_masked(ds, dist, BUCKETS, bias_max, bucket_ids, b_lo, b_hi)
+    elif b_hi - b_lo < _DBIAS_DIAGONAL_MIN:
+        out = _dbias_masked(ds, dist, BUCKETS, bias_max, bucket_ids, b_lo, b_hi)
     else:
         # Skew the tile along its rows (BM >= BN: at most one wrap): y[i, b] = ds[(i + b) % BM, b]
         # lies on diagonal a - b = i, or i - BM where it wrapped; row sums of y are diagonal sums.
@@ -636,6 +646,7 @@ def _bwd_delta(O, DO, DELTA, n_rows, num_heads, stride_on, stride_oh, stride_don
 
 _DELTA_ROWS = 64  # rows per program of _bwd_delta
 _NO_BIAS: dict = {}  # device -> the no-bias placeholders (two fills a call were ~10% of self-200's host time)
+_BUCKETS: dict = {}  # (max_distance, buckets, device) -> bucket of each |distance| (int64, int32): fixed per layer
 
 
 def _bias_tables(bias: RelativePositionBias | None, num_heads: int, device):
@@ -646,10 +657,15 @@ def _bias_tables(bias: RelativePositionBias | None, num_heads: int, device):
                                 torch.zeros(1, device=device, dtype=torch.int32))
         return *_NO_BIAS[device], 0, 1
     max_d = int(bias.max_distance)
-    dist = torch.arange(max_d + 1, device=device)
-    buckets = relative_position_bucket(dist, bias.num_buckets, max_d)
-    per_distance = (bias.table.detach().float()[:, buckets] * LOG2E).contiguous()
-    return per_distance, buckets.to(torch.int32).contiguous(), max_d, bias.num_buckets
+    key = (max_d, bias.num_buckets, device)
+    if key not in _BUCKETS:  # ~10 small kernels a call before (the bucket law's log, floor, clamps)
+        if len(_BUCKETS) >= 8:
+            _BUCKETS.pop(next(iter(_BUCKETS)))
+        buckets = relative_position_bucket(torch.arange(max_d + 1, device=device), bias.num_buckets, max_d)
+        _BUCKETS[key] = (buckets, buckets.to(torch.int32).contiguous())
+    buckets, buckets32 = _BUCKETS[key]
+    per_distance = torch.index_select(bias.table.detach().float(), 1, buckets).mul_(LOG2E)
+    return per_distance, buckets32, max_d, bias.num_buckets
 
 
 _BIAS_TILES = True  # self-attention forwards read the bias as plain tiles (bias_tile_table); False: gathers
