@@ -129,6 +129,34 @@ def kernels():
     ba_tiles = dict(io, Q_DESC=halves, K_DESC=halves, V_DESC=whole, O_DESC=whole, DO_DESC=whole)
     yield ba._block_attn_fwd, ba_tiles, dict(HEAD_DIM=128, BLOCK=64, ROPE=True, TMA=True)
     yield ba._block_attn_bwd, ba_tiles, dict(HEAD_DIM=128, BLOCK=64, ROPE=True, TMA=True)
+    yield from gluon_kernels()
+
+
+def gluon_kernels():
+    """The Gluon kernels (Hopper only; their descriptors carry the shared-memory layout)."""
+    import torch
+
+    from gemctl.ops.triton import gdpa_hopper as gh
+
+    def desc(rows, dim):
+        return f"tensordesc<bf16[{rows}, {dim}],{gh.shared_layout(rows, dim, torch.bfloat16)!r}>"
+
+    for block_n, dim, pipeline, act in ((128, 128, 0, 0), (128, 128, 1, 0), (32, 64, 1, 1)):
+        io = dict(q_desc=desc(64, dim), o_desc=desc(64, dim), k_desc=desc(block_n, dim), v_desc=desc(block_n, dim),
+                  O="*bf16", Q_OFFSETS="*i64", K_OFFSETS="*i64", WORK="*i32", scale="fp32")
+        yield gh._gdpa_fwd_resident, io, dict(HEAD_DIM=dim, BLOCK_M=64, BLOCK_N=block_n, CHUNK=4, ACT=act, Q_STAGES=2,
+                                               LOOKAHEAD=pipeline, num_warps=4)
+
+
+def _source(fn, types: dict, consts: dict, attrs=None):
+    """What triton.compile takes for ``fn``: a Triton or a Gluon kernel."""
+    from triton.compiler import ASTSource
+
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        return GluonASTSource(fn, _signature(fn, types, consts), consts, attrs)
+    return ASTSource(fn=fn, signature=_signature(fn, types, consts), constexprs=consts, attrs=attrs)
 
 
 def column_cast_stores(target) -> list[str]:
@@ -275,16 +303,15 @@ def ptxas_stats(target, warps: int, stages: int, head_loop: bool = False) -> lis
 
     import triton
     from triton import knobs
-    from triton.compiler import ASTSource
 
     lines = []
     for fn, types, consts in kernels():
         consts = _constexprs(fn, types, consts)
         if "heads_per_program" in fn.arg_names and not head_loop:
             consts["heads_per_program"] = 1  # Triton specializes the value 1: one-head configs get no loop
-        src = ASTSource(fn=fn, signature=_signature(fn, types, consts), constexprs=consts,
-                        attrs=_aligned_attrs(fn, types, consts))
-        compiled = triton.compile(src, target=target, options={"num_warps": warps, "num_stages": stages})
+        src = _source(fn, types, consts, _aligned_attrs(fn, types, consts))
+        compiled = triton.compile(src, target=target, options={"num_warps": consts.get("num_warps", warps),
+                                                               "num_stages": stages})
         with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
             ptx.write(compiled.asm["ptx"])
             ptx.flush()
@@ -316,7 +343,6 @@ def main() -> int:
         return 2
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     target = GPUTarget("cuda", args.arch, 32)
     if args.ptxas:
@@ -329,8 +355,8 @@ def main() -> int:
     for fn, types, consts in kernels():
         t0 = time.time()
         consts = _constexprs(fn, types, consts)
-        src = ASTSource(fn=fn, signature=_signature(fn, types, consts), constexprs=consts)
-        compiled = triton.compile(src, target=target, options={"num_warps": 4, "num_stages": 3})
+        src = _source(fn, types, consts)
+        compiled = triton.compile(src, target=target, options={"num_warps": consts.get("num_warps", 4), "num_stages": 3})
         print(f"{fn.__name__:<24} {_flags(consts):<30} sm_{args.arch}: ok ({time.time() - t0:.1f} s, {compiled.metadata.shared} B shared)")
     stores = column_cast_stores(target)
     print("\n".join(stores))

@@ -388,7 +388,9 @@ def query_work(q_offsets, k_offsets, block_m: int, causal: bool, device) -> torc
         def cost(seq, tile):
             if causal:  # keys visible to the tile's last row
                 return np.clip(np.minimum(lk[seq], (tile + 1) * block_m + lk[seq] - lq[seq]), 0, None)
-            return lk[seq]
+            # keys x the tile's rows: a sequence's partial last tile (or chunk of tiles, for the
+            # kernels that take several per item) is cheaper than its whole ones
+            return np.maximum(lk[seq], 1) * np.minimum(block_m, lq[seq] - tile * block_m)
 
         # Every query tile gets a program, also where there is no key: it writes the zeros.
         return _to_device(tile_work(lq, cost, block_m), device)

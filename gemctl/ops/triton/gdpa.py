@@ -76,7 +76,19 @@ _FWD_CANDIDATES = [
 # (sm_90 ptxas, Triton 3.6), so one's activation could overlap the other's MMAs. Tried and dropped
 # (H200, 2026-11-30, tree 5d33fd3; both passed the every-candidate test): cross-128 forward 45.8%
 # (4 warps) and 40.6% (8 warps) of the roofline against 49.6% for the capped 64x32 tile loop.
-_GPU_CHECKED: set = {(64, 32, 4, 2, 0, 0, 0, 128)}  # configs with optional fields the GPU tier has passed
+# Hopper configs (ninth field 1): the Gluon resident-key forward (gdpa_hopper.py), for key sides that
+# fit one tile. Fields: (block_m = 16 x warps, block_n (>= every key length), warps, query-ring
+# stages, programs per SM, query tiles per item (chunk), 0, 0, 1, look-ahead (1: the next item's
+# K and V loads start during this item's last tile)).
+_HOPPER_FWD_CANDIDATES = [
+    (64, 128, 4, 2, 2, 16, 0, 0, 1, 1), (64, 128, 4, 2, 2, 16, 0, 0, 1, 0), (64, 128, 4, 2, 2, 8, 0, 0, 1, 1),
+    (64, 64, 4, 2, 2, 16, 0, 0, 1, 1), (64, 32, 4, 3, 2, 16, 0, 0, 1, 1),
+    (64, 32, 4, 2, 3, 16, 0, 0, 1, 1), (64, 32, 4, 2, 3, 8, 0, 0, 1, 0),
+]
+_FWD_CANDIDATES += _HOPPER_FWD_CANDIDATES
+# configs with optional fields the GPU tier has passed; the Hopper ones: test_gdpa_hopper_forward_gpu,
+# 28 passed (H200, 2026-12-03: 320 items over 2-3 programs per SM, bf16 D=128 and fp16 D=64, GELU and SiLU)
+_GPU_CHECKED: set = {(64, 32, 4, 2, 0, 0, 0, 128), *_HOPPER_FWD_CANDIDATES}
 _PENDING_AUTOTUNE = False  # True: autotuning times every candidate (benchmarks of unchecked ones)
 _DKDV_CANDIDATES = [
     (64, 64, 4, 2, 0, 0), (32, 64, 4, 3, 0, 0), (64, 32, 4, 3, 0, 0), (32, 128, 4, 3, 0, 0),
@@ -343,6 +355,18 @@ def _launch(kernel, work, heads, cfg, args, dim, act, after_work=(), **constexpr
                      **constexprs)
 
 
+def _hopper():
+    """gemctl.ops.triton.gdpa_hopper, or ValueError where it cannot run (a Triton without Gluon's
+    Hopper API, a GPU before sm_90): the autotuner then skips its configs."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        raise ValueError("gdpa (Hopper): needs an sm_90+ GPU")
+    try:
+        from gemctl.ops.triton import gdpa_hopper
+    except ImportError as exc:
+        raise ValueError(f"gdpa (Hopper): Gluon unavailable ({exc})") from exc
+    return gdpa_hopper
+
+
 def _candidates(candidates, resident_len: int, resident_block: int):
     """Resident configs (chunk >= 1) only where the short side fits its tile for every length of
     this autotune bucket; resident_block is the index of that tile's size in the config."""
@@ -362,6 +386,9 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scale):
     def run(cfg):
         _check_resident(cfg, max_k_len, 1, "key")
         work = query_work(q_offsets, k_offsets, cfg[0] * max(cfg[5], 1), False, q.device)
+        if config_field(cfg, 8):  # the Gluon kernel for Hopper
+            _hopper().forward(q, k, v, out, q_offsets, k_offsets, work, act, scale, cfg)
+            return
         # TMA field set (tile-loop configs): K/V descriptors, or masked loads where the layout has none
         descs = row_descriptors(cfg[1], k, v) if config_field(cfg, 6) and not cfg[5] else None
         _launch(_gdpa_fwd, work, heads, cfg, (q, k, v, out, q_offsets, k_offsets, strides), dim, act,

@@ -1,0 +1,292 @@
+"""GDPA forward for Hopper in Gluon: short key sides (cross-attention) held in shared memory.
+
+out_i = sum_j act(scale * q_i . k_j) v_j, as gemctl.ops.triton.gdpa, for sequences whose keys
+all fit one tile (k_len <= BLOCK_N <= 256: GEM's cross-attention over a few non-sequence tokens).
+
+Why a second kernel: the Triton forward of cross-128 stayed at ~49% of its memory roofline on the
+H200 (docs/benchmarks.md, gdpa): each program loads its query tile and then its four key tiles
+in sequence before the first MMA, and neither more resident warps, register caps, TMA, nor a
+flattened persistent loop got Triton 3.6's pipeliner to overlap one item's loads with another's
+math. Gluon (Triton's tile-level language with explicit shared memory, TMA, mbarriers and
+asynchronous wgmma) states the schedule directly:
+
+- persistent programs, items (sequence, chunk of CHUNK query tiles, head) dealt in zigzag order
+  from the host-built work list (no device sync);
+- the item's K and V (BLOCK_N x D each) land in shared memory once by TMA and serve every query
+  tile of the chunk;
+- query tiles come through a ring of Q_STAGES shared-memory slots, each refilled by TMA as soon as
+  its S = Q K^T MMA has read it, so the next tiles are in flight while this one computes;
+- S is an asynchronous wgmma into registers; the activation runs on it there and P goes to the
+  second wgmma (O = P V) as a register operand: P never touches shared memory;
+- PIPELINE = 1 issues the next tile's S MMA before this tile's activation, so the tensor cores
+  work while the ALUs evaluate the polynomial (FlashAttention-3's intra-warpgroup overlap);
+- whole output tiles leave through shared memory and a TMA store; the last, partial tile of a
+  sequence by masked stores (a TMA box would write into the next sequence's rows).
+
+Keys past k_len (the next sequence's rows, or TMA's zero fill at the tensor's end) are masked to
+s = 0, and act(0) = 0 for both activations, so they contribute nothing. Query rows past q_len are
+computed and never stored.
+
+Supported: bf16/fp16, D in {64, 128}, heads adjacent in memory (q/k/v/out as [N, H * D] rows
+with 16-byte aligned strides), sm_90+. No interpreter: the CPU tier compiles it for sm_90
+(scripts/check_kernels_build.py) and the GPU tier checks it against float64.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from gemctl.ops.triton.common import config_field, num_programs
+
+# Triton 3.6 names the TMA copies async_copy_global_to_shared / async_copy_shared_to_global; later
+# releases renamed them async_load / async_store (the old names raise there).
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after 3.6 too
+from gemctl.ops.triton.gdpa import _C2, _P0, _P1, _P2, _P3, _P4, _P5, _P6  # the polynomial GELU's constants
+
+
+# The polynomial GELU of gdpa._gelu_poly with its factor 0.5 folded into the coefficients (one
+# multiply a score less): gelu(x) ~ 0.5 x + t H(t), H = P / 2, t = min(x^2, 16).
+_H0, _H1, _H2, _H3, _H4, _H5, _H6 = (gl.constexpr(0.5 * c.value) for c in (_P0, _P1, _P2, _P3, _P4, _P5, _P6))
+
+
+@gluon.jit
+def _act(s, ACT: gl.constexpr):
+    """The Triton kernels' activations (gdpa._gelu_poly, SiLU), on an fp32 tile in any layout."""
+    if ACT == 0:
+        t = gl.minimum(s * s, _C2)
+        h = ((((((_H6 * t + _H5) * t + _H4) * t + _H3) * t + _H2) * t + _H1) * t + _H0) * t
+        return gl.where(t < _C2, 0.5 * s + h, gl.maximum(s, 0.0))
+    else:
+        return s / (1.0 + gl.exp(-s))
+
+
+@gluon.jit
+def _scores(s, k_len, scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr, ACT: gl.constexpr, dtype: gl.constexpr,
+            p_layout: gl.constexpr):
+    """act(scale * s) with keys >= k_len masked to s = 0 (act(0) = 0), as the second MMA's A operand."""
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    s = gl.where((cols < k_len)[None, :], s * scale, 0.0)
+    return gl.convert_layout(_act(s, ACT).to(dtype), p_layout)
+
+
+@gluon.jit
+def _item(r, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads, CHUNK: gl.constexpr,
+          BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Round r's item of program pid (zigzag, common.zigzag_item): its first query row (a value
+    row), the sequence's start, length and first row of the chunk, the key span, the column of its
+    head in the [N, H * D] views, and how many query tiles it has (0 past the last item)."""
+    e = r * n_programs + gl.where(r % 2 == 0, pid, n_programs - 1 - pid)
+    valid = e < n_items
+    e = gl.minimum(e, n_items - 1)  # no read past the work list for rounds beyond it
+    w = e // num_heads
+    b = gl.load(WORK + 2 * w)
+    m0 = gl.load(WORK + 2 * w + 1) * (CHUNK * BLOCK_M)
+    q_start = gl.load(Q_OFFSETS + b).to(gl.int32)
+    q_len = gl.load(Q_OFFSETS + b + 1).to(gl.int32) - q_start
+    k_start = gl.load(K_OFFSETS + b).to(gl.int32)
+    k_len = gl.load(K_OFFSETS + b + 1).to(gl.int32) - k_start
+    n_tiles = gl.where(valid, gl.minimum(gl.cdiv(q_len - m0, BLOCK_M), CHUNK), 0)
+    return q_start, q_len, m0, k_start, k_len, (e % num_heads) * HEAD_DIM, n_tiles
+
+
+@gluon.jit
+def _load_q(q_desc, q_smem, q_bars, slot, row, col, pred):
+    bar = q_bars.index(slot)
+    mbarrier.expect(bar, q_desc.block_type.nbytes, pred=pred)
+    _tma_load(q_desc, [row, col], bar, q_smem.index(slot), pred)
+
+
+@gluon.jit
+def _load_kv(desc, smem, bar, row, col, pred):
+    mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
+    _tma_load(desc, [row, col], bar, smem, pred)
+
+
+@gluon.jit
+def _store_o(o, o_desc, o_smem, O, q_start, row0, q_len, col, stride_on, o_layout: gl.constexpr,
+             BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Rows [row0, row0 + BLOCK_M) of the sequence's output: by TMA when the tile is whole, else
+    by masked stores straight from the accumulator's layout."""
+    out = o.to(o_desc.dtype)
+    if row0 + BLOCK_M <= q_len:
+        tma.store_wait(0)  # the previous tile's store has read o_smem
+        _cta_barrier()
+        o_smem.store(out)
+        fence_async_shared()
+        _cta_barrier()  # every warp's rows are in o_smem before one thread starts the copy
+        _tma_store(o_desc, [q_start + row0, col], o_smem)
+    else:
+        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        ptrs = O + (q_start + rows).to(gl.int64)[:, None] * stride_on + col + dims[None, :]
+        gl.store(ptrs, out, mask=(rows < q_len)[:, None])
+
+
+@gluon.jit(do_not_specialize=["n_items"])
+def _gdpa_fwd_resident(
+    q_desc, k_desc, v_desc, o_desc, O, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, ACT: gl.constexpr,
+    Q_STAGES: gl.constexpr, LOOKAHEAD: gl.constexpr, num_warps: gl.constexpr,
+):
+    # q_desc / o_desc: [Nq, H * D] in (BLOCK_M, D) boxes; k_desc / v_desc: [Nk, H * D] in
+    # (BLOCK_N, D) boxes (host: gdpa_hopper.descriptors). WORK: int32 [n, 2] (sequence, chunk of
+    # CHUNK query tiles); item e = work index * num_heads + head, dealt in zigzag rounds (_item).
+    #
+    # The query tiles of a program's items form one stream through the Q_STAGES-slot ring:
+    # `issued` loads have been started into slots issued % Q_STAGES, `consumed` tiles read by their
+    # S MMA; each consumed slot is refilled at once with the next tile of the stream, the current
+    # item's or else the next item's (so the next item's first tiles are in flight while this one
+    # finishes). LOOKAHEAD = 1 also starts the next item's K as soon as this item's last S MMA has
+    # read K, and its V after the last O MMA; 0 loads them after the item.
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+
+    q_smem = gl.allocate_shared_memory(dtype, [Q_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    o_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], o_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(Q_STAGES):
+        mbarrier.init(q_bars.index(i), count=1)
+    mbarrier.init(k_bar, count=1)
+    mbarrier.init(v_bar, count=1)
+    k_t = k_smem.permute((1, 0))  # (D, BLOCK_N): the B operand of S = Q K^T
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    o_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+
+    pid = gl.program_id(0)
+    n_programs = gl.num_programs(0)
+    q_start, q_len, m0, k_start, k_len, col, n_tiles = _item(0, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS,
+                                                             num_heads, CHUNK, BLOCK_M, HEAD_DIM)
+    _load_kv(k_desc, k_smem, k_bar, k_start, col, n_tiles > 0)
+    _load_kv(v_desc, v_smem, v_bar, k_start, col, n_tiles > 0)
+    issued = 0  # loads started (stream position)
+    consumed = 0  # tiles read by their S MMA
+    mine = 0  # the current item's tiles among the loads started
+    for i in gl.static_range(Q_STAGES):
+        _load_q(q_desc, q_smem, q_bars, i, q_start + m0 + i * BLOCK_M, col, i < n_tiles)
+        issued += (i < n_tiles).to(gl.int32)
+        mine += (i < n_tiles).to(gl.int32)
+    kv_phase = 0
+    for r in range(0, gl.cdiv(n_items, n_programs)):
+        nq_start, nq_len, nm0, nk_start, nk_len, ncol, nn_tiles = _item(
+            r + 1, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads, CHUNK, BLOCK_M, HEAD_DIM)
+        theirs = 0  # the next item's tiles among the loads started
+        if n_tiles > 0:
+            mbarrier.wait(k_bar, kv_phase)
+            for t in range(0, n_tiles):
+                slot = consumed % Q_STAGES
+                mbarrier.wait(q_bars.index(slot), (consumed // Q_STAGES) & 1)
+                s = warpgroup_mma(q_smem.index(slot), k_t, s_zero, use_acc=False, is_async=True)
+                s = warpgroup_mma_wait(0, deps=(s, ))
+                consumed += 1
+                # start the stream's next load (the current item's next tile, else the next item's)
+                # in slot issued % Q_STAGES, which the ring's invariant keeps free here (it is the
+                # slot just consumed only while the ring was full)
+                cur = mine < n_tiles
+                nxt = (not cur) & (theirs < nn_tiles)
+                row = gl.where(cur, q_start + m0 + mine * BLOCK_M, nq_start + nm0 + theirs * BLOCK_M)
+                _load_q(q_desc, q_smem, q_bars, issued % Q_STAGES, row, gl.where(cur, col, ncol), cur | nxt)
+                issued += (cur | nxt).to(gl.int32)
+                mine += cur.to(gl.int32)
+                theirs += nxt.to(gl.int32)
+                last = t == n_tiles - 1
+                if LOOKAHEAD:
+                    _load_kv(k_desc, k_smem, k_bar, nk_start, ncol, last & (nn_tiles > 0))
+                p = _scores(s, k_len, scale, s_layout, BLOCK_N, ACT, dtype, p_layout)
+                mbarrier.wait(v_bar, kv_phase, pred=t == 0)
+                o = warpgroup_mma(p, v_smem, o_zero, use_acc=False, is_async=True)
+                o = warpgroup_mma_wait(0, deps=(o, ))
+                if LOOKAHEAD:
+                    _load_kv(v_desc, v_smem, v_bar, nk_start, ncol, last & (nn_tiles > 0))
+                _store_o(o, o_desc, o_smem, O, q_start, m0 + t * BLOCK_M, q_len, col, stride_on, o_layout,
+                         BLOCK_M, HEAD_DIM)
+            kv_phase ^= 1
+            if not LOOKAHEAD:
+                _load_kv(k_desc, k_smem, k_bar, nk_start, ncol, nn_tiles > 0)
+                _load_kv(v_desc, v_smem, v_bar, nk_start, ncol, nn_tiles > 0)
+        q_start, q_len, m0, k_start, k_len, col, n_tiles = nq_start, nq_len, nm0, nk_start, nk_len, ncol, nn_tiles
+        mine = theirs
+        for i in gl.static_range(Q_STAGES):  # top the ring up (the last item may have freed fewer slots)
+            more = (issued - consumed < Q_STAGES) & (mine < n_tiles)
+            _load_q(q_desc, q_smem, q_bars, issued % Q_STAGES, q_start + m0 + mine * BLOCK_M, col, more)
+            issued += more.to(gl.int32)
+            mine += more.to(gl.int32)
+    tma.store_wait(0)
+    for i in gl.static_range(Q_STAGES):
+        mbarrier.invalidate(q_bars.index(i))
+    mbarrier.invalidate(k_bar)
+    mbarrier.invalidate(v_bar)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side.
+
+
+def shared_layout(block_rows: int, dim: int, dtype) -> gl.NVMMASharedLayout:
+    """The swizzled shared-memory layout of a (block_rows, dim) tile that TMA and wgmma share."""
+    return gl.NVMMASharedLayout.get_default_for([block_rows, dim], _GL_DTYPES[dtype])
+
+
+def descriptors(block_m: int, block_n: int, q, k, v, out):
+    """TMA descriptors of q / out in (block_m, D) boxes and k / v in (block_n, D) boxes over the
+    [N, H * D] views, or None where the layout does not allow them (heads not adjacent, strides or
+    bases not 16-byte aligned, fewer rows than a box, a dtype without a Gluon twin)."""
+    if q.dtype not in _GL_DTYPES:
+        return None
+    descs = []
+    for t, rows in ((q, block_m), (k, block_n), (v, block_n), (out, block_m)):
+        n, heads, dim = t.shape
+        size = t.element_size()
+        if (t.stride(2) != 1 or t.stride(1) != dim or t.stride(0) < heads * dim or (t.stride(0) * size) % 16
+                or t.data_ptr() % 16 or (dim * size) % 16 or n < rows):
+            return None
+        descs.append(TensorDescriptor(t, [n, heads * dim], [t.stride(0), 1], [rows, dim],
+                                      shared_layout(rows, dim, t.dtype)))
+    return descs
+
+
+def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cfg: tuple) -> None:
+    """Launch the resident-key forward: ``cfg`` = (block_m, block_n, warps, q_stages, programs per
+    SM, chunk, ..., look-ahead at index 9) as gdpa's configs carry it; ``work`` is
+    common.query_work with block_m * chunk rows per item. Raises ValueError where the inputs do
+    not allow the kernel (no TMA layout, a head_dim or dtype it was not built for): the autotuner
+    then takes the next candidate."""
+    block_m, block_n, warps, stages, per_sm, chunk = cfg[:6]
+    heads, dim = q.shape[1], q.shape[2]
+    # one warpgroup: a slot is refilled (and K/V reloaded) right after this warpgroup's MMA read
+    # it, which with a second warpgroup could still be waiting on that slot's previous phase
+    if dim not in (64, 128) or warps != 4 or block_m != 64:
+        raise ValueError(f"gdpa (Hopper): head_dim {dim} with config {cfg} is not built")
+    descs = descriptors(block_m, block_n, q, k, v, out)
+    if descs is None:
+        raise ValueError("gdpa (Hopper): q/k/v/out do not allow TMA descriptors (heads adjacent, 16-byte aligned rows)")
+    n_items = work.shape[0] * heads
+    if n_items == 0:
+        return
+    grid = (num_programs(n_items, per_sm, q.device),)
+    _gdpa_fwd_resident[grid](*descs, out, q_offsets, k_offsets, work, n_items, heads, out.stride(0), scale,
+                             HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk, ACT=act,
+                             Q_STAGES=stages, LOOKAHEAD=config_field(cfg, 9), num_warps=warps)
+
+
+def _torch_dtypes():
+    import torch
+
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+_GL_DTYPES = _torch_dtypes()
