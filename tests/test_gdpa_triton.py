@@ -285,3 +285,28 @@ def test_gdpa_hopper_forward_gpu(cfg, activation, dim, dtype):
         mp.setattr(gdpa_kernels, "_hopper", spy)
         _check(ql, kl, activation, "cuda", dtype, dim=dim, factor=2.0, heads=4, elementwise=True)
     assert used  # the Gluon kernel ran, not a fallback
+
+
+@pytest.mark.parametrize("k_rows,eligible", [(128, True), (127, False)])
+def test_hopper_configs_only_for_tensors_they_can_read(monkeypatch, k_rows, eligible):
+    """The forward's autotune key says whether every Hopper config can run on the call's tensors
+    (TMA boxes of 64 query / 128 key rows, heads adjacent): a key tuned with them is never handed a
+    batch they cannot read, and without that the candidates hold none of them."""
+    seen = {}
+
+    class Picked(Exception):
+        pass
+
+    def spy(key, candidates, run, interpret_config):
+        seen["key"], seen["candidates"] = key, candidates()
+        raise Picked
+
+    monkeypatch.setattr(gdpa_kernels, "_hopper_runs", lambda device: True)  # as on an sm_90 GPU
+    monkeypatch.setattr(gdpa_kernels, "pick_config", spy)
+    q = torch.randn(200, 4, 128, dtype=torch.bfloat16)
+    k, v = (torch.randn(k_rows, 4, 128, dtype=torch.bfloat16) for _ in range(2))
+    with pytest.raises(Picked):
+        gdpa_kernels._forward(q, k, v, offsets([100, 100]), offsets([k_rows - 64, 64]), 100, 64, 0, 0.1)
+    hopper = [c for c in seen["candidates"] if gdpa_kernels.config_field(c, 8)]
+    assert (seen["key"][-1] == "hopper") is eligible and bool(hopper) is eligible
+    assert all(c[1] >= 64 for c in hopper)  # only tiles that hold every key length (64 here)

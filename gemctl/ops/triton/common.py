@@ -239,22 +239,26 @@ def autotune_enabled() -> bool:
     return _autotune if _autotune is not None else os.environ.get("GEMCTL_AUTOTUNE", "1") != "0"
 
 
+def rows_viewable(t: torch.Tensor, block_rows: int, cols: int | None = None) -> bool:
+    """Whether a jagged [N, H, D] tensor can be read by TMA as [N, H * D] in (block_rows, cols)
+    boxes: heads adjacent, rows not overlapping, the row stride, the base and a box row 16-byte
+    aligned, at least one box of rows."""
+    n, heads, dim = t.shape
+    size, width = t.element_size(), cols or dim
+    return not (t.stride(2) != 1 or t.stride(1) != dim or t.stride(0) < heads * dim or (t.stride(0) * size) % 16
+                or t.data_ptr() % 16 or (width * size) % 16 or n < block_rows)
+
+
 def row_descriptors(block_rows: int, *tensors, cols: int | None = None):
     """TMA descriptors over jagged [N, H, D] tensors viewed as [N, H * D] with (block_rows, cols)
     blocks (cols = D: a head's rows of one tile; D / 2: half of them), or None where that view or
-    TMA's alignment does not hold (heads not adjacent, rows overlapping, a row stride or base not
-    16-byte aligned, fewer rows than a block)."""
+    TMA's alignment does not hold (rows_viewable)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    descs = []
-    for t in tensors:
-        n, heads, dim = t.shape
-        size, width = t.element_size(), cols or dim
-        if (t.stride(2) != 1 or t.stride(1) != dim or t.stride(0) < heads * dim or (t.stride(0) * size) % 16
-                or t.data_ptr() % 16 or (width * size) % 16 or n < block_rows):
-            return None
-        descs.append(TensorDescriptor(t, [n, heads * dim], [t.stride(0), 1], [block_rows, width]))
-    return descs
+    if not all(rows_viewable(t, block_rows, cols) for t in tensors):
+        return None
+    return [TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [block_rows, cols or t.shape[2]])
+            for t in tensors]
 
 
 def config_field(cfg: tuple, i: int) -> int:

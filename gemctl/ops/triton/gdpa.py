@@ -19,9 +19,15 @@ Scheduling: host-built lists of valid (sequence, tile) pairs sorted most expensi
 few programs per SM; the autotuner picks tiles, warps, stages and the grid per length bucket.
 Backward: dK/dV per key tile over the query tiles, dQ per query tile over the key tiles; no
 atomics, no zero fills, bitwise reproducible.
+
+On Hopper the forward's candidates also hold the Gluon kernel of gdpa_hopper.py (key sides up to
+128 kept in shared memory, TMA query ring, asynchronous wgmma): cross-128's forward 85 us against
+127 us for the best config here (H200, 2026-12-03). Autotuning picks between the two families.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -29,7 +35,7 @@ import triton.language as tl
 
 from gemctl.ops.triton.common import (
     bucket_len, config_field, gpu_checked, key_work, load_rows, num_programs, pick_config, query_work, row_descriptors,
-    store_rows, work_item, zigzag_item,
+    rows_viewable, store_rows, work_item, zigzag_item,
 )
 
 ACTIVATIONS = {"gelu": 0, "silu": 1}
@@ -367,6 +373,25 @@ def _hopper():
     return gdpa_hopper
 
 
+@functools.lru_cache(maxsize=None)
+def _hopper_runs(device: torch.device) -> bool:
+    """An sm_90+ GPU and a Triton with Gluon's Hopper API (asked once per device)."""
+    if device.type != "cuda":
+        return False
+    try:
+        _hopper()
+    except ValueError:
+        return False
+    return True
+
+
+def _hopper_eligible(q, k, v, out) -> bool:
+    """Whether the Hopper configs can all run here: an sm_90+ GPU with Gluon, bf16/fp16, head_dim 64
+    or 128, and q/out (k/v) readable by TMA in boxes of 64 (128) rows."""
+    return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] in (64, 128) and _hopper_runs(q.device)
+            and all(rows_viewable(t, 64) for t in (q, out)) and all(rows_viewable(t, 128) for t in (k, v)))
+
+
 def _candidates(candidates, resident_len: int, resident_block: int):
     """Resident configs (chunk >= 1) only where the short side fits its tile for every length of
     this autotune bucket; resident_block is the index of that tile's size in the config."""
@@ -394,9 +419,14 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scale):
         _launch(_gdpa_fwd, work, heads, cfg, (q, k, v, out, q_offsets, k_offsets, strides), dim, act,
                 descs or (None, None), TMA=descs is not None)
 
-    key = ("gdpa_fwd", dim, q.dtype, act, bucket_len(max_q_len), bucket_len(max_k_len))
+    # Whether every Hopper config can run on these tensors is part of the key: a config tuned on
+    # tensors that TMA can read is never handed ones it cannot (a batch with fewer rows than a box).
+    hopper = _hopper_eligible(q, k, v, out)
+    key = ("gdpa_fwd", dim, q.dtype, act, bucket_len(max_q_len), bucket_len(max_k_len)) + (("hopper",) if hopper else ())
+
     def candidates():
-        return gpu_checked(_candidates(_FWD_CANDIDATES, max_k_len, 1), 6, _GPU_CHECKED, _PENDING_AUTOTUNE)
+        cands = _FWD_CANDIDATES if hopper else [c for c in _FWD_CANDIDATES if not config_field(c, 8)]
+        return gpu_checked(_candidates(cands, max_k_len, 1), 6, _GPU_CHECKED, _PENDING_AUTOTUNE)
 
     run(pick_config(key, candidates, run, _INTERPRET_CONFIG))
     return out

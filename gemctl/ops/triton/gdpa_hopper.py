@@ -1,7 +1,7 @@
 """GDPA forward for Hopper in Gluon: short key sides (cross-attention) held in shared memory.
 
 out_i = sum_j act(scale * q_i . k_j) v_j, as gemctl.ops.triton.gdpa, for sequences whose keys
-all fit one tile (k_len <= BLOCK_N <= 256: GEM's cross-attention over a few non-sequence tokens).
+all fit one tile (k_len <= BLOCK_N <= 128: GEM's cross-attention over a few non-sequence tokens).
 
 Why a second kernel: the Triton forward of cross-128 stayed at ~49% of its memory roofline on the
 H200 (docs/benchmarks.md, gdpa): each program loads its query tile and then its four key tiles
@@ -13,13 +13,13 @@ asynchronous wgmma) states the schedule directly:
 - persistent programs, items (sequence, chunk of CHUNK query tiles, head) dealt in zigzag order
   from the host-built work list (no device sync);
 - the item's K and V (BLOCK_N x D each) land in shared memory once by TMA and serve every query
-  tile of the chunk;
-- query tiles come through a ring of Q_STAGES shared-memory slots, each refilled by TMA as soon as
-  its S = Q K^T MMA has read it, so the next tiles are in flight while this one computes;
+  tile of the chunk; LOOKAHEAD = 1 starts the next item's K as soon as the last S MMA has read K,
+  and its V after the last O MMA;
+- the query tiles of all of a program's items stream through a ring of Q_STAGES shared-memory
+  slots, each slot refilled by TMA as soon as its S = Q K^T MMA has read it, with the next item's
+  first tiles once the current item's are all started;
 - S is an asynchronous wgmma into registers; the activation runs on it there and P goes to the
   second wgmma (O = P V) as a register operand: P never touches shared memory;
-- PIPELINE = 1 issues the next tile's S MMA before this tile's activation, so the tensor cores
-  work while the ALUs evaluate the polynomial (FlashAttention-3's intra-warpgroup overlap);
 - whole output tiles leave through shared memory and a TMA store; the last, partial tile of a
   sequence by masked stores (a TMA box would write into the next sequence's rows).
 
@@ -27,9 +27,17 @@ Keys past k_len (the next sequence's rows, or TMA's zero fill at the tensor's en
 s = 0, and act(0) = 0 for both activations, so they contribute nothing. Query rows past q_len are
 computed and never stored.
 
+Measured (H200, Triton 3.6, 2026-12-03, docs/benchmarks.md): cross-128 forward 85 us against 127 us
+for the best Triton config, 70% of its roofline against 47%; cross-32 63 us against 58 us for
+Triton's resident-key config, which autotuning keeps there. Tried and dropped: the next tile's S
+MMA issued before this tile's activation (255 registers, 5% slower). One warpgroup per program:
+with two, one warpgroup's refill of a slot could complete that slot's next phase before the other
+has waited on the current one.
+
 Supported: bf16/fp16, D in {64, 128}, heads adjacent in memory (q/k/v/out as [N, H * D] rows
-with 16-byte aligned strides), sm_90+. No interpreter: the CPU tier compiles it for sm_90
-(scripts/check_kernels_build.py) and the GPU tier checks it against float64.
+with 16-byte aligned strides, at least one box of rows), sm_90+. No interpreter: the CPU tier
+compiles it for sm_90 (scripts/check_kernels_build.py) and the GPU tier checks it against float64
+(tests/test_gdpa_triton.py, test_gdpa_hopper_forward_gpu).
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from gemctl.ops.triton.common import config_field, num_programs
+from gemctl.ops.triton.common import config_field, num_programs, rows_viewable
 
 # Triton 3.6 names the TMA copies async_copy_global_to_shared / async_copy_shared_to_global; later
 # releases renamed them async_load / async_store (the old names raise there).
@@ -243,20 +251,13 @@ def shared_layout(block_rows: int, dim: int, dtype) -> gl.NVMMASharedLayout:
 
 def descriptors(block_m: int, block_n: int, q, k, v, out):
     """TMA descriptors of q / out in (block_m, D) boxes and k / v in (block_n, D) boxes over the
-    [N, H * D] views, or None where the layout does not allow them (heads not adjacent, strides or
-    bases not 16-byte aligned, fewer rows than a box, a dtype without a Gluon twin)."""
-    if q.dtype not in _GL_DTYPES:
+    [N, H * D] views, or None where the layout does not allow them (common.rows_viewable, or a
+    dtype without a Gluon twin)."""
+    pairs = ((q, block_m), (k, block_n), (v, block_n), (out, block_m))
+    if q.dtype not in _GL_DTYPES or not all(rows_viewable(t, rows) for t, rows in pairs):
         return None
-    descs = []
-    for t, rows in ((q, block_m), (k, block_n), (v, block_n), (out, block_m)):
-        n, heads, dim = t.shape
-        size = t.element_size()
-        if (t.stride(2) != 1 or t.stride(1) != dim or t.stride(0) < heads * dim or (t.stride(0) * size) % 16
-                or t.data_ptr() % 16 or (dim * size) % 16 or n < rows):
-            return None
-        descs.append(TensorDescriptor(t, [n, heads * dim], [t.stride(0), 1], [rows, dim],
-                                      shared_layout(rows, dim, t.dtype)))
-    return descs
+    return [TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [rows, t.shape[2]],
+                             shared_layout(rows, t.shape[2], t.dtype)) for t, rows in pairs]
 
 
 def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cfg: tuple) -> None:
