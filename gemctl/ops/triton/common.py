@@ -76,7 +76,10 @@ def _module_of(path: Path):
     process imported), anything else by a scan of the imported modules."""
     path = path.resolve()
     if path.parent == Path(__file__).resolve().parent:
-        module = importlib.import_module(f"gemctl.ops.triton.{path.stem}")
+        try:
+            module = importlib.import_module(f"gemctl.ops.triton.{path.stem}")
+        except ImportError:  # e.g. the Gluon kernels under a Triton without Gluon: its file's bytes then
+            return None
         if Path(module.__file__).resolve() == path:
             return module
     for module in list(sys.modules.values()):
