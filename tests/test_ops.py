@@ -316,10 +316,11 @@ def test_tuned_configs_persist_on_disk(monkeypatch, tmp_path):
         common.set_autotune(None)
     from gemctl.ops.triton import fp8_gemm, gdpa
 
-    # a module's file depends on its own source, common's and the kernel modules it imports
+    # a module's file depends on its own source, common's and the kernel modules it imports (gdpa's
+    # Gluon forward for Hopper among them)
     fp8_sources = ["fp8_gemm.py", "common.py", "mx_quant.py", "rms_norm.py"]
     assert [p.name for p in common._kernel_sources(fp8_gemm.__file__)] == fp8_sources
-    assert [p.name for p in common._kernel_sources(gdpa.__file__)] == ["gdpa.py", "common.py"]
+    assert [p.name for p in common._kernel_sources(gdpa.__file__)] == ["gdpa.py", "common.py", "gdpa_hopper.py"]
 
 
 def test_tuned_configs_survive_host_edits_not_kernel_edits(tmp_path, monkeypatch):
