@@ -258,22 +258,38 @@ _HOPPER_Q = [0, 1, 63, 64, 65, 1000, 7, 300, 129, 513]
 HOPPER_SHAPES = {
     "cross-128": (_HOPPER_Q * 8, [128, 1, 17, 127, 128, 100, 0, 64, 128, 33] * 8),
     "cross-32": (_HOPPER_Q * 8, [32, 1, 17, 31, 32, 16, 0, 2, 32, 32] * 8),
+    # the streaming forward (chunk 0): key sides of any length through the K/V ring, self-attention
+    # and asymmetric (query tiles without keys, one long key side among short ones)
+    "self": (_HOPPER_Q * 8, _HOPPER_Q * 8),
+    "asymmetric": (_HOPPER_Q * 8, [1000, 0, 65, 64, 1, 63, 300, 7, 513, 129] * 8),
 }
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", gdpa_kernels._HOPPER_FWD_CANDIDATES, ids=lambda c: "_".join(map(str, c)))
+@pytest.mark.parametrize("cfg", gdpa_kernels._HOPPER_FWD_CANDIDATES + gdpa_kernels._HOPPER_STREAM_CANDIDATES,
+                         ids=lambda c: "_".join(map(str, c)))
 @pytest.mark.parametrize("activation", ["gelu", "silu"])
 @pytest.mark.parametrize("dim,dtype", [(128, torch.bfloat16), (64, torch.float16)])
 def test_gdpa_hopper_forward_gpu(cfg, activation, dim, dtype):
-    """The Gluon resident-key forward (gdpa_hopper.py) pinned, on key sides of 0 .. block_n keys
+    """The Gluon forwards (gdpa_hopper.py) pinned. Resident keys: key sides of 0 .. block_n keys
     (masked past k_len), query sides of 0, 1, tile +- 1 and beyond a chunk (the TMA ring across
-    tiles, the masked partial-tile store), one long among short; element-wise against the bf16
-    PyTorch path's error. The backward is the Triton one's (checked with it)."""
+    tiles, the masked partial-tile store), one long among short. Streaming keys: self-attention
+    and asymmetric sides of the same lengths (the K/V ring across items, keys past k_len in a
+    partial last tile, query tiles without keys). Element-wise against the bf16 PyTorch path's
+    error. The backward is the Triton one's (checked with it)."""
     from gemctl.ops.triton.common import forced_config
 
-    ql, kl = HOPPER_SHAPES["cross-128" if cfg[1] >= 128 else "cross-32"]
-    kl = [min(n, cfg[1]) for n in kl]
+    if cfg[5]:
+        ql, kl = HOPPER_SHAPES["cross-128" if cfg[1] >= 128 else "cross-32"]
+        shapes = [(ql, [min(n, cfg[1]) for n in kl])]
+    else:
+        shapes = [HOPPER_SHAPES["self"], HOPPER_SHAPES["asymmetric"]]
+    for ql, kl in shapes:
+        _check_hopper(cfg, ql, kl, activation, dim, dtype)
+
+
+def _check_hopper(cfg, ql, kl, activation, dim, dtype):
+
     used = []
     real = gdpa_kernels._hopper
 
@@ -309,4 +325,4 @@ def test_hopper_configs_only_for_tensors_they_can_read(monkeypatch, k_rows, elig
         gdpa_kernels._forward(q, k, v, offsets([100, 100]), offsets([k_rows - 64, 64]), 100, 64, 0, 0.1)
     hopper = [c for c in seen["candidates"] if gdpa_kernels.config_field(c, 8)]
     assert (seen["key"][-1] == "hopper") is eligible and bool(hopper) is eligible
-    assert all(c[1] >= 64 for c in hopper)  # only tiles that hold every key length (64 here)
+    assert all(c[1] >= 64 for c in hopper if c[5])  # only resident tiles that hold every key length (64 here)

@@ -91,7 +91,15 @@ _HOPPER_FWD_CANDIDATES = [
     (64, 64, 4, 2, 2, 16, 0, 0, 1, 1), (64, 32, 4, 3, 2, 16, 0, 0, 1, 1),
     (64, 32, 4, 2, 3, 16, 0, 0, 1, 1), (64, 32, 4, 2, 3, 8, 0, 0, 1, 0),
 ]
-_FWD_CANDIDATES += _HOPPER_FWD_CANDIDATES
+# The streaming Gluon forward (chunk 0 with the ninth field 1), for key sides of any length
+# (self-attention): (block_m, block_n, warps, K/V ring stages, programs per SM, 0, 0, 0, 1).
+# sm_90 ptxas (Triton 3.6, D=128, GELU): 64-key tiles with 2 stages 168 registers and 80 KB of
+# shared memory, 3 stages 193 and 112 KB (two programs per SM either way); 128-key tiles with 2
+# stages 232 and 144 KB (one).
+_HOPPER_STREAM_CANDIDATES = [
+    (64, 64, 4, 2, 2, 0, 0, 0, 1), (64, 64, 4, 3, 2, 0, 0, 0, 1), (64, 128, 4, 2, 1, 0, 0, 0, 1),
+]
+_FWD_CANDIDATES += _HOPPER_FWD_CANDIDATES + _HOPPER_STREAM_CANDIDATES
 # configs with optional fields the GPU tier has passed; the Hopper ones: test_gdpa_hopper_forward_gpu,
 # 28 passed (H200, 2026-12-03: 320 items over 2-3 programs per SM, bf16 D=128 and fp16 D=64, GELU and SiLU)
 _GPU_CHECKED: set = {(64, 32, 4, 2, 0, 0, 0, 128), *_HOPPER_FWD_CANDIDATES}

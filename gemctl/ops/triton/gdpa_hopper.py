@@ -1,4 +1,5 @@
-"""GDPA forward for Hopper in Gluon: short key sides (cross-attention) held in shared memory.
+"""GDPA forwards for Hopper in Gluon: short key sides (cross-attention) held in shared memory,
+long ones (self-attention) streamed through a K/V ring.
 
 out_i = sum_j act(scale * q_i . k_j) v_j, as gemctl.ops.triton.gdpa, for sequences whose keys
 all fit one tile (k_len <= BLOCK_N <= 128: GEM's cross-attention over a few non-sequence tokens).
@@ -33,6 +34,13 @@ Triton's resident-key config, which autotuning keeps there. Tried and dropped: t
 MMA issued before this tile's activation (255 registers, 5% slower). One warpgroup per program:
 with two, one warpgroup's refill of a slot could complete that slot's next phase before the other
 has waited on the current one.
+
+The streaming forward (_gdpa_fwd_stream, configs with chunk 0) takes the same schedule to key
+sides of any length: one query tile per item in shared memory, the keys of all of a program's
+items as one stream through a ring of (K, V) slots refilled by TMA as soon as their MMA has read
+them, and O += P V left in flight while the warpgroup waits for the next K tile. Compiled for
+sm_90 (Triton 3.6 ptxas: 168 registers, no spills, 80 KB of shared memory at 64-key tiles with
+two stages); not yet run on a GPU, so its configs are pinned-only (gdpa._GPU_CHECKED).
 
 Supported: bf16/fp16, D in {64, 128}, heads adjacent in memory (q/k/v/out as [N, H * D] rows
 with 16-byte aligned strides, at least one box of rows), sm_90+. No interpreter: the CPU tier
@@ -240,6 +248,163 @@ def _gdpa_fwd_resident(
     mbarrier.invalidate(v_bar)
 
 
+@gluon.jit
+def _store_rows(o, O, q_start, row0, q_len, col, stride_on, o_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                HEAD_DIM: gl.constexpr):
+    """Rows [row0, row0 + BLOCK_M) of the sequence's output by masked stores from the accumulator's layout."""
+    rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    ptrs = O + (q_start + rows).to(gl.int64)[:, None] * stride_on + col + dims[None, :]
+    gl.store(ptrs, o.to(O.dtype.element_ty), mask=(rows < q_len)[:, None])
+
+
+@gluon.jit
+def _key_tiles(r, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Round r's item (one query tile): its key span, head column and number of key tiles (0 past
+    the last item or without keys)."""
+    _, _, _, k_start, k_len, col, n_tiles = _item(r, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads,
+                                                  1, BLOCK_M, HEAD_DIM)
+    return k_start, col, gl.where(n_tiles > 0, gl.cdiv(k_len, BLOCK_N), 0)
+
+
+@gluon.jit
+def _seek(r, j, nk, k_start, col, rounds, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads,
+          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """A cursor over the stream of a program's key tiles, (round, tile j of nk, key start, head
+    column), moved on from tile j to the first tile that exists (r = rounds: the stream's end)."""
+    while (j >= nk) & (r < rounds):
+        r += 1
+        k_start, col, nk = _key_tiles(r, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads, BLOCK_M,
+                                      BLOCK_N, HEAD_DIM)
+        j = 0
+    return r, j, nk, k_start, col
+
+
+@gluon.jit
+def _gdpa_fwd_stream(
+    q_desc, k_desc, v_desc, O, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ACT: gl.constexpr,
+    KV_STAGES: gl.constexpr, num_warps: gl.constexpr,
+):
+    # Long key sides (self-attention): an item is one query tile of one head (WORK: common.query_work
+    # with BLOCK_M rows), its Q tile in shared memory, and the keys stream through a ring of
+    # KV_STAGES (K, V) slots, one stream over all of a program's items (so the next item's first
+    # tiles arrive while this one finishes). K and V of a slot are released apart: K once its
+    # S MMA has completed, V once its O MMA has; each then takes the stream's next tile, whose
+    # position a cursor per operand keeps (_seek). Per key tile j:
+    #   S_j = Q K_j^T (asynchronous wgmma) - waiting for it also retires O_{j-1}, which ran while
+    #   this warpgroup waited for K_j; P_j = act(scale S_j) in registers; O += P_j V_j issued
+    #   asynchronously (P as the register operand) and left in flight into the next tile.
+    # Keys past k_len in a sequence's last tile (the next sequence's rows, or TMA's zero fill) are
+    # masked to s = 0, act(0) = 0.
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [KV_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [KV_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(KV_STAGES):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    o_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+
+    pid = gl.program_id(0)
+    n_programs = gl.num_programs(0)
+    rounds = gl.cdiv(n_items, n_programs)
+    zero = pid * 0  # cursors' counters are loop-carried tensors from the start
+    # the K and V cursors start at the stream's first tile; the prologue fills the ring
+    k_start0, col0, nk0 = _key_tiles(zero, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads, BLOCK_M,
+                                     BLOCK_N, HEAD_DIM)
+    kr, kj, knk, kks, kcol = _seek(zero, zero, nk0, k_start0, col0, rounds, pid, n_programs, n_items, WORK, Q_OFFSETS,
+                                   K_OFFSETS, num_heads, BLOCK_M, BLOCK_N, HEAD_DIM)
+    k_issued = zero
+    for i in gl.static_range(KV_STAGES):
+        more = kr < rounds
+        _load_kv(k_desc, k_smem.index(i), k_bars.index(i), kks + kj * BLOCK_N, kcol, more)
+        _load_kv(v_desc, v_smem.index(i), v_bars.index(i), kks + kj * BLOCK_N, kcol, more)
+        k_issued += more.to(gl.int32)
+        kr, kj, knk, kks, kcol = _seek(kr, kj + 1, knk, kks, kcol, rounds, pid, n_programs, n_items, WORK, Q_OFFSETS,
+                                       K_OFFSETS, num_heads, BLOCK_M, BLOCK_N, HEAD_DIM)
+    v_issued = k_issued
+    vr, vj, vnk, vks, vcol = kr, kj, knk, kks, kcol
+    # the Q cursor: the round of the next query tile that has keys (items without keys need no Q)
+    qr, qj, qnk, qks, qcol = _seek(zero, zero, nk0, k_start0, col0, rounds, pid, n_programs, n_items, WORK, Q_OFFSETS,
+                                   K_OFFSETS, num_heads, BLOCK_M, BLOCK_N, HEAD_DIM)
+    q_start, q_len, m0, _, _, _, _ = _item(qr, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads, 1,
+                                           BLOCK_M, HEAD_DIM)
+    _load_kv(q_desc, q_smem, q_bar, q_start + m0, qcol, qr < rounds)
+    q_phase = 0
+    consumed = 0  # key tiles whose S MMA has been issued
+    for r in range(0, rounds):
+        q_start, q_len, m0, k_start, k_len, col, n_tiles = _item(r, pid, n_programs, n_items, WORK, Q_OFFSETS,
+                                                                 K_OFFSETS, num_heads, 1, BLOCK_M, HEAD_DIM)
+        nk = gl.where(n_tiles > 0, gl.cdiv(k_len, BLOCK_N), 0)
+        if nk > 0:
+            mbarrier.wait(q_bar, q_phase)
+            q_phase ^= 1
+            acc = o_zero
+            p = gl.zeros([BLOCK_M, BLOCK_N], dtype, p_layout)
+            for j in range(0, nk):
+                slot = consumed % KV_STAGES
+                phase = (consumed // KV_STAGES) & 1
+                mbarrier.wait(k_bars.index(slot), phase)
+                s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                s, acc, p = warpgroup_mma_wait(0, deps=(s, acc, p))  # S_j done, and O_{j-1}
+                consumed += 1
+                # K of this slot is read: it takes the stream's next key tile
+                more = kr < rounds
+                kslot = k_issued % KV_STAGES  # the slot just read, while the stream goes on
+                _load_kv(k_desc, k_smem.index(kslot), k_bars.index(kslot), kks + kj * BLOCK_N, kcol, more)
+                k_issued += more.to(gl.int32)
+                kr, kj, knk, kks, kcol = _seek(kr, kj + more.to(gl.int32), knk, kks, kcol, rounds, pid, n_programs,
+                                               n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads, BLOCK_M, BLOCK_N,
+                                               HEAD_DIM)
+                # V of the previous slot is read (O_{j-1} done; the item's first tile: done at the last item's end)
+                more = (vr < rounds) & (v_issued < consumed - 1 + KV_STAGES)
+                vslot = v_issued % KV_STAGES
+                _load_kv(v_desc, v_smem.index(vslot), v_bars.index(vslot), vks + vj * BLOCK_N, vcol, more)
+                v_issued += more.to(gl.int32)
+                vr, vj, vnk, vks, vcol = _seek(vr, vj + more.to(gl.int32), vnk, vks, vcol, rounds, pid, n_programs,
+                                               n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads, BLOCK_M, BLOCK_N,
+                                               HEAD_DIM)
+                if j == nk - 1:  # the item's last S MMA has read Q: the next query tile with keys
+                    qr, qj, qnk, qks, qcol = _seek(zero + r, zero + 1, zero + 1, qks, qcol, rounds, pid, n_programs, n_items, WORK,
+                                                   Q_OFFSETS, K_OFFSETS, num_heads, BLOCK_M, BLOCK_N, HEAD_DIM)
+                    nq_start, nq_len, nm0, _, _, _, _ = _item(qr, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS,
+                                                              num_heads, 1, BLOCK_M, HEAD_DIM)
+                    _load_kv(q_desc, q_smem, q_bar, nq_start + nm0, qcol, qr < rounds)
+                p = _scores(s, k_len - j * BLOCK_N, scale, s_layout, BLOCK_N, ACT, dtype, p_layout)
+                mbarrier.wait(v_bars.index(slot), phase)
+                acc = warpgroup_mma(p, v_smem.index(slot), acc, is_async=True)
+                acc, p = warpgroup_mma_wait(1, deps=(acc, p))  # leaves O_j in flight
+            acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+            # the last O MMA is done: its V slot takes the stream's next tile (the per-tile step
+            # above keeps V at most this one tile behind)
+            more = (vr < rounds) & (v_issued < consumed + KV_STAGES)
+            vslot = v_issued % KV_STAGES
+            _load_kv(v_desc, v_smem.index(vslot), v_bars.index(vslot), vks + vj * BLOCK_N, vcol, more)
+            v_issued += more.to(gl.int32)
+            vr, vj, vnk, vks, vcol = _seek(vr, vj + more.to(gl.int32), vnk, vks, vcol, rounds, pid, n_programs,
+                                           n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads, BLOCK_M, BLOCK_N, HEAD_DIM)
+            _store_rows(acc, O, q_start, m0, q_len, col, stride_on, o_layout, BLOCK_M, HEAD_DIM)
+        elif n_tiles > 0:  # a query tile without keys: zeros
+            _store_rows(o_zero, O, q_start, m0, q_len, col, stride_on, o_layout, BLOCK_M, HEAD_DIM)
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(KV_STAGES):
+        mbarrier.invalidate(k_bars.index(i))
+        mbarrier.invalidate(v_bars.index(i))
+
+
 # ----------------------------------------------------------------------------------------------
 # Host side.
 
@@ -261,11 +426,12 @@ def descriptors(block_m: int, block_n: int, q, k, v, out):
 
 
 def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cfg: tuple) -> None:
-    """Launch the resident-key forward: ``cfg`` = (block_m, block_n, warps, q_stages, programs per
-    SM, chunk, ..., look-ahead at index 9) as gdpa's configs carry it; ``work`` is
-    common.query_work with block_m * chunk rows per item. Raises ValueError where the inputs do
-    not allow the kernel (no TMA layout, a head_dim or dtype it was not built for): the autotuner
-    then takes the next candidate."""
+    """Launch a Gluon forward: ``cfg`` = (block_m, block_n, warps, stages, programs per SM, chunk,
+    ..., look-ahead at index 9) as gdpa's configs carry it. chunk >= 1: the resident-key kernel
+    (stages: the query ring), ``work`` common.query_work with block_m * chunk rows per item;
+    chunk 0: the streaming kernel (stages: the K/V ring), block_m rows per item. Raises ValueError
+    where the inputs do not allow the kernel (no TMA layout, a head_dim or dtype it was not built
+    for): the autotuner then takes the next candidate."""
     block_m, block_n, warps, stages, per_sm, chunk = cfg[:6]
     heads, dim = q.shape[1], q.shape[2]
     # one warpgroup: a slot is refilled (and K/V reloaded) right after this warpgroup's MMA read
@@ -279,6 +445,11 @@ def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cf
     if n_items == 0:
         return
     grid = (num_programs(n_items, per_sm, q.device),)
+    if chunk == 0:
+        _gdpa_fwd_stream[grid](*descs[:3], out, q_offsets, k_offsets, work, n_items, heads, out.stride(0), scale,
+                               HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, ACT=act, KV_STAGES=stages,
+                               num_warps=warps)
+        return
     _gdpa_fwd_resident[grid](*descs, out, q_offsets, k_offsets, work, n_items, heads, out.stride(0), scale,
                              HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk, ACT=act,
                              Q_STAGES=stages, LOOKAHEAD=config_field(cfg, 9), num_warps=warps)
