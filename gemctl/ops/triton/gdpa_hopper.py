@@ -72,6 +72,12 @@ from gemctl.ops.triton.gdpa import _C2, _P0, _P1, _P2, _P3, _P4, _P5, _P6  # the
 _H0, _H1, _H2, _H3, _H4, _H5, _H6 = (gl.constexpr(0.5 * c.value) for c in (_P0, _P1, _P2, _P3, _P4, _P5, _P6))
 
 
+@gluon.constexpr_function
+def _acc_layout(num_warps, cols):
+    """The register layout of a wgmma accumulator with `cols` columns, one warpgroup's rows."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, 16])
+
+
 @gluon.jit
 def _act(s, ACT: gl.constexpr):
     """The Triton kernels' activations (gdpa._gelu_poly, SiLU), on an fp32 tile in any layout."""
@@ -162,11 +168,9 @@ def _gdpa_fwd_resident(
     # finishes). LOOKAHEAD = 1 also starts the next item's K as soon as this item's last S MMA has
     # read K, and its V after the last O MMA; 0 loads them after the item.
     dtype: gl.constexpr = q_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_layout: gl.constexpr = _acc_layout(num_warps, BLOCK_N)  # S = Q K^T
+    o_layout: gl.constexpr = _acc_layout(num_warps, HEAD_DIM)  # O = P V
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P in registers
 
     q_smem = gl.allocate_shared_memory(dtype, [Q_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -299,11 +303,9 @@ def _gdpa_fwd_stream(
     # Keys past k_len in a sequence's last tile (the next sequence's rows, or TMA's zero fill) are
     # masked to s = 0, act(0) = 0.
     dtype: gl.constexpr = q_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_layout: gl.constexpr = _acc_layout(num_warps, BLOCK_N)  # S = Q K^T
+    o_layout: gl.constexpr = _acc_layout(num_warps, HEAD_DIM)  # O = P V
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P in registers
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [KV_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
