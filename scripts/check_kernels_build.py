@@ -146,11 +146,12 @@ def gluon_kernels():
                   O="*bf16", Q_OFFSETS="*i64", K_OFFSETS="*i64", WORK="*i32", scale="fp32")
         yield gh._gdpa_fwd_resident, io, dict(HEAD_DIM=dim, BLOCK_M=64, BLOCK_N=block_n, CHUNK=4, ACT=act, Q_STAGES=2,
                                                LOOKAHEAD=pipeline, num_warps=4)
-    for block_n, stages, act in ((64, 2, 0), (64, 3, 1), (128, 2, 0)):  # the streaming forward (self-attention)
+    # the streaming forward (self-attention): 64-key tiles with 2 K slots and 3 V slots, 3 and 3; 128-key tiles
+    for block_n, stages, v_extra, act in ((64, 2, 1, 0), (64, 3, 0, 1), (128, 2, 0, 0)):
         io = dict(q_desc=desc(64, 128), k_desc=desc(block_n, 128), v_desc=desc(block_n, 128), O="*bf16",
                   Q_OFFSETS="*i64", K_OFFSETS="*i64", WORK="*i32", scale="fp32")
         yield gh._gdpa_fwd_stream, io, dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=block_n, ACT=act, KV_STAGES=stages,
-                                             num_warps=4)
+                                             V_EXTRA=v_extra, num_warps=4)
 
 
 def _source(fn, types: dict, consts: dict, attrs=None):

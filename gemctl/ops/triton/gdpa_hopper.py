@@ -285,11 +285,11 @@ def _seek(r, j, nk, k_start, col, rounds, pid, n_programs, n_items, WORK, Q_OFFS
     return r, j, nk, k_start, col
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["n_items"])
 def _gdpa_fwd_stream(
     q_desc, k_desc, v_desc, O, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ACT: gl.constexpr,
-    KV_STAGES: gl.constexpr, num_warps: gl.constexpr,
+    KV_STAGES: gl.constexpr, V_EXTRA: gl.constexpr, num_warps: gl.constexpr,
 ):
     # Long key sides (self-attention): an item is one query tile of one head (WORK: common.query_work
     # with BLOCK_M rows), its Q tile in shared memory, and the keys stream through a ring of
@@ -302,6 +302,10 @@ def _gdpa_fwd_stream(
     #   asynchronously (P as the register operand) and left in flight into the next tile.
     # Keys past k_len in a sequence's last tile (the next sequence's rows, or TMA's zero fill) are
     # masked to s = 0, act(0) = 0.
+    # V is released one tile later than K (after its O MMA, which retires at the next tile's S
+    # wait), so with as many slots as K it runs KV_STAGES - 1 tiles ahead; V_EXTRA = 1 gives it a
+    # slot more, the same depth as K.
+    V_STAGES: gl.constexpr = KV_STAGES + V_EXTRA
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = _acc_layout(num_warps, BLOCK_N)  # S = Q K^T
     o_layout: gl.constexpr = _acc_layout(num_warps, HEAD_DIM)  # O = P V
@@ -309,13 +313,14 @@ def _gdpa_fwd_stream(
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [KV_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [KV_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [V_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(KV_STAGES):
         mbarrier.init(k_bars.index(i), count=1)
+    for i in gl.static_range(V_STAGES):
         mbarrier.init(v_bars.index(i), count=1)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     o_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
@@ -330,15 +335,19 @@ def _gdpa_fwd_stream(
     kr, kj, knk, kks, kcol = _seek(zero, zero, nk0, k_start0, col0, rounds, pid, n_programs, n_items, WORK, Q_OFFSETS,
                                    K_OFFSETS, num_heads, BLOCK_M, BLOCK_N, HEAD_DIM)
     k_issued = zero
-    for i in gl.static_range(KV_STAGES):
-        more = kr < rounds
-        _load_kv(k_desc, k_smem.index(i), k_bars.index(i), kks + kj * BLOCK_N, kcol, more)
-        _load_kv(v_desc, v_smem.index(i), v_bars.index(i), kks + kj * BLOCK_N, kcol, more)
-        k_issued += more.to(gl.int32)
-        kr, kj, knk, kks, kcol = _seek(kr, kj + 1, knk, kks, kcol, rounds, pid, n_programs, n_items, WORK, Q_OFFSETS,
-                                       K_OFFSETS, num_heads, BLOCK_M, BLOCK_N, HEAD_DIM)
-    v_issued = k_issued
+    v_issued = zero
     vr, vj, vnk, vks, vcol = kr, kj, knk, kks, kcol
+    for i in gl.static_range(V_STAGES):
+        more = vr < rounds
+        if i < KV_STAGES:  # the K cursor is the V cursor until here
+            _load_kv(k_desc, k_smem.index(i), k_bars.index(i), vks + vj * BLOCK_N, vcol, more)
+            k_issued += more.to(gl.int32)
+        _load_kv(v_desc, v_smem.index(i), v_bars.index(i), vks + vj * BLOCK_N, vcol, more)
+        v_issued += more.to(gl.int32)
+        vr, vj, vnk, vks, vcol = _seek(vr, vj + 1, vnk, vks, vcol, rounds, pid, n_programs, n_items, WORK, Q_OFFSETS,
+                                       K_OFFSETS, num_heads, BLOCK_M, BLOCK_N, HEAD_DIM)
+        if i == KV_STAGES - 1:
+            kr, kj, knk, kks, kcol = vr, vj, vnk, vks, vcol
     # the Q cursor: the round of the next query tile that has keys (items without keys need no Q)
     qr, qj, qnk, qks, qcol = _seek(zero, zero, nk0, k_start0, col0, rounds, pid, n_programs, n_items, WORK, Q_OFFSETS,
                                    K_OFFSETS, num_heads, BLOCK_M, BLOCK_N, HEAD_DIM)
@@ -347,9 +356,12 @@ def _gdpa_fwd_stream(
     _load_kv(q_desc, q_smem, q_bar, q_start + m0, qcol, qr < rounds)
     q_phase = 0
     consumed = 0  # key tiles whose S MMA has been issued
+    q_start, q_len, m0, k_start, k_len, col, n_tiles = _item(zero, pid, n_programs, n_items, WORK, Q_OFFSETS,
+                                                             K_OFFSETS, num_heads, 1, BLOCK_M, HEAD_DIM)
     for r in range(0, rounds):
-        q_start, q_len, m0, k_start, k_len, col, n_tiles = _item(r, pid, n_programs, n_items, WORK, Q_OFFSETS,
-                                                                 K_OFFSETS, num_heads, 1, BLOCK_M, HEAD_DIM)
+        # the next round's item, asked for now so that its loads are in flight during this one
+        nq_start, nq_len, nm0, nk_start, nk_len, ncol, nn_tiles = _item(
+            r + 1, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads, 1, BLOCK_M, HEAD_DIM)
         nk = gl.where(n_tiles > 0, gl.cdiv(k_len, BLOCK_N), 0)
         if nk > 0:
             mbarrier.wait(q_bar, q_phase)
@@ -372,28 +384,33 @@ def _gdpa_fwd_stream(
                                                n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads, BLOCK_M, BLOCK_N,
                                                HEAD_DIM)
                 # V of the previous slot is read (O_{j-1} done; the item's first tile: done at the last item's end)
-                more = (vr < rounds) & (v_issued < consumed - 1 + KV_STAGES)
-                vslot = v_issued % KV_STAGES
+                more = (vr < rounds) & (v_issued < consumed - 1 + V_STAGES)
+                vslot = v_issued % V_STAGES
                 _load_kv(v_desc, v_smem.index(vslot), v_bars.index(vslot), vks + vj * BLOCK_N, vcol, more)
                 v_issued += more.to(gl.int32)
                 vr, vj, vnk, vks, vcol = _seek(vr, vj + more.to(gl.int32), vnk, vks, vcol, rounds, pid, n_programs,
                                                n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads, BLOCK_M, BLOCK_N,
                                                HEAD_DIM)
                 if j == nk - 1:  # the item's last S MMA has read Q: the next query tile with keys
-                    qr, qj, qnk, qks, qcol = _seek(zero + r, zero + 1, zero + 1, qks, qcol, rounds, pid, n_programs, n_items, WORK,
-                                                   Q_OFFSETS, K_OFFSETS, num_heads, BLOCK_M, BLOCK_N, HEAD_DIM)
-                    nq_start, nq_len, nm0, _, _, _, _ = _item(qr, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS,
-                                                              num_heads, 1, BLOCK_M, HEAD_DIM)
-                    _load_kv(q_desc, q_smem, q_bar, nq_start + nm0, qcol, qr < rounds)
+                    if (nn_tiles > 0) & (nk_len > 0):  # the next round's, from the values at hand
+                        _load_kv(q_desc, q_smem, q_bar, nq_start + nm0, ncol, True)
+                    else:  # past query tiles without keys
+                        qr, qj, qnk, qks, qcol = _seek(zero + r, zero + 1, zero + 1, qks, qcol, rounds, pid, n_programs,
+                                                       n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads, BLOCK_M,
+                                                       BLOCK_N, HEAD_DIM)
+                        sq_start, _, sm0, _, _, _, _ = _item(qr, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS,
+                                                             num_heads, 1, BLOCK_M, HEAD_DIM)
+                        _load_kv(q_desc, q_smem, q_bar, sq_start + sm0, qcol, qr < rounds)
                 p = _scores(s, k_len - j * BLOCK_N, scale, s_layout, BLOCK_N, ACT, dtype, p_layout)
-                mbarrier.wait(v_bars.index(slot), phase)
-                acc = warpgroup_mma(p, v_smem.index(slot), acc, is_async=True)
+                vslot = (consumed - 1) % V_STAGES
+                mbarrier.wait(v_bars.index(vslot), ((consumed - 1) // V_STAGES) & 1)
+                acc = warpgroup_mma(p, v_smem.index(vslot), acc, is_async=True)
                 acc, p = warpgroup_mma_wait(1, deps=(acc, p))  # leaves O_j in flight
             acc, p = warpgroup_mma_wait(0, deps=(acc, p))
             # the last O MMA is done: its V slot takes the stream's next tile (the per-tile step
             # above keeps V at most this one tile behind)
-            more = (vr < rounds) & (v_issued < consumed + KV_STAGES)
-            vslot = v_issued % KV_STAGES
+            more = (vr < rounds) & (v_issued < consumed + V_STAGES)
+            vslot = v_issued % V_STAGES
             _load_kv(v_desc, v_smem.index(vslot), v_bars.index(vslot), vks + vj * BLOCK_N, vcol, more)
             v_issued += more.to(gl.int32)
             vr, vj, vnk, vks, vcol = _seek(vr, vj + more.to(gl.int32), vnk, vks, vcol, rounds, pid, n_programs,
@@ -401,9 +418,11 @@ def _gdpa_fwd_stream(
             _store_rows(acc, O, q_start, m0, q_len, col, stride_on, o_layout, BLOCK_M, HEAD_DIM)
         elif n_tiles > 0:  # a query tile without keys: zeros
             _store_rows(o_zero, O, q_start, m0, q_len, col, stride_on, o_layout, BLOCK_M, HEAD_DIM)
+        q_start, q_len, m0, k_start, k_len, col, n_tiles = nq_start, nq_len, nm0, nk_start, nk_len, ncol, nn_tiles
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(KV_STAGES):
         mbarrier.invalidate(k_bars.index(i))
+    for i in gl.static_range(V_STAGES):
         mbarrier.invalidate(v_bars.index(i))
 
 
@@ -450,7 +469,7 @@ def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cf
     if chunk == 0:
         _gdpa_fwd_stream[grid](*descs[:3], out, q_offsets, k_offsets, work, n_items, heads, out.stride(0), scale,
                                HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, ACT=act, KV_STAGES=stages,
-                               num_warps=warps)
+                               V_EXTRA=config_field(cfg, 9), num_warps=warps)
         return
     _gdpa_fwd_resident[grid](*descs, out, q_offsets, k_offsets, work, n_items, heads, out.stride(0), scale,
                              HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk, ACT=act,
