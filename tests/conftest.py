@@ -34,6 +34,9 @@ if _threads:
 
 
 def pytest_collection_modifyitems(config, items):
+    # The longest tests (marked slow) first: a parallel run (pytest-xdist deals tests in this order)
+    # then starts them at once instead of ending on one worker still compiling or training.
+    items.sort(key=lambda item: "slow" not in item.keywords)  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run with -m gpu on the GPU machine)")

@@ -102,6 +102,7 @@ def test_ledger_keeps_the_latest_attempt_and_counts_lost_and_duplicated(tmp_path
     assert (acc["lost"], acc["duplicated"]) == (4, 2) and acc["mismatched_steps"] == [(0, 2), (0, 3)]
 
 
+@pytest.mark.slow
 def test_killed_rank_restarts_from_the_last_checkpoint_exactly(tmp_path):
     """torchrun, 2 gloo ranks, launcher.max_restarts=1: a rank SIGKILLed at a random step (maybe
     mid-checkpoint) -> the workers restart, resume from the newest complete checkpoint, and the

@@ -346,6 +346,7 @@ def test_gemm_two_programs_per_sm(monkeypatch):
     assert set(fp8_kernels._GEMM_TWO_PER_SM) <= set(seen[-1])
 
 
+@pytest.mark.slow
 def test_model_fp8_gemms_can_take_tma(monkeypatch):
     """Every FP8 GEMM of a training step of the tiny model (precision=fp8: every Linear but the
     heads, under the interpreter) gets operands whose rows are 16-byte aligned, the persistent TMA
@@ -731,6 +732,7 @@ def test_model_fuses_the_mlp_pre_norm(monkeypatch):
         assert torch.equal(models[0](batch), models[1](batch))
 
 
+@pytest.mark.slow
 def test_model_fused_norms_through_the_kernels():
     # The whole model through the fused FP8 kernels (interpreter on CPU): the QKV projection with
     # its pre-norm fused gives the same output and weight gradients as the norm followed by the

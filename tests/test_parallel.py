@@ -149,6 +149,7 @@ def test_torchrun_run_directory(tmp_path):
     assert summary["eval"]["samples"] == 64
 
 
+@pytest.mark.slow
 def test_scaling_ratio_from_the_single_rank_baseline(tmp_path):
     summary = _torchrun(tmp_path, 2, ["parallel=fsdp", "data.batch_size=8", "metrics.scaling_baseline_steps=3"])
     perf = summary["perf"]
@@ -324,6 +325,7 @@ def test_profile_under_torchrun(tmp_path):
     assert report["e2e_mfu"] == pytest.approx(report["local_mfu"] * report["scaling_ratio"], rel=1e-9)
 
 
+@pytest.mark.slow
 def test_fsdp_exact_resume(tmp_path):
     """FSDP over 2 ranks: each rank writes its shards; a run resumed from step 4 continues with
     exactly the uninterrupted run's losses."""
