@@ -277,8 +277,6 @@ def test_gdpa_hopper_forward_gpu(cfg, activation, dim, dtype):
     and asymmetric sides of the same lengths (the K/V ring across items, keys past k_len in a
     partial last tile, query tiles without keys). Element-wise against the bf16 PyTorch path's
     error. The backward is the Triton one's (checked with it)."""
-    from gemctl.ops.triton.common import forced_config
-
     if cfg[5]:
         ql, kl = HOPPER_SHAPES["cross-128" if cfg[1] >= 128 else "cross-32"]
         shapes = [(ql, [min(n, cfg[1]) for n in kl])]
@@ -289,6 +287,7 @@ def test_gdpa_hopper_forward_gpu(cfg, activation, dim, dtype):
 
 
 def _check_hopper(cfg, ql, kl, activation, dim, dtype):
+    from gemctl.ops.triton.common import forced_config
 
     used = []
     real = gdpa_kernels._hopper
