@@ -93,9 +93,9 @@ _HOPPER_FWD_CANDIDATES = [
 ]
 # The streaming Gluon forward (chunk 0 with the ninth field 1), for key sides of any length
 # (self-attention): (block_m, block_n, warps, K slots, programs per SM, 0, 0, 0, 1, one V slot more
-# than K). sm_90 ptxas (Triton 3.6, D=128, GELU): 64-key tiles with 2 K and 2 / 3 V slots 168 / 167
+# than K). sm_90 ptxas (Triton 3.6, D=128, GELU): 64-key tiles with 2 K and 2 / 3 V slots 168 / 166
 # registers and 80 / 96 KB of shared memory, 3 and 3 167 and 112 KB (two programs per SM each);
-# 128-key tiles with 2 and 2 236 and 144 KB (one).
+# 128-key tiles with 2 and 2 237 and 144 KB (one).
 _HOPPER_STREAM_CANDIDATES = [
     (64, 64, 4, 2, 2, 0, 0, 0, 1, 1), (64, 64, 4, 2, 2, 0, 0, 0, 1, 0), (64, 64, 4, 3, 2, 0, 0, 0, 1, 0),
     (64, 128, 4, 2, 1, 0, 0, 0, 1, 0),

@@ -132,6 +132,16 @@ def _load_kv(desc, smem, bar, row, col, pred):
 
 
 @gluon.jit
+def _store_rows(o, O, q_start, row0, q_len, col, stride_on, o_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                HEAD_DIM: gl.constexpr):
+    """Rows [row0, row0 + BLOCK_M) of the sequence's output by masked stores from the accumulator's layout."""
+    rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    ptrs = O + (q_start + rows).to(gl.int64)[:, None] * stride_on + col + dims[None, :]
+    gl.store(ptrs, o.to(O.dtype.element_ty), mask=(rows < q_len)[:, None])
+
+
+@gluon.jit
 def _store_o(o, o_desc, o_smem, O, q_start, row0, q_len, col, stride_on, o_layout: gl.constexpr,
              BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Rows [row0, row0 + BLOCK_M) of the sequence's output: by TMA when the tile is whole, else
@@ -145,10 +155,7 @@ def _store_o(o, o_desc, o_smem, O, q_start, row0, q_len, col, stride_on, o_layou
         _cta_barrier()  # every warp's rows are in o_smem before one thread starts the copy
         _tma_store(o_desc, [q_start + row0, col], o_smem)
     else:
-        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-        dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        ptrs = O + (q_start + rows).to(gl.int64)[:, None] * stride_on + col + dims[None, :]
-        gl.store(ptrs, out, mask=(rows < q_len)[:, None])
+        _store_rows(o, O, q_start, row0, q_len, col, stride_on, o_layout, BLOCK_M, HEAD_DIM)
 
 
 @gluon.jit(do_not_specialize=["n_items"])
@@ -253,16 +260,6 @@ def _gdpa_fwd_resident(
 
 
 @gluon.jit
-def _store_rows(o, O, q_start, row0, q_len, col, stride_on, o_layout: gl.constexpr, BLOCK_M: gl.constexpr,
-                HEAD_DIM: gl.constexpr):
-    """Rows [row0, row0 + BLOCK_M) of the sequence's output by masked stores from the accumulator's layout."""
-    rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    ptrs = O + (q_start + rows).to(gl.int64)[:, None] * stride_on + col + dims[None, :]
-    gl.store(ptrs, o.to(O.dtype.element_ty), mask=(rows < q_len)[:, None])
-
-
-@gluon.jit
 def _key_tiles(r, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Round r's item (one query tile): its key span, head column and number of key tiles (0 past
@@ -348,19 +345,19 @@ def _gdpa_fwd_stream(
                                        K_OFFSETS, num_heads, BLOCK_M, BLOCK_N, HEAD_DIM)
         if i == KV_STAGES - 1:
             kr, kj, knk, kks, kcol = vr, vj, vnk, vks, vcol
-    # the Q cursor: the round of the next query tile that has keys (items without keys need no Q)
-    qr, qj, qnk, qks, qcol = _seek(zero, zero, nk0, k_start0, col0, rounds, pid, n_programs, n_items, WORK, Q_OFFSETS,
-                                   K_OFFSETS, num_heads, BLOCK_M, BLOCK_N, HEAD_DIM)
-    q_start, q_len, m0, _, _, _, _ = _item(qr, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads, 1,
-                                           BLOCK_M, HEAD_DIM)
+    # the Q cursor: the round of the next query tile that has keys (items without keys need no Q);
+    # the first is where the key stream starts
+    qr, qcol = kr, kcol
+    q_start, _, m0, _, _, _, _ = _item(qr, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads, 1,
+                                       BLOCK_M, HEAD_DIM)
     _load_kv(q_desc, q_smem, q_bar, q_start + m0, qcol, qr < rounds)
     q_phase = 0
     consumed = 0  # key tiles whose S MMA has been issued
-    q_start, q_len, m0, k_start, k_len, col, n_tiles = _item(zero, pid, n_programs, n_items, WORK, Q_OFFSETS,
-                                                             K_OFFSETS, num_heads, 1, BLOCK_M, HEAD_DIM)
+    q_start, q_len, m0, _, k_len, col, n_tiles = _item(zero, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS,
+                                                       num_heads, 1, BLOCK_M, HEAD_DIM)
     for r in range(0, rounds):
         # the next round's item, asked for now so that its loads are in flight during this one
-        nq_start, nq_len, nm0, nk_start, nk_len, ncol, nn_tiles = _item(
+        nq_start, nq_len, nm0, _, nk_len, ncol, nn_tiles = _item(
             r + 1, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads, 1, BLOCK_M, HEAD_DIM)
         nk = gl.where(n_tiles > 0, gl.cdiv(k_len, BLOCK_N), 0)
         if nk > 0:
@@ -395,9 +392,9 @@ def _gdpa_fwd_stream(
                     if (nn_tiles > 0) & (nk_len > 0):  # the next round's, from the values at hand
                         _load_kv(q_desc, q_smem, q_bar, nq_start + nm0, ncol, True)
                     else:  # past query tiles without keys
-                        qr, qj, qnk, qks, qcol = _seek(zero + r, zero + 1, zero + 1, qks, qcol, rounds, pid, n_programs,
-                                                       n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads, BLOCK_M,
-                                                       BLOCK_N, HEAD_DIM)
+                        qr, _, _, _, qcol = _seek(zero + r, zero + 1, zero + 1, zero, qcol, rounds, pid, n_programs,
+                                                  n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads, BLOCK_M, BLOCK_N,
+                                                  HEAD_DIM)
                         sq_start, _, sm0, _, _, _, _ = _item(qr, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS,
                                                              num_heads, 1, BLOCK_M, HEAD_DIM)
                         _load_kv(q_desc, q_smem, q_bar, sq_start + sm0, qcol, qr < rounds)
@@ -418,7 +415,7 @@ def _gdpa_fwd_stream(
             _store_rows(acc, O, q_start, m0, q_len, col, stride_on, o_layout, BLOCK_M, HEAD_DIM)
         elif n_tiles > 0:  # a query tile without keys: zeros
             _store_rows(o_zero, O, q_start, m0, q_len, col, stride_on, o_layout, BLOCK_M, HEAD_DIM)
-        q_start, q_len, m0, k_start, k_len, col, n_tiles = nq_start, nq_len, nm0, nk_start, nk_len, ncol, nn_tiles
+        q_start, q_len, m0, k_len, col, n_tiles = nq_start, nq_len, nm0, nk_len, ncol, nn_tiles
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(KV_STAGES):
         mbarrier.invalidate(k_bars.index(i))
