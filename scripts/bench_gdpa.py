@@ -143,8 +143,12 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="workload names to run (default: all)")
     ap.add_argument("--profile-step", metavar="WORKLOAD",
                     help="one GDPA forward+backward of WORKLOAD between profiler start and stop (ncu), nothing else")
+    ap.add_argument("--pending", action="store_true",
+                    help="autotune the forward configs the GPU tier has not passed yet too (gdpa._GPU_CHECKED): "
+                    "the benchmark of a new kernel before its configs join autotuning")
     add_pin_argument(ap)
     args = ap.parse_args()
+    gdpa_kernels._PENDING_AUTOTUNE = args.pending
     try:
         grid_configs = [tuple(int(f) for f in c.split(",")) for c in args.grid_configs]
     except ValueError:
@@ -158,7 +162,7 @@ def main() -> None:
             raise SystemExit(f"bench_gdpa: --profile-step takes one of {sorted(by_name)}, got {args.profile_step!r}")
         profile_step(implementations(by_name[args.profile_step])["ours"]()[1], pins=pins)  # forward+backward
         return
-    meta = {**base_meta(), **ceilings()}
+    meta = {**base_meta(), **ceilings(), "pending_autotune": args.pending}
     print(meta, flush=True)
     rows = []
     for w in [w for w in workloads if not args.only or w.name in args.only]:

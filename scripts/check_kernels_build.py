@@ -73,11 +73,12 @@ def kernels():
     for act in (0, 1):  # gelu, silu
         for chunk in (0, 4):  # tile loop, resident short side
             consts = dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, ACT=act, CHUNK=chunk)
-            yield gdpa._gdpa_fwd, io, consts
+            yield gdpa._gdpa_fwd, io, dict(consts, FOLD=act == 0)  # GELU: the scale in its constants
             yield gdpa._gdpa_bwd_dkdv, io, consts
             yield gdpa._gdpa_bwd_dq, io, consts
     kv_tiles = {name: "tensordesc<bf16[32, 128]>" for name in ("K_DESC", "V_DESC")}  # whole key tiles by TMA
-    yield gdpa._gdpa_fwd, dict(io, **kv_tiles), dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=32, ACT=0, CHUNK=0, TMA=True)
+    yield gdpa._gdpa_fwd, dict(io, **kv_tiles), dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=32, ACT=0, CHUNK=0, TMA=True,
+                                                                 FOLD=True)
     mx_io = dict(X="*i16", W="*bf16", Y="*bf16", DATA="*u8", SCALE="*u8", eps="fp32")  # bf16 input as int16
     for e5m2, emax, elem_max in ((False, 8, 448.0), (True, 15, 57344.0)):  # E4M3, E5M2 elements
         for rceil in (False, True):
@@ -145,13 +146,13 @@ def gluon_kernels():
         io = dict(q_desc=desc(64, dim), o_desc=desc(64, dim), k_desc=desc(block_n, dim), v_desc=desc(block_n, dim),
                   O="*bf16", Q_OFFSETS="*i64", K_OFFSETS="*i64", WORK="*i32", scale="fp32")
         yield gh._gdpa_fwd_resident, io, dict(HEAD_DIM=dim, BLOCK_M=64, BLOCK_N=block_n, CHUNK=4, ACT=act, Q_STAGES=2,
-                                               LOOKAHEAD=pipeline, num_warps=4)
-    # the streaming forward (self-attention): 64-key tiles with 2 K slots and 3 V slots, 3 and 3; 128-key tiles
-    for block_n, stages, v_extra, act in ((64, 2, 1, 0), (64, 3, 0, 1), (128, 2, 0, 0)):
+                                               LOOKAHEAD=pipeline, FOLD=act == 0, num_warps=4)
+    # the streaming forward (self-attention): 64-key tiles with 2 K slots and 3 V slots, 2 and 2
+    for block_n, stages, v_extra, act in ((64, 2, 1, 0), (64, 2, 0, 1)):
         io = dict(q_desc=desc(64, 128), k_desc=desc(block_n, 128), v_desc=desc(block_n, 128), O="*bf16",
                   Q_OFFSETS="*i64", K_OFFSETS="*i64", WORK="*i32", scale="fp32")
         yield gh._gdpa_fwd_stream, io, dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=block_n, ACT=act, KV_STAGES=stages,
-                                             V_EXTRA=v_extra, num_warps=4)
+                                             V_EXTRA=v_extra, FOLD=act == 0, num_warps=4)
 
 
 def _source(fn, types: dict, consts: dict, attrs=None):

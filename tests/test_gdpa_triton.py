@@ -167,6 +167,26 @@ def test_gelu_polynomial_bounds():
     assert (grad.double() - exact_grad).abs().max() < 2**-10
 
 
+@pytest.mark.parametrize("scale", [128**-0.5, 32**-0.5, 1.0, 2.0**-8, 2.0**8, 2.0**-9, 0.3])
+def test_gelu_forward_formula_bounds(scale):
+    """The forwards' GELU on raw scores (the scale folded into the constants, min(t P(t), |x|)
+    for the clamp; 2^-9 falls outside the fold range) in float32 against the exact erf GELU in
+    float64: error < 2^-12 over every x = scale * a, far beyond |x| = 4 included, and
+    t P(t) >= |x| wherever t = x^2 >= 16 (what lets the min stand in for the clamp)."""
+    from gemctl.ops.triton.gdpa import GELU_P, gelu_fwd_reference
+
+    x = torch.cat([torch.linspace(-12, 12, 240001, dtype=torch.float64), torch.tensor([-1e4, -50.0, 50.0, 1e4], dtype=torch.float64)])
+    got = gelu_fwd_reference((x / scale).float(), scale).double()
+    exact = 0.5 * x * (1 + torch.erf(x / 2**0.5))
+    assert torch.isfinite(got).all()
+    assert (got - exact).abs().max() < 2**-12
+    t = torch.cat([torch.linspace(16, 1e3, 100001, dtype=torch.float64), torch.logspace(3, 30, 1000, dtype=torch.float64)])
+    poly = torch.zeros_like(t)
+    for coef in reversed(GELU_P):
+        poly = poly * t + coef
+    assert (t * poly - t.sqrt()).min() > 1e-4
+
+
 def test_gdpa_no_keys_cpu():
     got = _check([3, 2], [0, 0], "gelu", "cpu", torch.float32, tol=1e-6)
     assert torch.equal(got[0], torch.zeros_like(got[0]))

@@ -51,7 +51,7 @@ ACTIVATIONS = {"gelu": 0, "silu": 1}
 # tiles by tensor descriptors, as the jagged attention forward does (there the 64x32 tile with TMA
 # measured 17-25% faster than without on the H200). They passed the H200's every-candidate test
 # (2026-11-30) but did not win there (cross-128: 125.0 vs 123.8 us for 64x32, docs/benchmarks.md),
-# so they stay pinned-only (not in _GPU_CHECKED): autotuning would only compile them for nothing.
+# so they stayed pinned-only; on self-1000 the 64x32 one won (below, _GPU_CHECKED).
 # An eighth field caps the registers per thread (maxnreg; the seventh, TMA, then 0). The H200's
 # profile of cross-128 (2026-11-30, docs/benchmarks.md) has the 64x32 forward at 153 registers,
 # three 4-warp programs per SM, the issue slots 56% idle and DRAM at 40%: latency-bound with too
@@ -94,16 +94,17 @@ _HOPPER_FWD_CANDIDATES = [
 # The streaming Gluon forward (chunk 0 with the ninth field 1), for key sides of any length
 # (self-attention): (block_m, block_n, warps, K slots, programs per SM, 0, 0, 0, 1, one V slot more
 # than K). sm_90 ptxas (Triton 3.6, D=128, GELU): 64-key tiles with 2 K and 2 / 3 V slots 168 / 166
-# registers and 80 / 96 KB of shared memory, 3 and 3 167 and 112 KB (two programs per SM each);
-# 128-key tiles with 2 and 2 237 and 144 KB (one).
-_HOPPER_STREAM_CANDIDATES = [
-    (64, 64, 4, 2, 2, 0, 0, 0, 1, 1), (64, 64, 4, 2, 2, 0, 0, 0, 1, 0), (64, 64, 4, 3, 2, 0, 0, 0, 1, 0),
-    (64, 128, 4, 2, 1, 0, 0, 0, 1, 0),
-]
+# registers and 80 / 96 KB of shared memory (two programs per SM). Both passed the H200's GPU tier
+# (2026-12-04) and measured 368.0 / 368.6 us on the self-1000 forward against 356.2 us for the
+# Triton 64x32 tile loop in the same run: pinned-only. 3 K slots and 128-key tiles gave wrong
+# results there and are refused (gdpa_hopper.forward).
+_HOPPER_STREAM_CANDIDATES = [(64, 64, 4, 2, 2, 0, 0, 0, 1, 1), (64, 64, 4, 2, 2, 0, 0, 0, 1, 0)]
 _FWD_CANDIDATES += _HOPPER_FWD_CANDIDATES + _HOPPER_STREAM_CANDIDATES
 # configs with optional fields the GPU tier has passed; the Hopper ones: test_gdpa_hopper_forward_gpu,
 # 28 passed (H200, 2026-12-03: 320 items over 2-3 programs per SM, bf16 D=128 and fp16 D=64, GELU and SiLU)
-_GPU_CHECKED: set = {(64, 32, 4, 2, 0, 0, 0, 128), *_HOPPER_FWD_CANDIDATES}
+# The TMA 64x32 tile loop joined on the self-1000 forward (H200, 2026-12-04, same run): 339.4 us
+# against 349.9 us without TMA (and 368.0 us for the streaming Gluon forward).
+_GPU_CHECKED: set = {(64, 32, 4, 2, 0, 0, 0, 128), (64, 32, 4, 3, 0, 0, 1), *_HOPPER_FWD_CANDIDATES}
 _PENDING_AUTOTUNE = False  # True: autotuning times every candidate (benchmarks of unchecked ones)
 _DKDV_CANDIDATES = [
     (64, 64, 4, 2, 0, 0), (32, 64, 4, 3, 0, 0), (64, 32, 4, 3, 0, 0), (32, 128, 4, 3, 0, 0),
@@ -166,20 +167,85 @@ def _gelu_poly_grad(s):
 
 
 @triton.jit
-def _act(s, ACT: tl.constexpr):
-    if ACT == 0:
-        return _gelu_poly(s)
-    else:  # SiLU: x * sigmoid(x)
-        return s * tl.sigmoid(s)
-
-
-@triton.jit
 def _act_and_grad(s, ACT: tl.constexpr):
     if ACT == 0:
         return _gelu_poly(s), _gelu_poly_grad(s)
     else:  # SiLU'(x) = sigmoid(x) * (1 + x * (1 - sigmoid(x)))
         sig = tl.sigmoid(s)
         return s * sig, sig * (1.0 + s * (1.0 - sig))
+
+
+# The forward's activation on the raw scores a = q . k (x = c a, c = scale), in fewer operations
+# per score than act(c a): GELU 10 on the H200's FP32 pipe (13 for _gelu_poly after the scale
+# multiply: sm_90 SASS, Triton 3.6). With u = a^2 and t P(t) ~ x erf(x / sqrt 2) (t = x^2),
+#   2 gelu(x) / c = a + a erf(x / sqrt 2) ~ a + min(u R(u), |a|),  R_k = c^(2k+1) P_k.
+# The min replaces _gelu_poly's clamp and select: t P(t) >= |x| for every t >= 16 (its least excess,
+# 1.1e-4, at t = 16; degree 7 with a positive leading coefficient grows from there, to inf in fp32),
+# so beyond |x| = 4 it gives 2 relu(x) / c = a + |a|, and where it cuts t P(t) below 4 it moves the
+# value towards the exact x erf(x / sqrt 2) <= |x|. The kernel accumulates these (2 / c) gelu terms
+# and multiplies each output tile by c / 2 once. FOLD = 0 (SiLU, or a scale outside [2^-8, 2^8]:
+# negative, or c^13 could leave fp32's normal range) multiplies a by c first and folds nothing
+# (c = 1). _fwd_act_consts builds the constants once per program.
+FOLD_SCALE_RANGE = (2.0**-8, 2.0**8)
+
+
+def fold_scale(act: int, scale: float) -> bool:
+    """Whether the forward's activation takes the scale into its constants (_fwd_act's FOLD)."""
+    return act == 0 and FOLD_SCALE_RANGE[0] <= scale <= FOLD_SCALE_RANGE[1]  # 2 relu(x) / c = a + |a| needs c > 0
+
+
+def gelu_fwd_reference(a: torch.Tensor, scale: float) -> torch.Tensor:
+    """The forward kernels' GELU on raw scores a (_fwd_act) in PyTorch, in a's dtype with the same
+    constants and Horner order, output factor applied: gelu(scale * a) as the kernels compute it."""
+    fold = fold_scale(0, scale)
+    c = scale if fold else 1.0
+    a = a if fold else a * scale
+    coefs = [p * c ** (2 * k + 1) for k, p in enumerate(GELU_P)]
+    u = a * a
+    r = torch.full_like(u, coefs[-1])
+    for coef in coefs[-2::-1]:
+        r = r * u + coef
+    return (a + torch.minimum(u * r, a.abs())) * (0.5 * c)
+
+
+@triton.jit
+def _fwd_act_consts(scale, ACT: tl.constexpr, FOLD: tl.constexpr):
+    """(pre-multiplier of a, output factor, R_0 .. R_6) of _fwd_act."""
+    if FOLD:
+        pre = 1.0
+        c = scale
+    else:
+        pre = scale
+        c = 1.0
+    c2 = c * c
+    c3 = c * c2
+    c5 = c3 * c2
+    c7 = c5 * c2
+    c9 = c7 * c2
+    c11 = c9 * c2
+    return pre, 0.5 * c, _P0 * c, _P1 * c3, _P2 * c5, _P3 * c7, _P4 * c9, _P5 * c11, _P6 * (c11 * c2)
+
+
+@triton.jit
+def _fwd_act(a, ac, ACT: tl.constexpr, FOLD: tl.constexpr):
+    """act(c a) / ac[1] (GELU) or act(c a) (SiLU) for _fwd_act_consts' tuple ac."""
+    if not FOLD:
+        a = a * ac[0]
+    if ACT == 0:
+        u = a * a
+        r = (((((ac[8] * u + ac[7]) * u + ac[6]) * u + ac[5]) * u + ac[4]) * u + ac[3]) * u + ac[2]
+        return a + tl.minimum(u * r, tl.abs(a))
+    else:  # SiLU: x * sigmoid(x)
+        return a * tl.sigmoid(a)
+
+
+@triton.jit
+def _fwd_out(acc, ac, ACT: tl.constexpr):
+    """The output tile from _fwd_act's accumulated terms."""
+    if ACT == 0:
+        return acc * ac[1]
+    else:
+        return acc
 
 
 # Every kernel walks items e = (work index) * heads + head of a host-sorted work list: program pid
@@ -192,16 +258,17 @@ def _gdpa_fwd(
     Q, K, V, O, Q_OFFSETS, K_OFFSETS, WORK, K_DESC, V_DESC, n_items, num_heads,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr,
-    CHUNK: tl.constexpr, TMA: tl.constexpr = False,
+    CHUNK: tl.constexpr, TMA: tl.constexpr = False, FOLD: tl.constexpr = False,
 ):
     # WORK: int32 [n_work, 2] = (sequence, query tile of BLOCK_M * max(CHUNK, 1) rows), one head
-    # per item. CHUNK = 0: loop over key tiles. CHUNK >= 1: the keys (<= BLOCK_N) stay resident and
+    # per item. The activation works on raw scores (_fwd_act, FOLD: the scale in its constants). CHUNK = 0: loop over key tiles. CHUNK >= 1: the keys (<= BLOCK_N) stay resident and
     # the loop runs over the item's query tiles. TMA (CHUNK = 0 only): the whole key tiles come
     # through K_DESC / V_DESC ((BLOCK_N, D) blocks over [Nk, H * D]), the partial last one by masked
     # loads, so no key of another sequence enters a tile.
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     offs_d = tl.arange(0, HEAD_DIM)
+    ac = _fwd_act_consts(scale, ACT, FOLD)
     for r in range(0, tl.cdiv(n_items, n_programs)):
         e = zigzag_item(r, pid, n_programs)
         if e < n_items:
@@ -219,15 +286,15 @@ def _gdpa_fwd(
                         # descriptors only where stride(1) == D)
                         k = K_DESC.load([k_start + start_n, h * HEAD_DIM])  # (BN, D)
                         v = V_DESC.load([k_start + start_n, h * HEAD_DIM])
-                        a = _act(tl.dot(q, tl.trans(k)) * scale, ACT)
+                        a = _fwd_act(tl.dot(q, tl.trans(k)), ac, ACT, FOLD)
                         acc += tl.dot(a.to(v.dtype), v)
                 for start_n in range(whole, k_len, BLOCK_N):
                     cols = start_n + tl.arange(0, BLOCK_N)
                     kt = _load_cols(K, k_start, cols, k_len, stride_kn, h * stride_kh, offs_d)
                     v = load_rows(V, k_start, cols, k_len, stride_vn, h * stride_vh, offs_d)  # (BN, D)
-                    a = _act(tl.dot(q, kt) * scale, ACT)  # padded keys: s = 0 -> act = 0
+                    a = _fwd_act(tl.dot(q, kt), ac, ACT, FOLD)  # padded keys: s = 0 -> act = 0
                     acc += tl.dot(a.to(v.dtype), v)
-                store_rows(O, acc, q_start, offs_m, q_len, stride_on, h * stride_oh, offs_d)
+                store_rows(O, _fwd_out(acc, ac, ACT), q_start, offs_m, q_len, stride_on, h * stride_oh, offs_d)
             else:
                 m0, q_start, q_len, k_start, k_len, _ = work_item(
                     WORK, Q_OFFSETS, K_OFFSETS, e // num_heads, BLOCK_M * CHUNK
@@ -238,8 +305,8 @@ def _gdpa_fwd(
                 for start_m in range(m0, tl.minimum(m0 + BLOCK_M * CHUNK, q_len), BLOCK_M):
                     offs_m = start_m + tl.arange(0, BLOCK_M)
                     q = load_rows(Q, q_start, offs_m, q_len, stride_qn, h * stride_qh, offs_d)
-                    a = _act(tl.dot(q, kt) * scale, ACT)
-                    store_rows(O, tl.dot(a.to(v.dtype), v), q_start, offs_m, q_len, stride_on, h * stride_oh, offs_d)
+                    a = _fwd_act(tl.dot(q, kt), ac, ACT, FOLD)
+                    store_rows(O, _fwd_out(tl.dot(a.to(v.dtype), v), ac, ACT), q_start, offs_m, q_len, stride_on, h * stride_oh, offs_d)
 
 
 @triton.jit
@@ -426,7 +493,7 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scale):
         # TMA field set (tile-loop configs): K/V descriptors, or masked loads where the layout has none
         descs = row_descriptors(cfg[1], k, v) if config_field(cfg, 6) and not cfg[5] else None
         _launch(_gdpa_fwd, work, heads, cfg, (q, k, v, out, q_offsets, k_offsets, strides), dim, act,
-                descs or (None, None), TMA=descs is not None)
+                descs or (None, None), TMA=descs is not None, FOLD=fold_scale(act, scale))
 
     # Whether every Hopper config can run on these tensors is part of the key: a config tuned on
     # tensors that TMA can read is never handed ones it cannot (a batch with fewer rows than a box).
