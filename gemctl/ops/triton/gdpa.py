@@ -51,7 +51,8 @@ ACTIVATIONS = {"gelu": 0, "silu": 1}
 # tiles by tensor descriptors, as the jagged attention forward does (there the 64x32 tile with TMA
 # measured 17-25% faster than without on the H200). They passed the H200's every-candidate test
 # (2026-11-30) but did not win there (cross-128: 125.0 vs 123.8 us for 64x32, docs/benchmarks.md),
-# so they stayed pinned-only; on self-1000 the 64x32 one won (below, _GPU_CHECKED).
+# so they stay pinned-only. On self-1000 (H200, 2026-12-04) the 64x32 one measured 339.4 us
+# against 349.9 us without TMA in one run and 344.3 against 327.4 us in the next: no consistent win.
 # An eighth field caps the registers per thread (maxnreg; the seventh, TMA, then 0). The H200's
 # profile of cross-128 (2026-11-30, docs/benchmarks.md) has the 64x32 forward at 153 registers,
 # three 4-warp programs per SM, the issue slots 56% idle and DRAM at 40%: latency-bound with too
@@ -74,6 +75,12 @@ _FWD_CANDIDATES = [
     (64, 32, 4, 3, 0, 0, 1), (64, 64, 4, 3, 0, 0, 1), (128, 32, 8, 3, 0, 0, 1), (64, 32, 4, 3, 2, 0, 1),
     (64, 32, 4, 2, 0, 0, 0, 128), (128, 32, 8, 2, 0, 0, 0, 128),
 ]
+# Tried on self-1000 and dropped (H200, 2026-12-04, one run, passed the every-candidate test): TMA
+# with a register cap (sm_90 ptxas, Triton 3.6, D=128, GELU, as a launch specializes it: the 64x32 /
+# 3 stages at 176 registers fits two programs per SM, capped at 168 three; 16-key tiles 136
+# registers, capped at 128 four; no spills): 332.9 us (64x32 capped at 168), 361.1 / 344.1 / 339.0
+# us (64x16 / capped / capped with 4 stages), against 327.4 us for the 64x32 tile loop without TMA
+# and 344.3 us with it. More programs per SM do not lift the forward there.
 # The resident 128-key forward (64, 128, 4, 3, 0, 4), cross-128's K and V in shared memory once per
 # item, measured 181 us (and 128 x 128 / 8 warps 152 us) against 123 us for the 64x32 tile loop
 # (H200, 2026-11-29, docs/runs/2026-11-29_bench_gdpa_06dc2d4.json): 123 KB of shared memory leave
@@ -102,9 +109,7 @@ _HOPPER_STREAM_CANDIDATES = [(64, 64, 4, 2, 2, 0, 0, 0, 1, 1), (64, 64, 4, 2, 2,
 _FWD_CANDIDATES += _HOPPER_FWD_CANDIDATES + _HOPPER_STREAM_CANDIDATES
 # configs with optional fields the GPU tier has passed; the Hopper ones: test_gdpa_hopper_forward_gpu,
 # 28 passed (H200, 2026-12-03: 320 items over 2-3 programs per SM, bf16 D=128 and fp16 D=64, GELU and SiLU)
-# The TMA 64x32 tile loop joined on the self-1000 forward (H200, 2026-12-04, same run): 339.4 us
-# against 349.9 us without TMA (and 368.0 us for the streaming Gluon forward).
-_GPU_CHECKED: set = {(64, 32, 4, 2, 0, 0, 0, 128), (64, 32, 4, 3, 0, 0, 1), *_HOPPER_FWD_CANDIDATES}
+_GPU_CHECKED: set = {(64, 32, 4, 2, 0, 0, 0, 128), *_HOPPER_FWD_CANDIDATES}
 _PENDING_AUTOTUNE = False  # True: autotuning times every candidate (benchmarks of unchecked ones)
 _DKDV_CANDIDATES = [
     (64, 64, 4, 2, 0, 0), (32, 64, 4, 3, 0, 0), (64, 32, 4, 3, 0, 0), (32, 128, 4, 3, 0, 0),
