@@ -25,7 +25,9 @@ asynchronous wgmma) states the schedule directly:
   sequence by masked stores (a TMA box would write into the next sequence's rows).
 
 Keys past k_len (the next sequence's rows, or TMA's zero fill at the tensor's end) are masked to
-s = 0, and act(0) = 0 for both activations, so they contribute nothing. Query rows past q_len are
+s = 0, and act(0) = 0 for both activations, so they contribute nothing (their V rows are multiplied
+by P = 0, not masked: a non-finite value in the next sequence's V would reach this output). The
+activation is gdpa._fwd_act's: on the raw score, the scale folded into its constants. Query rows past q_len are
 computed and never stored.
 
 Measured (H200, Triton 3.6, 2026-12-03, docs/benchmarks.md): cross-128 forward 85 us against 127 us
@@ -40,7 +42,9 @@ sides of any length: one query tile per item in shared memory, the keys of all o
 items as one stream through a ring of (K, V) slots refilled by TMA as soon as their MMA has read
 them, and O += P V left in flight while the warpgroup waits for the next K tile. Compiled for
 sm_90 (Triton 3.6 ptxas: 168 registers, no spills, 80 KB of shared memory at 64-key tiles with
-two stages); not yet run on a GPU, so its configs are pinned-only (gdpa._GPU_CHECKED).
+two stages). On the H200 (2026-12-04) the 2-slot rings of 64-key tiles passed the GPU tier and ran
+the self-1000 forward in 368 us against 356 us for Triton's tile loop: pinned-only. 3-slot rings
+and 128-key tiles gave wrong results there (not diagnosed) and are refused (forward).
 
 Supported: bf16/fp16, D in {64, 128}, heads adjacent in memory (q/k/v/out as [N, H * D] rows
 with 16-byte aligned strides, at least one box of rows), sm_90+. No interpreter: the CPU tier
