@@ -285,6 +285,18 @@ HOPPER_SHAPES = {
 }
 
 
+@pytest.mark.parametrize("cfg", [(64, 64, 4, 3, 2, 0, 0, 0, 1, 0), (64, 128, 4, 2, 1, 0, 0, 0, 1, 0)])
+def test_streaming_forward_refuses_rings_measured_wrong(cfg):
+    """The streaming Gluon forward's configs the H200 measured wrong (3 K slots, 128-key tiles) raise
+    before anything launches (the autotuner then skips them; a pinned one fails loudly)."""
+    gdpa_hopper = pytest.importorskip("gemctl.ops.triton.gdpa_hopper")
+    q = torch.zeros(4, 2, 128, dtype=torch.bfloat16)
+    offs = torch.tensor([0, 4])
+    work = torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="2 K/V slots of 64 keys only"):
+        gdpa_hopper.forward(q, q, q, torch.empty_like(q), offs, offs, work, 0, 0.1, cfg)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", gdpa_kernels._HOPPER_FWD_CANDIDATES + gdpa_kernels._HOPPER_STREAM_CANDIDATES,
                          ids=lambda c: "_".join(map(str, c)))

@@ -68,7 +68,9 @@ from gemctl.ops.triton.common import config_field, num_programs, rows_viewable
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after 3.6 too
-from gemctl.ops.triton.gdpa import _fwd_act_consts, fold_scale  # scalar constants of the forward's activation
+# the forwards' activation, shared with the Triton kernels (plain Triton functions compile in a Gluon
+# kernel on its tiles' layouts)
+from gemctl.ops.triton.gdpa import _fwd_act, _fwd_act_consts, _fwd_out, fold_scale
 
 
 @gluon.constexpr_function
@@ -78,35 +80,12 @@ def _acc_layout(num_warps, cols):
 
 
 @gluon.jit
-def _act(a, ac, ACT: gl.constexpr, FOLD: gl.constexpr):
-    """The Triton forward's activation (gdpa._fwd_act: raw scores, constants ac), on an fp32 tile in
-    any layout."""
-    if not FOLD:
-        a = a * ac[0]
-    if ACT == 0:
-        u = a * a
-        r = (((((ac[8] * u + ac[7]) * u + ac[6]) * u + ac[5]) * u + ac[4]) * u + ac[3]) * u + ac[2]
-        return a + gl.minimum(u * r, gl.abs(a))
-    else:
-        return a / (1.0 + gl.exp(-a))
-
-
-@gluon.jit
-def _out(o, ac, ACT: gl.constexpr):
-    """An output tile from _act's accumulated terms (gdpa._fwd_out)."""
-    if ACT == 0:
-        return o * ac[1]
-    else:
-        return o
-
-
-@gluon.jit
 def _scores(s, k_len, ac, s_layout: gl.constexpr, BLOCK_N: gl.constexpr, ACT: gl.constexpr, FOLD: gl.constexpr,
             dtype: gl.constexpr, p_layout: gl.constexpr):
-    """_act(s) with keys >= k_len masked to s = 0 (act(0) = 0), as the second MMA's A operand."""
+    """_fwd_act(s) with keys >= k_len masked to s = 0 (act(0) = 0), as the second MMA's A operand."""
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s = gl.where((cols < k_len)[None, :], s, 0.0)
-    return gl.convert_layout(_act(s, ac, ACT, FOLD).to(dtype), p_layout)
+    return gl.convert_layout(_fwd_act(s, ac, ACT, FOLD).to(dtype), p_layout)  # the Triton function, on this layout
 
 
 @gluon.jit
@@ -251,7 +230,7 @@ def _gdpa_fwd_resident(
                 o = warpgroup_mma_wait(0, deps=(o, ))
                 if LOOKAHEAD:
                     _load_kv(v_desc, v_smem, v_bar, nk_start, ncol, last & (nn_tiles > 0))
-                _store_o(_out(o, ac, ACT), o_desc, o_smem, O, q_start, m0 + t * BLOCK_M, q_len, col, stride_on, o_layout,
+                _store_o(_fwd_out(o, ac, ACT), o_desc, o_smem, O, q_start, m0 + t * BLOCK_M, q_len, col, stride_on, o_layout,
                          BLOCK_M, HEAD_DIM)
             kv_phase ^= 1
             if not LOOKAHEAD:
@@ -425,7 +404,7 @@ def _gdpa_fwd_stream(
             v_issued += more.to(gl.int32)
             vr, vj, vnk, vks, vcol = _seek(vr, vj + more.to(gl.int32), vnk, vks, vcol, rounds, pid, n_programs,
                                            n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads, BLOCK_M, BLOCK_N, HEAD_DIM)
-            _store_rows(_out(acc, ac, ACT), O, q_start, m0, q_len, col, stride_on, o_layout, BLOCK_M, HEAD_DIM)
+            _store_rows(_fwd_out(acc, ac, ACT), O, q_start, m0, q_len, col, stride_on, o_layout, BLOCK_M, HEAD_DIM)
         elif n_tiles > 0:  # a query tile without keys: zeros
             _store_rows(o_zero, O, q_start, m0, q_len, col, stride_on, o_layout, BLOCK_M, HEAD_DIM)
         q_start, q_len, m0, k_len, col, n_tiles = nq_start, nq_len, nm0, nk_len, ncol, nn_tiles
@@ -469,6 +448,11 @@ def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cf
     # it, which with a second warpgroup could still be waiting on that slot's previous phase
     if dim not in (64, 128) or warps != 4 or block_m != 64:
         raise ValueError(f"gdpa (Hopper): head_dim {dim} with config {cfg} is not built")
+    # The H200's GPU tier (2026-12-04) measured the streaming forward wrong with 3 K slots (64-key
+    # tiles) and with 128-key tiles (relative error 0.39 against 4e-4 for the PyTorch path); 2 slots
+    # of 64 keys, with or without the extra V slot, passed. Not diagnosed: refused rather than run.
+    if chunk == 0 and (stages != 2 or block_n != 64):
+        raise ValueError(f"gdpa (Hopper): the streaming forward runs 2 K/V slots of 64 keys only, not {cfg}")
     descs = descriptors(block_m, block_n, q, k, v, out)
     if descs is None:
         raise ValueError("gdpa (Hopper): q/k/v/out do not allow TMA descriptors (heads adjacent, 16-byte aligned rows)")
@@ -478,11 +462,6 @@ def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cf
     grid = (num_programs(n_items, per_sm, q.device),)
     fold = fold_scale(act, scale)
     if chunk == 0:
-        # The H200's GPU tier (2026-12-04) measured 3 K slots (64-key tiles) and 128-key tiles wrong
-        # (relative error 0.39 against 4e-4 for the PyTorch path); 2 slots of 64 keys, with or without
-        # the extra V slot, passed. Not diagnosed: refused rather than run.
-        if stages != 2 or block_n != 64:
-            raise ValueError(f"gdpa (Hopper): the streaming forward runs 2 K/V slots of 64 keys only, not {cfg}")
         _gdpa_fwd_stream[grid](*descs[:3], out, q_offsets, k_offsets, work, n_items, heads, out.stride(0), scale,
                                HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, ACT=act, KV_STAGES=stages,
                                V_EXTRA=config_field(cfg, 9), FOLD=fold, num_warps=warps)
