@@ -137,7 +137,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench_gdpa.json")
     ap.add_argument("--grids", action="store_true", help="also time the forward under every candidate config")
     ap.add_argument("--grid-only", action="store_true",
-                    help="time the forward configs (--grid-configs, default all) and nothing else")
+                    help="time the forward configs (--grid-configs, default all) and the softmax jagged forward, nothing else")
     ap.add_argument("--grid-configs", nargs="*", default=[], metavar="CFG",
                     help="with --grids or --grid-only: these forward configs only (comma-separated fields, e.g. 64,32,4,2,0,0,0,128)")
     ap.add_argument("--only", nargs="*", help="workload names to run (default: all)")
@@ -155,6 +155,9 @@ def main() -> None:
         ap.error(f"--grid-configs {' '.join(args.grid_configs)}: each config is comma-separated integers, "
                  "e.g. 64,32,4,2,0,0,0,128")  # one line, exit code 2
     pins = parse_pins(args.pin, bool(args.profile_step))
+    if not torch.cuda.is_available():
+        print("bench_gdpa: needs a CUDA GPU (the CPU tier is tests/test_gdpa_triton.py)", file=sys.stderr)
+        raise SystemExit(2)
     workloads = [pma_workload(256, 32), cross_workload(256, 32), cross_workload(256, 128), self_workload(256, 1000)]
     if args.profile_step:
         by_name = {w.name: w for w in workloads}
@@ -173,8 +176,13 @@ def main() -> None:
         roof = min(meta["gemm_tflops"], meta["copy_tbps"] * intensity)
         row = {"workload": w.name, "pairs": pairs, "fwd_flops": f_flops, "bytes": bytes_moved,
                "intensity_flop_per_byte": intensity, "roofline_tflops": roof}
-        if args.grid_only:  # the forward configs alone, against this run's roofline
+        if args.grid_only:  # the forward configs alone, against this run's roofline and softmax forward
             row["grid_sweep"] = grid_sweep(w, grid_configs)
+            softmax_fwd, _ = implementations(w)["softmax_jagged"]()
+            softmax_fwd()  # autotuned before it is timed
+            row["softmax_jagged_fwd_graph_ms"] = graph_bench(softmax_fwd)
+            print(f"  {w.name} softmax jagged attention forward (autotuned) {row['softmax_jagged_fwd_graph_ms']:.4f} ms",
+                  flush=True)
             for r in row["grid_sweep"]:
                 if "fwd_graph_ms" in r:
                     r["fwd_graph_tflops"] = tflops(f_flops, r["fwd_graph_ms"])

@@ -52,6 +52,14 @@ def test_scripts_refuse_pins_without_profile_step(script):
     assert proc.stderr.strip().splitlines()[-1].startswith("--pin applies to --profile-step only")
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_gdpa_bench_without_a_gpu_exits_2():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gdpa.py"), "--grid-only", "--only", "self-1000"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-500:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("bench_gdpa: needs a CUDA GPU")
+
+
 def test_picked_configs_names_the_kernels_configs():
     saved = dict(common._config_cache)
     try:
