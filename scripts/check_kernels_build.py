@@ -147,6 +147,9 @@ def gluon_kernels():
                   O="*bf16", Q_OFFSETS="*i64", K_OFFSETS="*i64", WORK="*i32", scale="fp32")
         yield gh._gdpa_fwd_resident, io, dict(HEAD_DIM=dim, BLOCK_M=64, BLOCK_N=block_n, CHUNK=4, ACT=act, Q_STAGES=2,
                                                LOOKAHEAD=pipeline, FOLD=act == 0, num_warps=4)
+    # the output by direct stores, no staging tile: a third query slot at two programs per SM
+    yield gh._gdpa_fwd_resident, io, dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=128, CHUNK=16, ACT=0, Q_STAGES=3,
+                                           LOOKAHEAD=1, FOLD=True, num_warps=4, DIRECT_STORE=True)
     # the streaming forward (self-attention): 64-key tiles with 2 K slots and 3 V slots, 2 and 2
     for block_n, stages, v_extra, act in ((64, 2, 1, 0), (64, 2, 0, 1)):
         io = dict(q_desc=desc(64, 128), k_desc=desc(block_n, 128), v_desc=desc(block_n, 128), O="*bf16",

@@ -298,7 +298,8 @@ def test_streaming_forward_refuses_rings_measured_wrong(cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", gdpa_kernels._HOPPER_FWD_CANDIDATES + gdpa_kernels._HOPPER_STREAM_CANDIDATES,
+@pytest.mark.parametrize("cfg", gdpa_kernels._HOPPER_FWD_CANDIDATES + gdpa_kernels._HOPPER_PENDING
+                         + gdpa_kernels._HOPPER_STREAM_CANDIDATES,
                          ids=lambda c: "_".join(map(str, c)))
 @pytest.mark.parametrize("activation", ["gelu", "silu"])
 @pytest.mark.parametrize("dim,dtype", [(128, torch.bfloat16), (64, torch.float16)])

@@ -153,7 +153,10 @@ def _gdpa_fwd_resident(
     q_desc, k_desc, v_desc, o_desc, O, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, ACT: gl.constexpr,
     Q_STAGES: gl.constexpr, LOOKAHEAD: gl.constexpr, FOLD: gl.constexpr, num_warps: gl.constexpr,
+    DIRECT_STORE: gl.constexpr = False,
 ):
+    # DIRECT_STORE: every output tile by masked stores from the accumulator's layout, no staging
+    # tile in shared memory (16 KB at D = 128: room for a third query slot at two programs per SM).
     # q_desc / o_desc: [Nq, H * D] in (BLOCK_M, D) boxes; k_desc / v_desc: [Nk, H * D] in
     # (BLOCK_N, D) boxes (host: gdpa_hopper.descriptors). WORK: int32 [n, 2] (sequence, chunk of
     # CHUNK query tiles); item e = work index * num_heads + head, dealt in zigzag rounds (_item).
@@ -172,7 +175,8 @@ def _gdpa_fwd_resident(
     q_smem = gl.allocate_shared_memory(dtype, [Q_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-    o_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], o_desc.layout)
+    if not DIRECT_STORE:
+        o_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], o_desc.layout)
     q_bars = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())
     k_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     v_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -230,8 +234,12 @@ def _gdpa_fwd_resident(
                 o = warpgroup_mma_wait(0, deps=(o, ))
                 if LOOKAHEAD:
                     _load_kv(v_desc, v_smem, v_bar, nk_start, ncol, last & (nn_tiles > 0))
-                _store_o(_fwd_out(o, ac, ACT), o_desc, o_smem, O, q_start, m0 + t * BLOCK_M, q_len, col, stride_on, o_layout,
-                         BLOCK_M, HEAD_DIM)
+                if DIRECT_STORE:
+                    _store_rows(_fwd_out(o, ac, ACT), O, q_start, m0 + t * BLOCK_M, q_len, col, stride_on, o_layout,
+                                BLOCK_M, HEAD_DIM)
+                else:
+                    _store_o(_fwd_out(o, ac, ACT), o_desc, o_smem, O, q_start, m0 + t * BLOCK_M, q_len, col, stride_on,
+                             o_layout, BLOCK_M, HEAD_DIM)
             kv_phase ^= 1
             if not LOOKAHEAD:
                 _load_kv(k_desc, k_smem, k_bar, nk_start, ncol, nn_tiles > 0)
@@ -437,7 +445,7 @@ def descriptors(block_m: int, block_n: int, q, k, v, out):
 
 def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cfg: tuple) -> None:
     """Launch a Gluon forward: ``cfg`` = (block_m, block_n, warps, stages, programs per SM, chunk,
-    ..., look-ahead at index 9) as gdpa's configs carry it. chunk >= 1: the resident-key kernel
+    ..., look-ahead at index 9, direct output stores at index 10) as gdpa's configs carry it. chunk >= 1: the resident-key kernel
     (stages: the query ring), ``work`` common.query_work with block_m * chunk rows per item;
     chunk 0: the streaming kernel (stages: the K/V ring), block_m rows per item. Raises ValueError
     where the inputs do not allow the kernel (no TMA layout, a head_dim or dtype it was not built
@@ -468,7 +476,8 @@ def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cf
         return
     _gdpa_fwd_resident[grid](*descs, out, q_offsets, k_offsets, work, n_items, heads, out.stride(0), scale,
                              HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk, ACT=act,
-                             Q_STAGES=stages, LOOKAHEAD=config_field(cfg, 9), FOLD=fold, num_warps=warps)
+                             Q_STAGES=stages, LOOKAHEAD=config_field(cfg, 9), FOLD=fold, num_warps=warps,
+                             DIRECT_STORE=bool(config_field(cfg, 10)))
 
 
 def _torch_dtypes():
