@@ -33,7 +33,7 @@ SHAPES_GPU = {
 
 
 def _check(ql, kl, activation, device, dtype, dim=32, tol=None, factor=None, heads=2, ref_activation=None,
-           elementwise=False):
+           elementwise=False, scale=None):
     gen = torch.Generator().manual_seed(len(ql) + sum(kl))
     qo, ko = offsets(ql, device), offsets(kl, device)
 
@@ -44,12 +44,12 @@ def _check(ql, kl, activation, device, dtype, dim=32, tol=None, factor=None, hea
     grad = torch.randn(q.shape, generator=gen, dtype=torch.float64).to(device, dtype)
 
     def run(backend):
-        out = ops.gdpa(q, k, v, qo, ko, max(ql), max(kl), activation=activation, backend=backend)
+        out = ops.gdpa(q, k, v, qo, ko, max(ql), max(kl), activation=activation, scale=scale, backend=backend)
         return [out] + list(torch.autograd.grad(out, [q, k, v], grad))
 
     got = run("triton")
     ref_in = [t.detach().double().cpu().requires_grad_(True) for t in (q, k, v)]
-    ref_out = gdpa_loop(*ref_in, qo.cpu(), ko.cpu(), activation=ref_activation or activation)
+    ref_out = gdpa_loop(*ref_in, qo.cpu(), ko.cpu(), activation=ref_activation or activation, scale=scale)
     ref_grads = torch.autograd.grad(ref_out, ref_in, grad.double().cpu(), allow_unused=True)
     ref = [ref_out] + [torch.zeros_like(t) if g is None else g for t, g in zip(ref_in, ref_grads)]
     base = run("torch") if factor else None
@@ -65,6 +65,14 @@ CPU_TOL = {"gelu": 1e-3, "silu": 2e-5}  # gelu: the polynomial's error (test_gel
 def test_gdpa_cpu(shape, activation):
     ql, kl = SHAPES_CPU[shape]
     _check(ql, kl, activation, "cpu", torch.float32, tol=CPU_TOL[activation])
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0**-8, 3e-3, -0.5, 4.0])
+def test_gdpa_forward_scales_cpu(scale):
+    """The forward's GELU folds the scale into its constants for scales in [2^-8, 2^8] and multiplies
+    the scores first otherwise (3e-3, negative scales): both, and the backward, against float64."""
+    ql, kl = SHAPES_CPU["self"]
+    _check(ql, kl, "gelu", "cpu", torch.float32, tol=CPU_TOL["gelu"], scale=scale)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES_CPU))
