@@ -247,9 +247,10 @@ def rows_viewable(t: torch.Tensor, block_rows: int, cols: int | None = None) -> 
     boxes: heads adjacent, rows not overlapping, the row stride, the base and a box row 16-byte
     aligned, at least one box of rows."""
     n, heads, dim = t.shape
+    s0, s1, s2 = t.stride()  # one call (each accessor call is host time, several per launch)
     size, width = t.element_size(), cols or dim
-    return not (t.stride(2) != 1 or t.stride(1) != dim or t.stride(0) < heads * dim or (t.stride(0) * size) % 16
-                or t.data_ptr() % 16 or (width * size) % 16 or n < block_rows)
+    return not (s2 != 1 or s1 != dim or s0 < heads * dim or (s0 * size) % 16 or t.data_ptr() % 16
+                or (width * size) % 16 or n < block_rows)
 
 
 def row_descriptors(block_rows: int, *tensors, cols: int | None = None):
