@@ -74,8 +74,8 @@ def kernels():
         for chunk in (0, 4):  # tile loop, resident short side
             consts = dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, ACT=act, CHUNK=chunk)
             yield gdpa._gdpa_fwd, io, dict(consts, FOLD=act == 0)  # GELU: the scale in its constants
-            yield gdpa._gdpa_bwd_dkdv, io, consts
-            yield gdpa._gdpa_bwd_dq, io, consts
+            yield gdpa._gdpa_bwd_dkdv, io, dict(consts, FOLD=act == 0)
+            yield gdpa._gdpa_bwd_dq, io, dict(consts, FOLD=act == 0)
     kv_tiles = {name: "tensordesc<bf16[32, 128]>" for name in ("K_DESC", "V_DESC")}  # whole key tiles by TMA
     yield gdpa._gdpa_fwd, dict(io, **kv_tiles), dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=32, ACT=0, CHUNK=0, TMA=True,
                                                                  FOLD=True)

@@ -162,41 +162,21 @@ def gelu_poly_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return value, grad
 
 
-@triton.jit
-def _gelu_poly(s):
-    t = tl.minimum(s * s, _C2)
-    p = ((((((_P6 * t + _P5) * t + _P4) * t + _P3) * t + _P2) * t + _P1) * t + _P0) * t
-    return tl.where(t < _C2, 0.5 * (s + p), tl.maximum(s, 0.0))
-
-
-@triton.jit
-def _gelu_poly_grad(s):
-    t = tl.minimum(s * s, _C2)
-    q = (((((((_S7 * t + _S6) * t + _S5) * t + _S4) * t + _S3) * t + _S2) * t + _S1) * t + _S0) * s
-    return tl.where(t < _C2, 0.5 + q, tl.where(s > 0, 1.0, 0.0))
-
-
-@triton.jit
-def _act_and_grad(s, ACT: tl.constexpr):
-    if ACT == 0:
-        return _gelu_poly(s), _gelu_poly_grad(s)
-    else:  # SiLU'(x) = sigmoid(x) * (1 + x * (1 - sigmoid(x)))
-        sig = tl.sigmoid(s)
-        return s * sig, sig * (1.0 + s * (1.0 - sig))
-
-
-# The forward's activation on the raw scores a = q . k (x = c a, c = scale), in fewer operations
-# per score than act(c a): GELU 10 on the H200's FP32 pipe (13 for _gelu_poly after the scale
-# multiply: sm_90 SASS, Triton 3.6). With u = a^2 and t P(t) ~ x erf(x / sqrt 2) (t = x^2),
+# The kernels' activation on the raw scores a = q . k (x = c a, c = scale), in fewer operations
+# per score than act(c a) in the clamped form above: GELU 10 on the H200's FP32 pipe in the forward
+# (13 for the clamped form after the scale multiply: sm_90 SASS, Triton 3.6). With u = a^2 and
+# t P(t) ~ x erf(x / sqrt 2) (t = x^2),
 #   2 gelu(x) / c = a + a erf(x / sqrt 2) ~ a + min(u R(u), |a|),  R_k = c^(2k+1) P_k.
-# The min replaces _gelu_poly's clamp and select: t P(t) >= |x| for every t >= 16 (its least excess,
+# The min replaces the clamp and select: t P(t) >= |x| for every t >= 16 (its least excess,
 # 1.1e-4, at t = 16; degree 7 with a positive leading coefficient grows from there, to inf in fp32),
 # so beyond |x| = 4 it gives 2 relu(x) / c = a + |a|, and where it cuts t P(t) below 4 it moves the
 # value towards the exact x erf(x / sqrt 2) <= |x|. The kernel accumulates these (2 / c) gelu terms
-# and multiplies each output tile by c / 2 once. FOLD = 0 (SiLU, or a scale outside [2^-8, 2^8]:
-# negative, or c^13 could leave fp32's normal range) multiplies a by c first and folds nothing
-# (c = 1). _fwd_act_consts builds the constants once per program.
-FOLD_SCALE_RANGE = (2.0**-8, 2.0**8)
+# and multiplies each output tile by c / 2 once (the backward its dV tiles); the backward's
+# derivative folds c the same way (_bwd_act). FOLD = 0 (SiLU, or a scale outside [2^-6, 2^8]:
+# negative, or small enough that the last coefficient, S_7 c^15, is no normal fp32 number: at
+# c = 2^-8 it keeps ~3 bits and the derivative near |x| = 4 was off by 0.95) multiplies a by c
+# first and folds nothing (c = 1). _act_consts builds the constants once per program.
+FOLD_SCALE_RANGE = (2.0**-6, 2.0**8)
 
 
 def fold_scale(act: int, scale: float) -> bool:
@@ -204,23 +184,33 @@ def fold_scale(act: int, scale: float) -> bool:
     return act == 0 and FOLD_SCALE_RANGE[0] <= scale <= FOLD_SCALE_RANGE[1]  # 2 relu(x) / c = a + |a| needs c > 0
 
 
-def gelu_fwd_reference(a: torch.Tensor, scale: float) -> torch.Tensor:
-    """The forward kernels' GELU on raw scores a (_fwd_act) in PyTorch, in a's dtype with the same
-    constants and Horner order, output factor applied: gelu(scale * a) as the kernels compute it."""
+def gelu_folded_reference(a: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' GELU on raw scores a (_fwd_act, _bwd_act) in PyTorch, in a's dtype with the same
+    constants and Horner order, output factor applied: (gelu(scale * a), gelu'(scale * a)) as the
+    kernels compute them."""
     fold = fold_scale(0, scale)
     c = scale if fold else 1.0
     a = a if fold else a * scale
-    coefs = [p * c ** (2 * k + 1) for k, p in enumerate(GELU_P)]
     u = a * a
-    r = torch.full_like(u, coefs[-1])
-    for coef in coefs[-2::-1]:
-        r = r * u + coef
-    return (a + torch.minimum(u * r, a.abs())) * (0.5 * c)
+
+    def horner(coefs):
+        out = torch.full_like(u, coefs[-1])
+        for coef in coefs[-2::-1]:
+            out = out * u + coef
+        return out
+
+    r = horner([p * c ** (2 * k + 1) for k, p in enumerate(GELU_P)])
+    g = horner([q * c ** (2 * k + 1) for k, q in enumerate(GELU_S)])
+    value = (a + torch.minimum(u * r, a.abs())) * (0.5 * c)
+    grad = torch.where(u < GELU_CLAMP**2 / (c * c), 0.5 + a * g, (a > 0).to(a.dtype))
+    return value, grad
 
 
 @triton.jit
-def _fwd_act_consts(scale, ACT: tl.constexpr, FOLD: tl.constexpr):
-    """(pre-multiplier of a, output factor, R_0 .. R_6) of _fwd_act."""
+def _act_consts(scale, ACT: tl.constexpr, FOLD: tl.constexpr):
+    """(pre-multiplier of a, output factor, R_0 .. R_6, bound on u, G_0 .. G_7) of _fwd_act and
+    _bwd_act: G_k = c^(2k+1) S_k folds the scale into the derivative's polynomial as R_k into the
+    value's (x S(t) = a G(u)), and u < 16 / c^2 is |x| < 4."""
     if FOLD:
         pre = 1.0
         c = scale
@@ -233,12 +223,14 @@ def _fwd_act_consts(scale, ACT: tl.constexpr, FOLD: tl.constexpr):
     c7 = c5 * c2
     c9 = c7 * c2
     c11 = c9 * c2
-    return pre, 0.5 * c, _P0 * c, _P1 * c3, _P2 * c5, _P3 * c7, _P4 * c9, _P5 * c11, _P6 * (c11 * c2)
+    c13 = c11 * c2
+    return (pre, 0.5 * c, _P0 * c, _P1 * c3, _P2 * c5, _P3 * c7, _P4 * c9, _P5 * c11, _P6 * c13, _C2 / c2,
+            _S0 * c, _S1 * c3, _S2 * c5, _S3 * c7, _S4 * c9, _S5 * c11, _S6 * c13, _S7 * (c13 * c2))
 
 
 @triton.jit
 def _fwd_act(a, ac, ACT: tl.constexpr, FOLD: tl.constexpr):
-    """act(c a) / ac[1] (GELU) or act(c a) (SiLU) for _fwd_act_consts' tuple ac."""
+    """act(c a) / ac[1] (GELU) or act(c a) (SiLU) for _act_consts' tuple ac."""
     if not FOLD:
         a = a * ac[0]
     if ACT == 0:
@@ -247,6 +239,23 @@ def _fwd_act(a, ac, ACT: tl.constexpr, FOLD: tl.constexpr):
         return a + tl.minimum(u * r, tl.abs(a))
     else:  # SiLU: x * sigmoid(x)
         return a * tl.sigmoid(a)
+
+
+@triton.jit
+def _bwd_act(a, ac, ACT: tl.constexpr, FOLD: tl.constexpr):
+    """The backward's recomputed activation on raw scores: (_fwd_act's value, act'(c a)). GELU's
+    derivative 0.5 + x S(t) as a G(u) for u < ac[9], the step beyond (no clamp: a u that overflows
+    G lies beyond the bound, where the select takes the other side)."""
+    if not FOLD:
+        a = a * ac[0]
+    value = _fwd_act(a, ac, ACT, True)  # a is the folded score now
+    if ACT == 0:
+        u = a * a
+        g = ((((((ac[17] * u + ac[16]) * u + ac[15]) * u + ac[14]) * u + ac[13]) * u + ac[12]) * u + ac[11]) * u + ac[10]
+        return value, tl.where(u < ac[9], 0.5 + a * g, tl.where(a > 0, 1.0, 0.0))
+    else:  # SiLU'(x) = sigmoid(x) * (1 + x * (1 - sigmoid(x)))
+        sig = tl.sigmoid(a)
+        return value, sig * (1.0 + a * (1.0 - sig))
 
 
 @triton.jit
@@ -278,7 +287,7 @@ def _gdpa_fwd(
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     offs_d = tl.arange(0, HEAD_DIM)
-    ac = _fwd_act_consts(scale, ACT, FOLD)
+    ac = _act_consts(scale, ACT, FOLD)
     for r in range(0, tl.cdiv(n_items, n_programs)):
         e = zigzag_item(r, pid, n_programs)
         if e < n_items:
@@ -332,7 +341,7 @@ def _gdpa_bwd_dkdv(
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_don, stride_doh, stride_dkn, stride_dkh, stride_dvn, stride_dvh, scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, FOLD: tl.constexpr = False,
 ):
     # WORK: (sequence, key tile of BLOCK_N * max(CHUNK, 1) rows), one head per item; an item with
     # no queries writes the zero gradients of its keys. CHUNK = 0: the keys stay, the loop runs
@@ -340,6 +349,7 @@ def _gdpa_bwd_dkdv(
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     offs_d = tl.arange(0, HEAD_DIM)
+    ac = _act_consts(scale, ACT, FOLD)
     for r in range(0, tl.cdiv(n_items, n_programs)):
         e = zigzag_item(r, pid, n_programs)
         if e < n_items:
@@ -355,12 +365,12 @@ def _gdpa_bwd_dkdv(
                     offs_m = start_m + tl.arange(0, BLOCK_M)
                     q = load_rows(Q, q_start, offs_m, q_len, stride_qn, h * stride_qh, offs_d)
                     do = load_rows(DO, q_start, offs_m, q_len, stride_don, h * stride_doh, offs_d)
-                    a, da = _act_and_grad(tl.dot(q, tl.trans(k)) * scale, ACT)  # (BM, BN)
+                    a, da = _bwd_act(tl.dot(q, tl.trans(k)), ac, ACT, FOLD)  # (BM, BN)
                     dv += tl.dot(tl.trans(a.to(do.dtype)), do)
                     ds = tl.dot(do, tl.trans(v)) * da
                     dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
                 store_rows(DK, dk * scale, k_start, offs_n, k_len, stride_dkn, h * stride_dkh, offs_d)
-                store_rows(DV, dv, k_start, offs_n, k_len, stride_dvn, h * stride_dvh, offs_d)
+                store_rows(DV, _fwd_out(dv, ac, ACT), k_start, offs_n, k_len, stride_dvn, h * stride_dvh, offs_d)
             else:
                 n0, q_start, q_len, k_start, k_len, _ = work_item(
                     WORK, Q_OFFSETS, K_OFFSETS, e // num_heads, BLOCK_N * CHUNK
@@ -373,12 +383,12 @@ def _gdpa_bwd_dkdv(
                     offs_n = start_n + tl.arange(0, BLOCK_N)
                     k = load_rows(K, k_start, offs_n, k_len, stride_kn, h * stride_kh, offs_d)
                     v = load_rows(V, k_start, offs_n, k_len, stride_vn, h * stride_vh, offs_d)
-                    a, da = _act_and_grad(tl.dot(k, qt) * scale, ACT)  # (BN, BM) = S^T
+                    a, da = _bwd_act(tl.dot(k, qt), ac, ACT, FOLD)  # (BN, BM) = S^T
                     dv = tl.dot(a.to(do.dtype), do)
                     ds = tl.dot(v, tl.trans(do)) * da  # dS^T
                     dk = tl.dot(ds.to(q.dtype), q)
                     store_rows(DK, dk * scale, k_start, offs_n, k_len, stride_dkn, h * stride_dkh, offs_d)
-                    store_rows(DV, dv, k_start, offs_n, k_len, stride_dvn, h * stride_dvh, offs_d)
+                    store_rows(DV, _fwd_out(dv, ac, ACT), k_start, offs_n, k_len, stride_dvn, h * stride_dvh, offs_d)
 
 
 @triton.jit(do_not_specialize=["n_items"])  # per-batch sizes: common.py, "Specialization"
@@ -387,7 +397,7 @@ def _gdpa_bwd_dq(
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_don, stride_doh, stride_dqn, stride_dqh, scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, FOLD: tl.constexpr = False,
 ):
     # WORK: (sequence, query tile of BLOCK_M * max(CHUNK, 1) rows), one head per item. CHUNK = 0:
     # the queries stay, the loop runs over key tiles. CHUNK >= 1: the keys (<= BLOCK_N) stay, the
@@ -395,6 +405,7 @@ def _gdpa_bwd_dq(
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     offs_d = tl.arange(0, HEAD_DIM)
+    ac = _act_consts(scale, ACT, FOLD)
     for r in range(0, tl.cdiv(n_items, n_programs)):
         e = zigzag_item(r, pid, n_programs)
         if e < n_items:
@@ -409,7 +420,7 @@ def _gdpa_bwd_dq(
                     offs_n = start_n + tl.arange(0, BLOCK_N)
                     k = load_rows(K, k_start, offs_n, k_len, stride_kn, h * stride_kh, offs_d)
                     v = load_rows(V, k_start, offs_n, k_len, stride_vn, h * stride_vh, offs_d)
-                    a, da = _act_and_grad(tl.dot(q, tl.trans(k)) * scale, ACT)
+                    a, da = _bwd_act(tl.dot(q, tl.trans(k)), ac, ACT, FOLD)
                     ds = tl.dot(do, tl.trans(v)) * da
                     dq += tl.dot(ds.to(k.dtype), k)
                 store_rows(DQ, dq * scale, q_start, offs_m, q_len, stride_dqn, h * stride_dqh, offs_d)
@@ -425,7 +436,7 @@ def _gdpa_bwd_dq(
                     offs_m = start_m + tl.arange(0, BLOCK_M)
                     q = load_rows(Q, q_start, offs_m, q_len, stride_qn, h * stride_qh, offs_d)
                     do = load_rows(DO, q_start, offs_m, q_len, stride_don, h * stride_doh, offs_d)
-                    a, da = _act_and_grad(tl.dot(q, kt) * scale, ACT)
+                    a, da = _bwd_act(tl.dot(q, kt), ac, ACT, FOLD)
                     ds = tl.dot(do, vt) * da
                     dq = tl.dot(ds.to(k.dtype), k)
                     store_rows(DQ, dq * scale, q_start, offs_m, q_len, stride_dqn, h * stride_dqh, offs_d)
@@ -530,13 +541,15 @@ def _backward(do, q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scal
         _check_resident(cfg, max_q_len, 0, "query")
         work = key_work(q_offsets, k_offsets, cfg[1] * max(cfg[5], 1), False, q.device, include_empty=True)
         strides = common + (dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale)
-        _launch(_gdpa_bwd_dkdv, work, heads, cfg, (q, k, v, do, dk, dv, q_offsets, k_offsets, strides), dim, act)
+        _launch(_gdpa_bwd_dkdv, work, heads, cfg, (q, k, v, do, dk, dv, q_offsets, k_offsets, strides), dim, act,
+                FOLD=fold_scale(act, scale))
 
     def run_dq(cfg):
         _check_resident(cfg, max_k_len, 1, "key")
         work = query_work(q_offsets, k_offsets, cfg[0] * max(cfg[5], 1), False, q.device)
         strides = common + (dq.stride(0), dq.stride(1), scale)
-        _launch(_gdpa_bwd_dq, work, heads, cfg, (q, k, v, do, dq, q_offsets, k_offsets, strides), dim, act)
+        _launch(_gdpa_bwd_dq, work, heads, cfg, (q, k, v, do, dq, q_offsets, k_offsets, strides), dim, act,
+                FOLD=fold_scale(act, scale))
 
     key = (dim, q.dtype, act, bucket_len(max_q_len), bucket_len(max_k_len))
     run_dkdv(pick_config(("gdpa_dkdv",) + key, lambda: _candidates(_DKDV_CANDIDATES, max_q_len, 0), run_dkdv,

@@ -72,7 +72,7 @@ _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_globa
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after 3.6 too
 # the forwards' activation, shared with the Triton kernels (plain Triton functions compile in a Gluon
 # kernel on its tiles' layouts)
-from gemctl.ops.triton.gdpa import _fwd_act, _fwd_act_consts, _fwd_out, fold_scale
+from gemctl.ops.triton.gdpa import _fwd_act, _act_consts, _fwd_out, fold_scale
 
 
 @gluon.constexpr_function
@@ -191,7 +191,7 @@ def _gdpa_fwd_resident(
     o_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
 
     pid = gl.program_id(0)
-    ac = _fwd_act_consts(scale, ACT, FOLD)
+    ac = _act_consts(scale, ACT, FOLD)
     n_programs = gl.num_programs(0)
     q_start, q_len, m0, k_start, k_len, col, n_tiles = _item(0, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS,
                                                              num_heads, CHUNK, BLOCK_M, HEAD_DIM)
@@ -324,7 +324,7 @@ def _gdpa_fwd_stream(
     o_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
 
     pid = gl.program_id(0)
-    ac = _fwd_act_consts(scale, ACT, FOLD)
+    ac = _act_consts(scale, ACT, FOLD)
     n_programs = gl.num_programs(0)
     rounds = gl.cdiv(n_items, n_programs)
     zero = pid * 0  # cursors' counters are loop-carried tensors from the start
