@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -115,6 +116,22 @@ def implementations(w) -> dict:
     }
 
 
+def ab_forward(w, rounds: int) -> dict:
+    """Our forward and the softmax jagged attention forward (both autotuned already), CUDA-graph time
+    in alternating rounds: a comparison that the drift of one long run cannot favour either side in
+    (the two differ by less than the spread between runs at self-1000)."""
+    impls = implementations(w)
+    ours, softmax = impls["ours"]()[0], impls["softmax_jagged"]()[0]
+    ours_ms, softmax_ms = [], []
+    for _ in range(rounds):
+        ours_ms.append(graph_bench(ours))
+        softmax_ms.append(graph_bench(softmax))
+    ratios = sorted(s / o for o, s in zip(ours_ms, softmax_ms))
+    return {"ours_ms": ours_ms, "softmax_ms": softmax_ms, "ours_median_ms": statistics.median(ours_ms),
+            "softmax_median_ms": statistics.median(softmax_ms), "ratio_min": ratios[0], "ratio_max": ratios[-1],
+            "ratio_median": statistics.median(ratios), "ours_faster": f"{sum(r > 1 for r in ratios)} of {rounds}"}
+
+
 def grid_sweep(w, configs=None) -> list[dict]:
     """Forward graph time under every candidate config (persistent and one-program-per-item), or
     under ``configs`` (tuples) only."""
@@ -143,6 +160,8 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="workload names to run (default: all)")
     ap.add_argument("--profile-step", metavar="WORKLOAD",
                     help="one GDPA forward+backward of WORKLOAD between profiler start and stop (ncu), nothing else")
+    ap.add_argument("--ab", type=int, default=0, metavar="N",
+                    help="also time our forward and the softmax jagged forward in N alternating rounds (CUDA graphs)")
     ap.add_argument("--pending", action="store_true",
                     help="autotune the forward configs the GPU tier has not passed yet too (gdpa._GPU_CHECKED): "
                     "the benchmark of a new kernel before its configs join autotuning")
@@ -205,6 +224,8 @@ def main() -> None:
         row["configs"] = picked_configs(("gdpa_fwd", "gdpa_dkdv", "gdpa_dq"))  # this workload's and earlier ones
         if args.grids:
             row["grid_sweep"] = grid_sweep(w, grid_configs)
+        if args.ab:
+            row["ab_softmax"] = ab_forward(w, args.ab)
         rows.append(row)
         ours = row["ours"]
         lines = [f"{w.name}: intensity {intensity:.1f} FLOP/B, roofline {roof:.0f} TF/s"]
@@ -219,6 +240,11 @@ def main() -> None:
                          f"fwd+bwd {r['fwd_bwd_call_ms']:.3f} ms | {g}")
         if "fwd_graph_tflops" in ours:
             lines.append(f"  ours forward: {100 * ours['fwd_graph_tflops'] / roof:.0f}% of the roofline (graph time)")
+        if args.ab:
+            ab = row["ab_softmax"]
+            lines.append(f"  forward, {args.ab} alternating rounds: ours {ab['ours_median_ms']:.4f} ms, softmax jagged "
+                         f"{ab['softmax_median_ms']:.4f} ms; softmax / ours per round {ab['ratio_min']:.3f} .. "
+                         f"{ab['ratio_max']:.3f} (median {ab['ratio_median']:.3f}, ours faster in {ab['ours_faster']})")
         print("\n".join(lines), flush=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 

@@ -60,6 +60,35 @@ def test_gdpa_bench_without_a_gpu_exits_2():
     assert proc.stderr.strip().splitlines()[-1].startswith("bench_gdpa: needs a CUDA GPU")
 
 
+def test_gdpa_ab_rounds_alternate_and_summarize(monkeypatch):
+    """--ab N: ours and the softmax forward timed in alternating rounds; medians, the per-round
+    ratio's range and how many rounds ours won (timings stubbed)."""
+    import bench_gdpa
+
+    def ours():
+        return None
+
+    def softmax():
+        return None
+
+    monkeypatch.setattr(bench_gdpa, "implementations", lambda w: {"ours": lambda: (ours, None),
+                                                                   "softmax_jagged": lambda: (softmax, None)})
+    times = iter([1.0, 1.1, 1.2, 1.1, 0.9, 1.0])  # ours, softmax, ours, softmax, ...
+    order = []
+
+    def fake_graph_bench(fn):
+        order.append(fn)
+        return next(times)
+
+    monkeypatch.setattr(bench_gdpa, "graph_bench", fake_graph_bench)
+    ab = bench_gdpa.ab_forward(None, 3)
+    assert order == [ours, softmax] * 3
+    assert ab["ours_ms"] == [1.0, 1.2, 0.9] and ab["softmax_ms"] == [1.1, 1.1, 1.0]
+    assert ab["ours_median_ms"] == 1.0 and ab["softmax_median_ms"] == 1.1
+    assert ab["ratio_min"] == pytest.approx(1.1 / 1.2) and ab["ratio_max"] == pytest.approx(1.0 / 0.9)
+    assert ab["ours_faster"] == "2 of 3"
+
+
 def test_picked_configs_names_the_kernels_configs():
     saved = dict(common._config_cache)
     try:
