@@ -148,6 +148,7 @@ def gluon_kernels():
         yield gh._gdpa_fwd_resident, io, dict(HEAD_DIM=dim, BLOCK_M=64, BLOCK_N=block_n, CHUNK=4, ACT=act, Q_STAGES=2,
                                                LOOKAHEAD=pipeline, FOLD=act == 0, num_warps=4)
     # the output by direct stores, no staging tile: a third query slot at two programs per SM
+    io = dict(io, q_desc=desc(64, 128), o_desc=desc(64, 128), k_desc=desc(128, 128), v_desc=desc(128, 128))
     yield gh._gdpa_fwd_resident, io, dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=128, CHUNK=16, ACT=0, Q_STAGES=3,
                                            LOOKAHEAD=1, FOLD=True, num_warps=4, DIRECT_STORE=True)
     # the streaming forward (self-attention): 64-key tiles with 2 K slots and 3 V slots, 2 and 2
