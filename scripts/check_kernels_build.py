@@ -147,6 +147,9 @@ def gluon_kernels():
                   O="*bf16", Q_OFFSETS="*i64", K_OFFSETS="*i64", WORK="*i32", scale="fp32")
         yield gh._gdpa_fwd_resident, io, dict(HEAD_DIM=dim, BLOCK_M=64, BLOCK_N=block_n, CHUNK=4, ACT=act, Q_STAGES=2,
                                                LOOKAHEAD=pipeline, FOLD=act == 0, num_warps=4)
+    # GELU with the scale applied first (a scale outside the fold range, or fp16): 32 keys at D = 64
+    yield gh._gdpa_fwd_resident, io, dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=32, CHUNK=4, ACT=0, Q_STAGES=2,
+                                           LOOKAHEAD=1, FOLD=False, num_warps=4)
     # the output by direct stores, no staging tile: a third query slot at two programs per SM
     io = dict(io, q_desc=desc(64, 128), o_desc=desc(64, 128), k_desc=desc(128, 128), v_desc=desc(128, 128))
     yield gh._gdpa_fwd_resident, io, dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=128, CHUNK=16, ACT=0, Q_STAGES=3,

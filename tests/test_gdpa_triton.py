@@ -33,14 +33,17 @@ SHAPES_GPU = {
 
 
 def _check(ql, kl, activation, device, dtype, dim=32, tol=None, factor=None, heads=2, ref_activation=None,
-           elementwise=False, scale=None):
+           elementwise=False, scale=None, score_std=None):
+    """score_std: q scaled so that the scores x = scale * q . k have about that standard deviation."""
     gen = torch.Generator().manual_seed(len(ql) + sum(kl))
     qo, ko = offsets(ql, device), offsets(kl, device)
 
-    def make(n):
-        return torch.randn(n, heads, dim, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_(True)
+    def make(n, spread=1.0):
+        x = torch.randn(n, heads, dim, generator=gen, dtype=torch.float64) * spread
+        return x.to(device, dtype).requires_grad_(True)
 
-    q, k, v = make(int(qo[-1])), make(int(ko[-1])), make(int(ko[-1]))
+    spread = 1.0 if score_std is None else score_std / (abs(dim**-0.5 if scale is None else scale) * dim**0.5)
+    q, k, v = make(int(qo[-1]), spread), make(int(ko[-1])), make(int(ko[-1]))
     grad = torch.randn(q.shape, generator=gen, dtype=torch.float64).to(device, dtype)
 
     def run(backend):
@@ -69,10 +72,24 @@ def test_gdpa_cpu(shape, activation):
 
 @pytest.mark.parametrize("scale", [1.0, 2.0**-6, 3e-3, -0.5, 4.0])
 def test_gdpa_forward_scales_cpu(scale):
-    """The forward's GELU folds the scale into its constants for scales in [2^-8, 2^8] and multiplies
-    the scores first otherwise (3e-3, negative scales): both, and the backward, against float64."""
+    """The kernels' GELU folds the scale into its constants for scales in [2^-6, 2^8] and multiplies
+    the scores first otherwise (3e-3, negative scales): both, forward and backward, against float64,
+    with scores spread over |x| up to ~10 whatever the scale (so every coefficient of both
+    polynomials, and the relu and step beyond |x| = 4, carry weight)."""
     ql, kl = SHAPES_CPU["self"]
-    _check(ql, kl, "gelu", "cpu", torch.float32, tol=CPU_TOL["gelu"], scale=scale)
+    _check(ql, kl, "gelu", "cpu", torch.float32, tol=CPU_TOL["gelu"], scale=scale, score_std=3.0)
+
+
+def test_gdpa_fp16_large_scores_stay_finite_cpu():
+    """fp16 takes no fold: the second GEMM's operand would be (2 / c) gelu(x), which overflows fp16
+    from x > 32752 c. Scores up to ~5800 at c = 32^-0.5: finite, and as the PyTorch path."""
+    qo = ko = offsets([5, 3], "cpu")
+    q = torch.full((8, 2, 32), 32.0, dtype=torch.float16)
+    v = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(0)).to(torch.float16) / 64
+    got = ops.gdpa(q, q, v, qo, ko, 5, 5, activation="gelu", backend="triton")
+    ref = ops.gdpa(q.float(), q.float(), v.float(), qo, ko, 5, 5, activation="gelu", backend="torch")
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got.float(), ref, rtol=2e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES_CPU))

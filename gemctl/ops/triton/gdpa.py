@@ -172,15 +172,20 @@ def gelu_poly_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # so beyond |x| = 4 it gives 2 relu(x) / c = a + |a|, and where it cuts t P(t) below 4 it moves the
 # value towards the exact x erf(x / sqrt 2) <= |x|. The kernel accumulates these (2 / c) gelu terms
 # and multiplies each output tile by c / 2 once (the backward its dV tiles); the backward's
-# derivative folds c the same way (_bwd_act). FOLD = 0 (SiLU, or a scale outside [2^-6, 2^8]:
+# derivative folds c the same way (_bwd_act). FOLD = 0 (SiLU, fp16 (fold_scale), or a scale outside [2^-6, 2^8]:
 # negative, or small enough that the last coefficient, S_7 c^15, is no normal fp32 number: at
 # c = 2^-8 it keeps ~3 bits and the derivative near |x| = 4 was off by 0.95) multiplies a by c
 # first and folds nothing (c = 1). _act_consts builds the constants once per program.
 FOLD_SCALE_RANGE = (2.0**-6, 2.0**8)
 
 
-def fold_scale(act: int, scale: float) -> bool:
-    """Whether the forward's activation takes the scale into its constants (_fwd_act's FOLD)."""
+def fold_scale(act: int, scale: float, dtype: torch.dtype | None = None) -> bool:
+    """Whether the kernels' activation takes the scale into its constants (_fwd_act's FOLD). Not
+    for fp16 tensors: the second GEMM's operand is (2 / c) gelu(x) ~ 2x / c, which fp16 (largest
+    65504) would overflow from x > 32752 c (x > 2895 at c = 128^-0.5) instead of x > 32752; bf16
+    and fp32 have the range."""
+    if dtype == torch.float16:
+        return False
     return act == 0 and FOLD_SCALE_RANGE[0] <= scale <= FOLD_SCALE_RANGE[1]  # 2 relu(x) / c = a + |a| needs c > 0
 
 
@@ -514,7 +519,7 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scale):
         # TMA field set (tile-loop configs): K/V descriptors, or masked loads where the layout has none
         descs = row_descriptors(cfg[1], k, v) if config_field(cfg, 6) and not cfg[5] else None
         _launch(_gdpa_fwd, work, heads, cfg, (q, k, v, out, q_offsets, k_offsets, strides), dim, act,
-                descs or (None, None), TMA=descs is not None, FOLD=fold_scale(act, scale))
+                descs or (None, None), TMA=descs is not None, FOLD=fold_scale(act, scale, q.dtype))
 
     # Whether every Hopper config can run on these tensors is part of the key: a config tuned on
     # tensors that TMA can read is never handed ones it cannot (a batch with fewer rows than a box).
@@ -542,14 +547,14 @@ def _backward(do, q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scal
         work = key_work(q_offsets, k_offsets, cfg[1] * max(cfg[5], 1), False, q.device, include_empty=True)
         strides = common + (dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale)
         _launch(_gdpa_bwd_dkdv, work, heads, cfg, (q, k, v, do, dk, dv, q_offsets, k_offsets, strides), dim, act,
-                FOLD=fold_scale(act, scale))
+                FOLD=fold_scale(act, scale, q.dtype))
 
     def run_dq(cfg):
         _check_resident(cfg, max_k_len, 1, "key")
         work = query_work(q_offsets, k_offsets, cfg[0] * max(cfg[5], 1), False, q.device)
         strides = common + (dq.stride(0), dq.stride(1), scale)
         _launch(_gdpa_bwd_dq, work, heads, cfg, (q, k, v, do, dq, q_offsets, k_offsets, strides), dim, act,
-                FOLD=fold_scale(act, scale))
+                FOLD=fold_scale(act, scale, q.dtype))
 
     key = (dim, q.dtype, act, bucket_len(max_q_len), bucket_len(max_k_len))
     run_dkdv(pick_config(("gdpa_dkdv",) + key, lambda: _candidates(_DKDV_CANDIDATES, max_q_len, 0), run_dkdv,

@@ -472,7 +472,7 @@ def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cf
     if n_items == 0:
         return
     grid = (num_programs(n_items, per_sm, q.device),)
-    fold = fold_scale(act, scale)
+    fold = fold_scale(act, scale, q.dtype)
     if chunk == 0:
         _gdpa_fwd_stream[grid](*descs[:3], out, q_offsets, k_offsets, work, n_items, heads, out.stride(0), scale,
                                HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, ACT=act, KV_STAGES=stages,
