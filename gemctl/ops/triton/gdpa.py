@@ -172,10 +172,11 @@ def gelu_poly_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # so beyond |x| = 4 it gives 2 relu(x) / c = a + |a|, and where it cuts t P(t) below 4 it moves the
 # value towards the exact x erf(x / sqrt 2) <= |x|. The kernel accumulates these (2 / c) gelu terms
 # and multiplies each output tile by c / 2 once (the backward its dV tiles); the backward's
-# derivative folds c the same way (_bwd_act). FOLD = 0 (SiLU, fp16 (fold_scale), or a scale outside [2^-6, 2^8]:
-# negative, or small enough that the last coefficient, S_7 c^15, is no normal fp32 number: at
-# c = 2^-8 it keeps ~3 bits and the derivative near |x| = 4 was off by 0.95) multiplies a by c
-# first and folds nothing (c = 1). _act_consts builds the constants once per program.
+# derivative folds c the same way (_bwd_act). FOLD = 0 (SiLU, fp16 (fold_scale), or a scale
+# outside [2^-6, 2^8]: negative, or small enough that the last coefficient, S_7 c^15, is no normal
+# fp32 number: at c = 2^-8 it keeps ~3 bits and the derivative near |x| = 4 was off by 0.95)
+# multiplies a by c first and folds nothing (c = 1). _act_consts builds the constants once per
+# program; the host decides FOLD once per call (fold_scale).
 FOLD_SCALE_RANGE = (2.0**-6, 2.0**8)
 
 
@@ -212,7 +213,7 @@ def gelu_folded_reference(a: torch.Tensor, scale: float) -> tuple[torch.Tensor, 
 
 
 @triton.jit
-def _act_consts(scale, ACT: tl.constexpr, FOLD: tl.constexpr):
+def _act_consts(scale, FOLD: tl.constexpr):
     """(pre-multiplier of a, output factor, R_0 .. R_6, bound on u, G_0 .. G_7) of _fwd_act and
     _bwd_act: G_k = c^(2k+1) S_k folds the scale into the derivative's polynomial as R_k into the
     value's (x S(t) = a G(u)), and u < 16 / c^2 is |x| < 4."""
@@ -285,14 +286,15 @@ def _gdpa_fwd(
     CHUNK: tl.constexpr, TMA: tl.constexpr = False, FOLD: tl.constexpr = False,
 ):
     # WORK: int32 [n_work, 2] = (sequence, query tile of BLOCK_M * max(CHUNK, 1) rows), one head
-    # per item. The activation works on raw scores (_fwd_act, FOLD: the scale in its constants). CHUNK = 0: loop over key tiles. CHUNK >= 1: the keys (<= BLOCK_N) stay resident and
-    # the loop runs over the item's query tiles. TMA (CHUNK = 0 only): the whole key tiles come
+    # per item. The activation works on raw scores (_fwd_act, FOLD: the scale in its constants).
+    # CHUNK = 0: loop over key tiles. CHUNK >= 1: the keys (<= BLOCK_N) stay resident and the loop
+    # runs over the item's query tiles. TMA (CHUNK = 0 only): the whole key tiles come
     # through K_DESC / V_DESC ((BLOCK_N, D) blocks over [Nk, H * D]), the partial last one by masked
     # loads, so no key of another sequence enters a tile.
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     offs_d = tl.arange(0, HEAD_DIM)
-    ac = _act_consts(scale, ACT, FOLD)
+    ac = _act_consts(scale, FOLD)
     for r in range(0, tl.cdiv(n_items, n_programs)):
         e = zigzag_item(r, pid, n_programs)
         if e < n_items:
@@ -354,7 +356,7 @@ def _gdpa_bwd_dkdv(
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     offs_d = tl.arange(0, HEAD_DIM)
-    ac = _act_consts(scale, ACT, FOLD)
+    ac = _act_consts(scale, FOLD)
     for r in range(0, tl.cdiv(n_items, n_programs)):
         e = zigzag_item(r, pid, n_programs)
         if e < n_items:
@@ -410,7 +412,7 @@ def _gdpa_bwd_dq(
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     offs_d = tl.arange(0, HEAD_DIM)
-    ac = _act_consts(scale, ACT, FOLD)
+    ac = _act_consts(scale, FOLD)
     for r in range(0, tl.cdiv(n_items, n_programs)):
         e = zigzag_item(r, pid, n_programs)
         if e < n_items:
@@ -510,6 +512,8 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scale):
     out = torch.empty_like(q)  # every query tile is an item; with no keys it writes zeros
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), scale)
 
+    fold = fold_scale(act, scale, q.dtype)
+
     def run(cfg):
         _check_resident(cfg, max_k_len, 1, "key")
         work = query_work(q_offsets, k_offsets, cfg[0] * max(cfg[5], 1), False, q.device)
@@ -519,7 +523,7 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scale):
         # TMA field set (tile-loop configs): K/V descriptors, or masked loads where the layout has none
         descs = row_descriptors(cfg[1], k, v) if config_field(cfg, 6) and not cfg[5] else None
         _launch(_gdpa_fwd, work, heads, cfg, (q, k, v, out, q_offsets, k_offsets, strides), dim, act,
-                descs or (None, None), TMA=descs is not None, FOLD=fold_scale(act, scale, q.dtype))
+                descs or (None, None), TMA=descs is not None, FOLD=fold)
 
     # Whether every Hopper config can run on these tensors is part of the key: a config tuned on
     # tensors that TMA can read is never handed ones it cannot (a batch with fewer rows than a box).
@@ -541,20 +545,21 @@ def _backward(do, q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scal
     # item, and each writes its rows.
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1))
+    fold = fold_scale(act, scale, q.dtype)
 
     def run_dkdv(cfg):
         _check_resident(cfg, max_q_len, 0, "query")
         work = key_work(q_offsets, k_offsets, cfg[1] * max(cfg[5], 1), False, q.device, include_empty=True)
         strides = common + (dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale)
         _launch(_gdpa_bwd_dkdv, work, heads, cfg, (q, k, v, do, dk, dv, q_offsets, k_offsets, strides), dim, act,
-                FOLD=fold_scale(act, scale, q.dtype))
+                FOLD=fold)
 
     def run_dq(cfg):
         _check_resident(cfg, max_k_len, 1, "key")
         work = query_work(q_offsets, k_offsets, cfg[0] * max(cfg[5], 1), False, q.device)
         strides = common + (dq.stride(0), dq.stride(1), scale)
         _launch(_gdpa_bwd_dq, work, heads, cfg, (q, k, v, do, dq, q_offsets, k_offsets, strides), dim, act,
-                FOLD=fold_scale(act, scale, q.dtype))
+                FOLD=fold)
 
     key = (dim, q.dtype, act, bucket_len(max_q_len), bucket_len(max_k_len))
     run_dkdv(pick_config(("gdpa_dkdv",) + key, lambda: _candidates(_DKDV_CANDIDATES, max_q_len, 0), run_dkdv,

@@ -27,8 +27,8 @@ asynchronous wgmma) states the schedule directly:
 Keys past k_len (the next sequence's rows, or TMA's zero fill at the tensor's end) are masked to
 s = 0, and act(0) = 0 for both activations, so they contribute nothing (their V rows are multiplied
 by P = 0, not masked: a non-finite value in the next sequence's V would reach this output). The
-activation is gdpa._fwd_act's: on the raw score, the scale folded into its constants. Query rows past q_len are
-computed and never stored.
+activation is gdpa._fwd_act's: on the raw score, the scale folded into its constants. Query rows
+past q_len are computed and never stored.
 
 Measured (H200, Triton 3.6, 2026-12-03, docs/benchmarks.md): cross-128 forward 85 us against 127 us
 for the best Triton config, 70% of its roofline against 47%; cross-32 63 us against 58 us for
@@ -87,7 +87,7 @@ def _scores(s, k_len, ac, s_layout: gl.constexpr, BLOCK_N: gl.constexpr, ACT: gl
     """_fwd_act(s) with keys >= k_len masked to s = 0 (act(0) = 0), as the second MMA's A operand."""
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s = gl.where((cols < k_len)[None, :], s, 0.0)
-    return gl.convert_layout(_fwd_act(s, ac, ACT, FOLD).to(dtype), p_layout)  # the Triton function, on this layout
+    return gl.convert_layout(_fwd_act(s, ac, ACT, FOLD).to(dtype), p_layout)
 
 
 @gluon.jit
@@ -191,7 +191,7 @@ def _gdpa_fwd_resident(
     o_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
 
     pid = gl.program_id(0)
-    ac = _act_consts(scale, ACT, FOLD)
+    ac = _act_consts(scale, FOLD)
     n_programs = gl.num_programs(0)
     q_start, q_len, m0, k_start, k_len, col, n_tiles = _item(0, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS,
                                                              num_heads, CHUNK, BLOCK_M, HEAD_DIM)
@@ -236,12 +236,12 @@ def _gdpa_fwd_resident(
                 o = warpgroup_mma_wait(0, deps=(o, ))
                 if LOOKAHEAD:
                     _load_kv(v_desc, v_smem, v_bar, nk_start, ncol, last & (nn_tiles > 0))
+                o = _fwd_out(o, ac, ACT)
                 if DIRECT_STORE:
-                    _store_rows(_fwd_out(o, ac, ACT), O, q_start, m0 + t * BLOCK_M, q_len, col, stride_on, o_layout,
-                                BLOCK_M, HEAD_DIM)
+                    _store_rows(o, O, q_start, m0 + t * BLOCK_M, q_len, col, stride_on, o_layout, BLOCK_M, HEAD_DIM)
                 else:
-                    _store_o(_fwd_out(o, ac, ACT), o_desc, o_smem, O, q_start, m0 + t * BLOCK_M, q_len, col, stride_on,
-                             o_layout, BLOCK_M, HEAD_DIM)
+                    _store_o(o, o_desc, o_smem, O, q_start, m0 + t * BLOCK_M, q_len, col, stride_on, o_layout,
+                             BLOCK_M, HEAD_DIM)
             kv_phase ^= 1
             if not LOOKAHEAD:
                 _load_kv(k_desc, k_smem, k_bar, nk_start, ncol, nn_tiles > 0)
@@ -324,7 +324,7 @@ def _gdpa_fwd_stream(
     o_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
 
     pid = gl.program_id(0)
-    ac = _act_consts(scale, ACT, FOLD)
+    ac = _act_consts(scale, FOLD)
     n_programs = gl.num_programs(0)
     rounds = gl.cdiv(n_items, n_programs)
     zero = pid * 0  # cursors' counters are loop-carried tensors from the start
@@ -449,8 +449,9 @@ def descriptors(block_m: int, block_n: int, q, k, v, out):
 
 def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cfg: tuple) -> None:
     """Launch a Gluon forward: ``cfg`` = (block_m, block_n, warps, stages, programs per SM, chunk,
-    ..., look-ahead at index 9, direct output stores at index 10) as gdpa's configs carry it. chunk >= 1: the resident-key kernel
-    (stages: the query ring), ``work`` common.query_work with block_m * chunk rows per item;
+    ..., look-ahead at index 9, direct output stores at index 10) as gdpa's configs carry it.
+    chunk >= 1: the resident-key kernel (stages: the query ring), ``work`` common.query_work with
+    block_m * chunk rows per item;
     chunk 0: the streaming kernel (stages: the K/V ring), block_m rows per item. Raises ValueError
     where the inputs do not allow the kernel (no TMA layout, a head_dim or dtype it was not built
     for): the autotuner then takes the next candidate."""
