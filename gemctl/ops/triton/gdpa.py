@@ -257,7 +257,8 @@ def _bwd_act(a, ac, ACT: tl.constexpr, FOLD: tl.constexpr):
     value = _fwd_act(a, ac, ACT, True)  # a is the folded score now
     if ACT == 0:
         u = a * a
-        g = ((((((ac[17] * u + ac[16]) * u + ac[15]) * u + ac[14]) * u + ac[13]) * u + ac[12]) * u + ac[11]) * u + ac[10]
+        g = ((((((ac[17] * u + ac[16]) * u + ac[15]) * u + ac[14]) * u + ac[13]) * u + ac[12]) * u
+             + ac[11]) * u + ac[10]
         return value, tl.where(u < ac[9], 0.5 + a * g, tl.where(a > 0, 1.0, 0.0))
     else:  # SiLU'(x) = sigmoid(x) * (1 + x * (1 - sigmoid(x)))
         sig = tl.sigmoid(a)
