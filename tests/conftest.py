@@ -38,11 +38,29 @@ def pytest_collection_modifyitems(config, items):
     # then starts them at once instead of ending on one worker still compiling or training.
     items.sort(key=lambda item: "slow" not in item.keywords)  # stable: the rest keep their order
     if torch.cuda.is_available():
+        gpu_test_timeouts(config, items)
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run with -m gpu on the GPU machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+GPU_TEST_TIMEOUT_S = 300  # a GPU test's limit (GEMCTL_GPU_TEST_TIMEOUT overrides; 0: none)
+
+
+def gpu_test_timeouts(config, items):
+    """A hung kernel (a TMA or mbarrier protocol that never completes) blocks its process in the
+    next synchronizing call forever, and on a shared GPU it slows every other worker's kernels. With
+    pytest-timeout installed, each gpu test without a limit of its own gets one, enforced by a
+    watchdog thread (a signal cannot interrupt a blocked CUDA call): the stacks are printed and the
+    process exits, so xdist reports that test as crashed and goes on with a fresh worker."""
+    limit = float(os.environ.get("GEMCTL_GPU_TEST_TIMEOUT", GPU_TEST_TIMEOUT_S))
+    if limit <= 0 or not config.pluginmanager.hasplugin("timeout"):
+        return
+    for item in items:
+        if "gpu" in item.keywords and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(limit, method="thread"))
 
 
 def pytest_configure(config):
