@@ -12,7 +12,10 @@ copy bandwidth x FLOPs / bytes), both ceilings measured in the same run.
 Two timings per implementation, both medians of triton.testing: "call" (do_bench: what a Python
 caller sees, launch overhead included) and "graph" (do_bench_cudagraph: the same call replayed
 from a CUDA graph, i.e. GPU time). The roofline share uses graph time. --grids also times the
-forward under every candidate config (tiles, warps, stages, persistent or not).
+forward under every candidate config (tiles, warps, stages, persistent or not). --probes adds, for
+each Gluon config among --grid-configs, its two timing probes (gdpa_hopper PROBE: the memory
+pipeline without the math, the math without HBM traffic for q and the output), which say how far
+apart the two are and so what an overlap of them could gain.
 """
 
 from __future__ import annotations
@@ -132,6 +135,21 @@ def ab_forward(w, rounds: int) -> dict:
             "ratio_median": statistics.median(ratios), "ours_faster": f"{sum(r > 1 for r in ratios)} of {rounds}"}
 
 
+def with_probes(configs: list[tuple]) -> list[tuple]:
+    """configs, each Gluon one (ninth field 1) followed by its probes (eleventh field 1 and 2), with
+    the probes let through gdpa_hopper.forward."""
+    from gemctl.ops.triton import gdpa_hopper
+
+    gdpa_hopper.PROBES = True
+    out = []
+    for cfg in configs:
+        out.append(cfg)
+        if common.config_field(cfg, 8):
+            base = (tuple(cfg) + (0,) * 11)[:10]
+            out += [base + (1,), base + (2,)]
+    return out
+
+
 def grid_sweep(w, configs=None) -> list[dict]:
     """Forward graph time under every candidate config (persistent and one-program-per-item), or
     under ``configs`` (tuples) only."""
@@ -162,6 +180,8 @@ def main() -> None:
                     help="one GDPA forward+backward of WORKLOAD between profiler start and stop (ncu), nothing else")
     ap.add_argument("--ab", type=int, default=0, metavar="N",
                     help="also time our forward and the softmax jagged forward in N alternating rounds (CUDA graphs)")
+    ap.add_argument("--probes", action="store_true",
+                    help="with --grid-only: also time each Gluon config's probes (memory alone, math alone; wrong outputs)")
     ap.add_argument("--pending", action="store_true",
                     help="autotune the forward configs the GPU tier has not passed yet too (gdpa._GPU_CHECKED): "
                     "the benchmark of a new kernel before its configs join autotuning")
@@ -174,9 +194,13 @@ def main() -> None:
         ap.error(f"--grid-configs {' '.join(args.grid_configs)}: each config is comma-separated integers, "
                  "e.g. 64,32,4,2,0,0,0,128")  # one line, exit code 2
     pins = parse_pins(args.pin, bool(args.profile_step))
+    if args.probes and not (args.grid_only and grid_configs):
+        ap.error("--probes: give it with --grid-only and --grid-configs (the Gluon configs to probe)")
     if not torch.cuda.is_available():
         print("bench_gdpa: needs a CUDA GPU (the CPU tier is tests/test_gdpa_triton.py)", file=sys.stderr)
         raise SystemExit(2)
+    if args.probes:
+        grid_configs = with_probes(grid_configs)
     workloads = [pma_workload(256, 32), cross_workload(256, 32), cross_workload(256, 128), self_workload(256, 1000)]
     if args.profile_step:
         by_name = {w.name: w for w in workloads}

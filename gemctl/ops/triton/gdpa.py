@@ -98,20 +98,11 @@ _HOPPER_FWD_CANDIDATES = [
     (64, 64, 4, 2, 2, 16, 0, 0, 1, 1), (64, 32, 4, 3, 2, 16, 0, 0, 1, 1),
     (64, 32, 4, 2, 3, 16, 0, 0, 1, 1), (64, 32, 4, 2, 3, 8, 0, 0, 1, 0),
 ]
-# Pending (not run on a GPU yet): the resident-key forward with direct output stores (eleventh field
-# 1: masked stores from the accumulator's layout, no 16 KB staging tile), with 2 query slots and
-# with the 3 that the freed shared memory allows at two programs per SM. Why: cross-128 stays at 70%
-# of its memory roofline with at most one 16 KB query load in flight per program (docs/benchmarks.md).
-_HOPPER_PENDING = [(64, 128, 4, 2, 2, 16, 0, 0, 1, 1, 1), (64, 128, 4, 3, 2, 16, 0, 0, 1, 1, 1)]
-# The streaming Gluon forward (chunk 0 with the ninth field 1), for key sides of any length
-# (self-attention): (block_m, block_n, warps, K slots, programs per SM, 0, 0, 0, 1, one V slot more
-# than K). sm_90 ptxas (Triton 3.6, D=128, GELU): 64-key tiles with 2 K and 2 / 3 V slots 168 / 166
-# registers and 80 / 96 KB of shared memory (two programs per SM). Both passed the H200's GPU tier
-# (2026-12-04) and measured 368.0 / 368.6 us on the self-1000 forward against 356.2 us for the
-# Triton 64x32 tile loop in the same run: pinned-only. 3 K slots and 128-key tiles gave wrong
-# results there and are refused (gdpa_hopper.forward).
-_HOPPER_STREAM_CANDIDATES = [(64, 64, 4, 2, 2, 0, 0, 0, 1, 1), (64, 64, 4, 2, 2, 0, 0, 0, 1, 0)]
-_FWD_CANDIDATES += _HOPPER_FWD_CANDIDATES + _HOPPER_PENDING + _HOPPER_STREAM_CANDIDATES
+# Measured and removed (H200, 2026-12-04, docs/benchmarks.md): the resident form storing its output
+# from registers with a third query slot (cross-128 119 us against 85 us), and a streaming Gluon
+# form for long key sides (3% slower than the tile loop on self-1000, and it hung the GPU on the
+# every-candidate test's shapes).
+_FWD_CANDIDATES += _HOPPER_FWD_CANDIDATES
 # configs with optional fields the GPU tier has passed; the Hopper ones: test_gdpa_hopper_forward_gpu,
 # 28 passed (H200, 2026-12-03: 320 items over 2-3 programs per SM, bf16 D=128 and fp16 D=64, GELU and SiLU)
 _GPU_CHECKED: set = {(64, 32, 4, 2, 0, 0, 0, 128), *_HOPPER_FWD_CANDIDATES}
