@@ -56,8 +56,8 @@ def gpu_test_timeouts(config, items):
     watchdog thread (a signal cannot interrupt a blocked CUDA call): the stacks are printed and the
     process exits, so xdist reports that test as crashed and goes on with a fresh worker."""
     limit = float(os.environ.get("GEMCTL_GPU_TEST_TIMEOUT", GPU_TEST_TIMEOUT_S))
-    if limit <= 0 or not config.pluginmanager.hasplugin("timeout"):
-        return
+    if limit <= 0 or not config.pluginmanager.hasplugin("timeout") or config.getoption("timeout", None) is not None:
+        return  # off, no plugin, or pytest --timeout given (a marker would override the command line)
     for item in items:
         if "gpu" in item.keywords and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(limit, method="thread"))

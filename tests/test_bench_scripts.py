@@ -60,6 +60,22 @@ def test_gdpa_bench_without_a_gpu_exits_2():
     assert proc.stderr.strip().splitlines()[-1].startswith("bench_gdpa: needs a CUDA GPU")
 
 
+def test_gdpa_probes_follow_each_gluon_config(monkeypatch):
+    """--probes: each Gluon config (ninth field 1) is followed by its two probes (eleventh field 1, 2),
+    Triton configs and a probe given directly are not probed, and gdpa_hopper then lets probes run."""
+    pytest.importorskip("triton.experimental.gluon")
+    import bench_gdpa
+    from gemctl.ops.triton import gdpa_hopper
+
+    monkeypatch.setattr(gdpa_hopper, "PROBES", False)
+    pick, triton_cfg, probe = (64, 128, 4, 2, 2, 16, 0, 0, 1, 1), (64, 32, 4, 2, 0, 0), (64, 128, 4, 2, 2, 16, 0, 0, 1, 0, 2)
+    assert bench_gdpa.with_probes([pick, triton_cfg, probe]) == [pick, pick + (1,), pick + (2,), triton_cfg, probe]
+    assert gdpa_hopper.PROBES
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gdpa.py"), "--probes"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2 and "--probes: give it with --grid-only and --grid-configs" in proc.stderr
+
+
 def test_gdpa_ab_rounds_alternate_and_summarize(monkeypatch):
     """--ab N: ours and the softmax forward timed in alternating rounds; medians, the per-round
     ratio's range and how many rounds ours won (timings stubbed)."""
