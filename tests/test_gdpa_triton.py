@@ -325,7 +325,7 @@ def test_hopper_forward_refuses_configs_without_a_kernel(cfg, why):
     offs = torch.tensor([0, 4])
     work = torch.zeros(1, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match=why):
-        gdpa_hopper.forward(q, q, q, torch.empty_like(q), offs, offs, work, 0, 0.1, cfg)
+        gdpa_hopper.forward(q, q, q, torch.empty_like(q), offs, offs, work, 0, 0.1, cfg, fold=False)
 
 
 @pytest.mark.gpu

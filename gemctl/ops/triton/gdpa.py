@@ -510,7 +510,7 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scale):
         _check_resident(cfg, max_k_len, 1, "key")
         work = query_work(q_offsets, k_offsets, cfg[0] * max(cfg[5], 1), False, q.device)
         if config_field(cfg, 8):  # the Gluon kernel for Hopper
-            _hopper().forward(q, k, v, out, q_offsets, k_offsets, work, act, scale, cfg)
+            _hopper().forward(q, k, v, out, q_offsets, k_offsets, work, act, scale, cfg, fold=fold)
             return
         # TMA field set (tile-loop configs): K/V descriptors, or masked loads where the layout has none
         descs = row_descriptors(cfg[1], k, v) if config_field(cfg, 6) and not cfg[5] else None

@@ -70,7 +70,7 @@ _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_globa
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after 3.6 too
 # the forwards' activation, shared with the Triton kernels (plain Triton functions compile in a Gluon
 # kernel on its tiles' layouts)
-from gemctl.ops.triton.gdpa import _fwd_act, _act_consts, _fwd_out, fold_scale
+from gemctl.ops.triton.gdpa import _fwd_act, _act_consts, _fwd_out
 
 
 @gluon.constexpr_function
@@ -295,10 +295,11 @@ def descriptors(block_m: int, block_n: int, q, k, v, out):
                              shared_layout(rows, t.shape[2], t.dtype)) for t, rows in pairs]
 
 
-def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cfg: tuple) -> None:
+def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cfg: tuple, *, fold: bool) -> None:
     """Launch the Gluon forward: ``cfg`` = (block_m, block_n, warps, query-ring stages, programs per
-    SM, chunk, ..., look-ahead at index 9, a timing probe at index 10) as gdpa's configs carry it; ``work`` is
-    common.query_work with block_m * chunk rows per item. Raises ValueError where the inputs do not
+    SM, chunk, ..., look-ahead at index 9, a timing probe at index 10) as gdpa's configs carry it;
+    ``work`` is common.query_work with block_m * chunk rows per item; ``fold`` the caller's
+    gdpa.fold_scale decision, made once per call for every kernel it launches. Raises ValueError where the inputs do not
     allow the kernel (no TMA layout, a head_dim or dtype it was not built for, a key side that needs
     the streaming form this module no longer has): the autotuner then takes the next candidate."""
     block_m, block_n, warps, stages, per_sm, chunk = cfg[:6]
@@ -320,7 +321,7 @@ def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cf
     grid = (num_programs(n_items, per_sm, q.device),)
     _gdpa_fwd_resident[grid](*descs, out, q_offsets, k_offsets, work, n_items, heads, out.stride(0), scale,
                              HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk, ACT=act,
-                             Q_STAGES=stages, LOOKAHEAD=config_field(cfg, 9), FOLD=fold_scale(act, scale, q.dtype),
+                             Q_STAGES=stages, LOOKAHEAD=config_field(cfg, 9), FOLD=fold,
                              num_warps=warps, PROBE=probe)
 
 
