@@ -178,6 +178,34 @@ def test_tma_candidates_wait_for_the_gpu_tier_cpu():
     assert partial.tolist() == [[0, 2], [3, 0]]
 
 
+def test_hopper_backward_is_pinned_only_and_refused_off_hopper_cpu():
+    """The Gluon backward's configs (sixth field: programs per SM) wait for the GPU tier like the TMA
+    ones, and pinned where it cannot run (here: the interpreter, no GPU) they raise one clear error
+    instead of falling back; its own checks refuse what it was not built for."""
+    hopper = ba_kernels._HOPPER_BWD_CANDIDATES
+    assert hopper and all(common.config_field(c, 5) for c in hopper)
+    assert not set(hopper) & set(ba_kernels._tuned(ba_kernels._BWD_CANDIDATES, ba_kernels._BWD_CHECKED))
+    off, q, k, v, grad = _inputs([70, 3], 2, 32, "cpu", torch.float32, 0)
+    with common.forced_config({"block_attention_bwd": hopper[0]}):
+        out = block_attention_triton(q, k, v, off, 70, block_size=64)
+        with pytest.raises(ValueError, match="Hopper.*sm_90"):
+            torch.autograd.grad(out, [q, k, v], grad)
+    from gemctl.ops.triton import block_attention_hopper as bh  # imports without a GPU (CI compiles it)
+
+    x = torch.zeros(128, 2, 64, dtype=torch.bfloat16)
+    work = torch.zeros(1, 2, dtype=torch.int32)
+    args = (x, x, x, x, None, x, x, x, None, None, None, work)
+    with pytest.raises(ValueError, match="block 32"):
+        bh.backward(*args, 32, False, 1.0, 1.0, 2)
+    with pytest.raises(ValueError, match="TMA descriptors"):
+        y = torch.zeros(128, 2, 66, dtype=torch.bfloat16)[..., :64]  # rows of 132 elements: not 16-byte aligned
+        bh.backward(*((y,) + args[1:]), 64, False, 1.0, 1.0, 2)
+    tables = torch.zeros(64, 32, dtype=torch.float64)
+    assert bh.table_descriptors(tables, tables) is None  # fp64 tables: the Triton kernels take them
+    assert bh.table_descriptors(tables.float(), tables.float())[0].block_shape == [64, 32]
+    assert bh.descriptors(x)[0].block_shape == [64, 32]
+
+
 def test_packed_rotation_only_where_sm90_ptx_runs_cpu(monkeypatch):
     """The bf16x2 rotation (ROPE == 2) is asked for by the forward only, for bf16 only, and given only
     where sm_90 PTX runs: never under the interpreter or on the CPU, nor with _PACKED_ROPE off."""
@@ -327,9 +355,26 @@ _EVERY_CONFIG = ([("block_attention_fwd", c) for c in ba_kernels._FWD_CANDIDATES
 def test_every_candidate_config_gpu(which, cfg):
     """Every autotune candidate pinned in turn (the rest of the tier runs the first only), bf16,
     norm-wise and element-wise against the bf16 PyTorch path's error: fused RoPE, partial blocks."""
+    block = 64 if common.config_field(cfg, 5) else 32  # the Hopper backward is built for block 64 only
     with common.forced_config({which: cfg}):
         _check(LENGTHS_GPU[1], 64, "tables", "cuda", torch.bfloat16, heads=4, dim=128, factor=2.0, elementwise=True)
-        _check(LENGTHS_GPU[0], 32, None, "cuda", torch.bfloat16, heads=4, dim=64, factor=2.0, elementwise=True)
+        _check(LENGTHS_GPU[0], block, None, "cuda", torch.bfloat16, heads=4, dim=64, factor=2.0, elementwise=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", ba_kernels._HOPPER_BWD_CANDIDATES)
+@pytest.mark.parametrize("lengths", LENGTHS_GPU + [[64] * 300 + [65, 1]])
+@pytest.mark.parametrize("dim,dtype", [(128, torch.bfloat16), (64, torch.float16)])
+@pytest.mark.parametrize("rope_kind", [None, "tables", "base"])
+def test_block_attention_hopper_backward_gpu(cfg, lengths, dim, dtype, rope_kind):
+    """The Gluon backward (block 64) pinned, against float64 element-wise and the 16-bit PyTorch
+    path's error: partial blocks, empty and one-row sequences, fp32 tables ("tables") and the fp16
+    tables of a base frequency, and more items than the persistent grid has programs (the third
+    lengths: 302 sequences x 4 heads over 132-264 programs, each program several rounds)."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the Gluon backward needs an sm_90+ GPU")
+    with common.forced_config({"block_attention_fwd": (4, 2, 0), "block_attention_bwd": cfg}):
+        _check(lengths, 64, rope_kind, "cuda", dtype, heads=4, dim=dim, factor=2.0, elementwise=True)
 
 
 @pytest.mark.gpu
@@ -347,10 +392,11 @@ def test_rope_base_and_fp16_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads_per_program", [1, 0])
-def test_backward_is_deterministic_gpu(heads_per_program):
-    cfg = (4, 2, heads_per_program)
-    with common.forced_config({"block_attention_fwd": cfg, "block_attention_bwd": cfg}):
+@pytest.mark.parametrize("bwd_cfg", [(4, 2, 1), (4, 2, 0), *ba_kernels._HOPPER_BWD_CANDIDATES[:1]])
+def test_backward_is_deterministic_gpu(bwd_cfg):
+    if common.config_field(bwd_cfg, 5) and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the Gluon backward needs an sm_90+ GPU")
+    with common.forced_config({"block_attention_fwd": (4, 2, 0), "block_attention_bwd": bwd_cfg}):
         off, q, k, v, grad = _inputs(LENGTHS_GPU[1], 4, 128, "cuda", torch.bfloat16, 3)
         a = _run("triton", q, k, v, off, 1000, 64, BASE, grad)
         b = _run("triton", q, k, v, off, 1000, 64, BASE, grad)

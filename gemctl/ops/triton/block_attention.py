@@ -50,7 +50,11 @@ faster. Block 128 with rope: forward 96 KB, backward 129 KB (one program per SM)
 TMA: configs with a fourth field 1 load whole blocks through tensor descriptors (see the configs);
 HALVES: configs with a fifth field 1 hold v and o (forward), do, v and dv (backward) as (BS, D/2)
 halves.
-Known limits: no warp specialization, no persistent grid (Triton 3.x); the tables get no gradient.
+HOPPER: configs with a sixth field (programs per SM) run the backward as the persistent Gluon kernel of
+block_attention_hopper.py (block 64, 16-bit inputs, sm_90+), whose next block loads while this one
+computes; pinned-only until the GPU tier passes it.
+Known limits: no warp specialization, no persistent grid in the Triton kernels (Triton 3.x); the
+tables get no gradient.
 """
 
 from __future__ import annotations
@@ -127,9 +131,17 @@ _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2,
 # dots: no change (dk's too: 1-2% slower; kept from dq to dk: 195 registers, 10% slower); the tiles
 # of the programs 132 to 792 launches later prefetched into L2: 10-23% slower. docs/benchmarks.md
 # has the table and an Nsight Compute profile of the pick.
+# HOPPER (sixth field, programs per SM): the Gluon backward of block_attention_hopper.py (block 64,
+# bf16/fp16, D 64/128, sm_90+): persistent programs, every tile a (BS, D/2) TMA box, the next
+# item's tiles loading while this one's gradients are formed, stored by TMA. sm_90 ptxas (Triton
+# 3.6), D=128, rope with fp16 tables: 255 registers, no spills, 106,536 B of shared memory: two
+# programs per SM (90,152 B without rope; D=64: 190 registers, 57,384 B). Not yet run on a GPU, so
+# pinned-only until the GPU tier passes it (test_block_attention_hopper_backward_gpu).
+_HOPPER_BWD_CANDIDATES = [(4, 1, 1, 0, 0, 2), (4, 1, 1, 0, 0, 1)]
 _BWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (8, 1, 2), (4, 2, 2),
                    (4, 1, 1, 1), (4, 2, 0, 1), (8, 1, 1, 1),
-                   (4, 1, 1, 0, 1), (8, 1, 1, 0, 1), (4, 2, 0, 0, 1), (8, 2, 0, 0, 1), (4, 1, 0, 0, 1)]
+                   (4, 1, 1, 0, 1), (8, 1, 1, 0, 1), (4, 2, 0, 0, 1), (8, 2, 0, 0, 1), (4, 1, 0, 0, 1),
+                   *_HOPPER_BWD_CANDIDATES]
 _FWD_CHECKED: set = {(4, 2, 0, 0, 1)}  # optional-field configs the GPU tier passed, per kernel
 _BWD_CHECKED: set = {(4, 1, 1, 0, 1)}
 _PENDING_AUTOTUNE = False  # True: autotuning times every candidate (benchmarks of unchecked ones)
@@ -491,6 +503,11 @@ def _backward(do, q, k, v, lse, cos, sin, offsets, max_len, block_size, rope_bas
                cos.stride(0), scale * LOG2E, scale)
 
     def run(cfg):
+        if config_field(cfg, 5):  # the Gluon kernel for Hopper
+            work = query_work(offsets, offsets, block_size, False, q.device)
+            _hopper().backward(q, k, v, do, lse, dq, dk, dv, cos, sin, offsets, work, block_size, rope, scale * LOG2E,
+                               scale, config_field(cfg, 5))
+            return
         args = (q, k, v, do, lse, dq, dk, dv, cos, sin, strides)
         descs = _descriptors(cfg, block_size, (q, k), (v, do))
         # fp32 rotation: bf16x2 made the backward 1-2% slower (H200, 2026-12-01, tree de5bc75)
@@ -500,6 +517,19 @@ def _backward(do, q, k, v, lse, cos, sin, offsets, max_len, block_size, rope_bas
     key = ("block_attention_bwd", dim, q.dtype, block_size, _table_key(cos, rope), heads, bucket_len(n))
     run(pick_config(key, lambda: _tuned(_BWD_CANDIDATES, _BWD_CHECKED), run, _INTERPRET_CONFIG))
     return dq, dk, dv
+
+
+def _hopper():
+    """gemctl.ops.triton.block_attention_hopper, or ValueError where it cannot run (a GPU before
+    sm_90, a Triton without Gluon's Hopper API): autotuning then takes the next candidate, a pinned
+    config raises."""
+    if INTERPRET or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        raise ValueError("block_attention (Hopper): needs an sm_90+ GPU (config field 5 selects the Gluon backward)")
+    try:
+        from gemctl.ops.triton import block_attention_hopper
+    except ImportError as exc:
+        raise ValueError(f"block_attention (Hopper): Gluon unavailable ({exc})") from exc
+    return block_attention_hopper
 
 
 def _contiguous_dim(*tensors):

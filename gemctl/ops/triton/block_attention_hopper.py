@@ -1,0 +1,327 @@
+"""Block attention backward for Hopper in Gluon: persistent programs, the next item loading during this one.
+
+Same math, work list and outputs as gemctl.ops.triton.block_attention's backward (see its
+docstring): per (block, head) item, p = exp2(s - lse), dv = p^T do, dp = do v^T, delta = rowsum(p
+dp), ds = p (dp - delta), dq~ = ds k~, dk~ = ds^T q~, and the rotations' backward on dq~ and dk~.
+
+Why a second kernel: the Triton backward stays at 66-67% of its memory roofline on the H200
+(docs/benchmarks.md, block_attention). Each of its programs loads its block, computes and stores in
+sequence, and at 168 registers only three fit an SM, so little memory traffic is in flight; every
+variant that kept more in flight in Triton (pipelined head loops, TMA tiles, prefetch into L2, more
+warps) spilled or lost occupancy. Gluon states the schedule directly:
+
+- persistent programs (two per SM), items (block, head) dealt in rounds (item pid + r * programs);
+- every tile is a (BS, D/2) half (q, k, v, do in, dq, dk, dv out), 8 KB at BS = 64, D = 128, one
+  TMA box each; the item's q and k, do, v land in shared memory by TMA on three mbarriers;
+- the rotation runs in registers on q and k and writes the rotated halves back to the same
+  shared memory, where every MMA reads them: no rotated copy in HBM, none held in registers;
+- all five GEMMs are asynchronous wgmma with both operands in shared memory, except where one is
+  the accumulator of another (p, ds go through one (BS, BS) shared tile: p^T and ds^T are its
+  transposed views);
+- the next item's do and v loads start as soon as dp's MMA has read them, its q and k as soon as
+  dk's has: the next block's 64 KB is in flight while this one's gradients are rotated and stored;
+- gradients leave through two shared staging halves and TMA stores; the last, partial block of a
+  sequence by masked stores (a TMA box would write into the next sequence's rows).
+
+Rows past the sequence's end (the next sequence's rows, or TMA's zero fill at the tensor's end):
+q and k are zeroed by the rotation pass (ROPE) and p is 0 for them (keys by a mask, queries by
+lse = inf), so they add nothing, as long as they are finite (p = 0 times a non-finite do or v row
+of the next sequence is NaN; that sequence's own gradients are non-finite then anyway).
+
+Supported: bf16/fp16, D in {64, 128}, block 64, heads adjacent in memory ([N, H * D] rows with
+16-byte aligned strides, at least one block of rows), sm_90+. No interpreter: the CPU tier compiles
+it for sm_90 (scripts/check_kernels_build.py), the GPU tier checks it against float64
+(tests/test_block_attention_triton.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait,
+)
+from triton.experimental.gluon.language.nvidia.hopper import tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from gemctl.ops.triton.common import num_programs, rows_viewable
+from gemctl.ops.triton.gdpa_hopper import _GL_DTYPES, _acc_layout, _cta_barrier, _tma_load, _tma_store, shared_layout
+
+BLOCK = 64  # rows of a block: one warpgroup's wgmma M
+
+
+@gluon.jit
+def _item(e, n_items, WORK, OFFSETS, num_heads, BLOCK: gl.constexpr, HALF: gl.constexpr):
+    """Item e's sequence start, length, the block's first position in it and its head's column
+    (of half 0) in the [N, H * D] views; valid = e < n_items (clamped to the last item if not)."""
+    valid = e < n_items
+    e = gl.minimum(e, n_items - 1)
+    w = e // num_heads
+    b = gl.load(WORK + 2 * w)
+    first = gl.load(WORK + 2 * w + 1) * BLOCK
+    start = gl.load(OFFSETS + b).to(gl.int32)
+    length = gl.load(OFFSETS + b + 1).to(gl.int32) - start
+    return valid, start, length, first, (e % num_heads) * (2 * HALF)
+
+
+@gluon.jit
+def _load_pair(desc, smem, bar, row, col, pred, HALF: gl.constexpr):
+    """Both halves of a (BS, D) tile into smem[0], smem[1], signalling ``bar`` (one phase)."""
+    mbarrier.expect(bar, 2 * desc.block_type.nbytes, pred=pred)
+    _tma_load(desc, [row, col], bar, smem.index(0), pred)
+    _tma_load(desc, [row, col + HALF], bar, smem.index(1), pred)
+
+
+@gluon.jit
+def _load_qk(q_desc, k_desc, cos_desc, sin_desc, q_smem, k_smem, cs_smem, bar, row, position, col, pred,
+             HALF: gl.constexpr, ROPE: gl.constexpr):
+    """q's and k's halves, and with ROPE the cos and sin rows of the block's positions (rows past
+    the table's end are TMA's zero fill), signalling ``bar`` (one phase)."""
+    nbytes: gl.constexpr = 4 * q_desc.block_type.nbytes + (2 * cos_desc.block_type.nbytes if ROPE else 0)
+    mbarrier.expect(bar, nbytes, pred=pred)
+    _tma_load(q_desc, [row, col], bar, q_smem.index(0), pred)
+    _tma_load(q_desc, [row, col + HALF], bar, q_smem.index(1), pred)
+    _tma_load(k_desc, [row, col], bar, k_smem.index(0), pred)
+    _tma_load(k_desc, [row, col + HALF], bar, k_smem.index(1), pred)
+    if ROPE:
+        _tma_load(cos_desc, [position, 0], bar, cs_smem.index(0), pred)
+        _tma_load(sin_desc, [position, 0], bar, cs_smem.index(1), pred)
+
+
+@gluon.constexpr_function
+def _rows_layout(num_warps, cols):
+    """16-byte vectors along the rows of a (BS, cols) 16-bit tile: the partial blocks' masked stores."""
+    return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 * 8 // cols, cols // 8],
+                            warps_per_cta=[num_warps, 1], order=[1, 0])
+
+
+@gluon.jit
+def _rope_rows(cs_smem, layout: gl.constexpr):
+    """The block's cos and sin rows (BS, D/2) from shared memory, in ``layout`` (fp32)."""
+    return cs_smem.index(0).load(layout).to(gl.float32), cs_smem.index(1).load(layout).to(gl.float32)
+
+
+@gluon.jit
+def _rotate_in_place(smem, cs_smem, BLOCK: gl.constexpr, HALF: gl.constexpr, ROWS: gl.constexpr,
+                     num_warps: gl.constexpr):
+    """The halves [x1, x2] in smem[0], smem[1] -> [x1 c - x2 s, x2 c + x1 s] (c, s: cs_smem[0], [1]),
+    written back, ROWS rows at a time: the whole tile at once spilled 60 B per thread (sm_90 ptxas,
+    Triton 3.6, D=128), 32 or 16 rows none."""
+    layout: gl.constexpr = _rows_layout(num_warps, HALF)
+    for r in gl.static_range(0, BLOCK, ROWS):
+        c = cs_smem.index(0).slice(r, ROWS).load(layout).to(gl.float32)
+        s = cs_smem.index(1).slice(r, ROWS).load(layout).to(gl.float32)
+        x1 = smem.index(0).slice(r, ROWS).load(layout).to(gl.float32)
+        x2 = smem.index(1).slice(r, ROWS).load(layout).to(gl.float32)
+        smem.index(0).slice(r, ROWS).store((x1 * c - x2 * s).to(smem.dtype))
+        smem.index(1).slice(r, ROWS).store((x2 * c + x1 * s).to(smem.dtype))
+
+
+@gluon.jit
+def _store_half(x, desc, stage, DST, start, first, length, col, stride, BLOCK: gl.constexpr, HALF: gl.constexpr,
+                num_warps: gl.constexpr):
+    """One (BS, D/2) gradient half through the shared staging tile ``stage``: a TMA store when the
+    block is whole, else masked 16-byte stores of its rows read back from the tile. Two staging
+    tiles take the stores in turn, so the one before the last has read this tile."""
+    tma.store_wait(1)
+    _cta_barrier()
+    stage.store(x.to(desc.dtype))
+    if first + BLOCK <= length:
+        fence_async_shared()
+        _cta_barrier()  # every warp's rows are in the tile before one thread starts the copy
+        _tma_store(desc, [start + first, col], stage)
+    else:
+        layout: gl.constexpr = _rows_layout(num_warps, HALF)
+        _cta_barrier()
+        y = stage.load(layout)
+        rows = first + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+        ptrs = DST + (start + rows).to(gl.int64)[:, None] * stride + col + cols[None, :]
+        gl.store(ptrs, y, mask=(rows < length)[:, None])
+
+
+@gluon.jit
+def _store_rotated_back(g1, g2, c, s, desc, stage, DST, start, first, length, col, stride, scale,
+                        ROPE: gl.constexpr, BLOCK: gl.constexpr, HALF: gl.constexpr, num_warps: gl.constexpr):
+    """dq or dk: the halves times ``scale``, rotated by -theta when ROPE ([g1 c + g2 s, g2 c - g1 s]),
+    stored in the two staging tiles."""
+    g1, g2 = g1 * scale, g2 * scale
+    if ROPE:
+        g1, g2 = g1 * c + g2 * s, g2 * c - g1 * s
+    _store_half(g1, desc, stage.index(0), DST, start, first, length, col, stride, BLOCK, HALF, num_warps)
+    _store_half(g2, desc, stage.index(1), DST, start, first, length, col + HALF, stride, BLOCK, HALF, num_warps)
+
+
+@gluon.jit(do_not_specialize=["n_items"])
+def _block_attn_bwd_hopper(
+    q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, cos_desc, sin_desc, DQ, DK, DV, LSE, OFFSETS, WORK,
+    n_items, num_heads, stride_dqn, stride_dkn, stride_dvn, qk_scale, scale,
+    HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, ROPE: gl.constexpr, num_warps: gl.constexpr,
+):
+    # *_desc: [N, H * D] views in (BLOCK, D/2) boxes (host: descriptors); DQ/DK/DV the same tensors
+    # for the partial blocks' masked stores; LSE fp32 [N, H] (log2 units); cos_desc/sin_desc: the
+    # rope tables [>= max_len, D/2] in (BLOCK, D/2) boxes (unused unless ROPE); WORK int32 [n, 2]
+    # (sequence, block) as block_attention's launches build it; item e = work index * num_heads + head.
+    HALF: gl.constexpr = HEAD_DIM // 2
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = _acc_layout(num_warps, BLOCK)  # s, dp: (queries, keys)
+    h_layout: gl.constexpr = _acc_layout(num_warps, HALF)  # dv, dq, dk halves; the rotation's tiles
+    p_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], dtype)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, HALF], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, HALF], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, HALF], v_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, HALF], do_desc.layout)
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK, BLOCK], p_shared)  # p, then ds
+    stage = gl.allocate_shared_memory(dtype, [2, BLOCK, HALF], dq_desc.layout)
+    cs_smem = gl.allocate_shared_memory(cos_desc.dtype, [2, BLOCK, HALF], cos_desc.layout)  # cos, sin rows
+    qk_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    do_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(qk_bar, count=1)
+    mbarrier.init(do_bar, count=1)
+    mbarrier.init(v_bar, count=1)
+    s_zero = gl.zeros([BLOCK, BLOCK], gl.float32, s_layout)
+    h_zero = gl.zeros([BLOCK, HALF], gl.float32, h_layout)
+    p_t = p_smem.permute((1, 0))  # (keys, queries): p^T, then ds^T
+
+    pid = gl.program_id(0)
+    n_programs = gl.num_programs(0)
+    valid, start, length, first, col = _item(pid, n_items, WORK, OFFSETS, num_heads, BLOCK, HALF)
+    _load_qk(q_desc, k_desc, cos_desc, sin_desc, q_smem, k_smem, cs_smem, qk_bar, start + first, first, col, valid,
+             HALF, ROPE)
+    _load_pair(do_desc, do_smem, do_bar, start + first, col, valid, HALF)
+    _load_pair(v_desc, v_smem, v_bar, start + first, col, valid, HALF)
+    for r in range(0, gl.cdiv(n_items, n_programs)):
+        phase = r & 1
+        n_valid, n_start, n_length, n_first, n_col = _item(pid + (r + 1) * n_programs, n_items, WORK, OFFSETS,
+                                                           num_heads, BLOCK, HALF)
+        if valid:
+            head = col // HEAD_DIM
+            q_rows = first + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, s_layout))
+            k_cols = first + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
+            lse = gl.load(LSE + (start + q_rows) * num_heads + head, mask=q_rows < length, other=float("inf"))
+            mbarrier.wait(qk_bar, phase)
+            if ROPE:  # q~ and k~ replace q and k in shared memory
+                _rotate_in_place(q_smem, cs_smem, BLOCK, HALF, 32, num_warps)
+                _rotate_in_place(k_smem, cs_smem, BLOCK, HALF, 32, num_warps)
+                fence_async_shared()
+                _cta_barrier()
+            sc = warpgroup_mma(q_smem.index(0), k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sc = warpgroup_mma(q_smem.index(1), k_smem.index(1).permute((1, 0)), sc, is_async=True)
+            sc = warpgroup_mma_wait(0, deps=(sc, ))
+            p = gl.exp2(sc * qk_scale - lse[:, None])
+            p = gl.where((k_cols < length)[None, :], p, 0.0)  # keys past the sequence: 0
+            p_smem.store(p.to(dtype))
+            fence_async_shared()
+            _cta_barrier()
+            mbarrier.wait(do_bar, phase)
+            dv1 = warpgroup_mma(p_t, do_smem.index(0), h_zero, use_acc=False, is_async=True)
+            dv2 = warpgroup_mma(p_t, do_smem.index(1), h_zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_bar, phase)
+            dp = warpgroup_mma(do_smem.index(0), v_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+                               is_async=True)
+            dp = warpgroup_mma(do_smem.index(1), v_smem.index(1).permute((1, 0)), dp, is_async=True)
+            dv1, dv2 = warpgroup_mma_wait(2, deps=(dv1, dv2))  # dp's two may still run
+            _store_half(dv1, dv_desc, stage.index(0), DV, start, first, length, col, stride_dvn, BLOCK, HALF,
+                        num_warps)
+            _store_half(dv2, dv_desc, stage.index(1), DV, start, first, length, col + HALF, stride_dvn, BLOCK, HALF,
+                        num_warps)
+            dp = warpgroup_mma_wait(0, deps=(dp, ))
+            # do and v are read: the next item's start loading (every warp is past its MMAs)
+            _cta_barrier()
+            _load_pair(do_desc, do_smem, do_bar, n_start + n_first, n_col, n_valid, HALF)
+            _load_pair(v_desc, v_smem, v_bar, n_start + n_first, n_col, n_valid, HALF)
+            delta = gl.sum(p * dp, 1)  # the whole softmax row is in the block
+            ds = p * (dp - delta[:, None])
+            p_smem.store(ds.to(dtype))  # p's MMAs (dv) are complete
+            fence_async_shared()
+            _cta_barrier()
+            dq1 = warpgroup_mma(p_smem, k_smem.index(0), h_zero, use_acc=False, is_async=True)
+            dq2 = warpgroup_mma(p_smem, k_smem.index(1), h_zero, use_acc=False, is_async=True)
+            dq1, dq2 = warpgroup_mma_wait(0, deps=(dq1, dq2))
+            c, s = 0.0, 0.0
+            if ROPE:  # read once for both gradients: the next item's tables land here before dk is stored
+                c, s = _rope_rows(cs_smem, h_layout)
+            _store_rotated_back(dq1, dq2, c, s, dq_desc, stage, DQ, start, first, length, col, stride_dqn, scale,
+                                ROPE, BLOCK, HALF, num_warps)
+            # dk's MMAs issued before dq is stored (4 accumulators and the tables live) spilled 268 B per
+            # thread with rope (sm_90 ptxas, Triton 3.6, D=128), so they start after it
+            dk1 = warpgroup_mma(p_t, q_smem.index(0), h_zero, use_acc=False, is_async=True)
+            dk2 = warpgroup_mma(p_t, q_smem.index(1), h_zero, use_acc=False, is_async=True)
+            dk1, dk2 = warpgroup_mma_wait(0, deps=(dk1, dk2))
+            _cta_barrier()  # q, k, the tables and the ds tile are read: the next item's start loading
+            _load_qk(q_desc, k_desc, cos_desc, sin_desc, q_smem, k_smem, cs_smem, qk_bar, n_start + n_first, n_first,
+                     n_col, n_valid, HALF, ROPE)
+            _store_rotated_back(dk1, dk2, c, s, dk_desc, stage, DK, start, first, length, col, stride_dkn, scale,
+                                ROPE, BLOCK, HALF, num_warps)
+        valid, start, length, first, col = n_valid, n_start, n_length, n_first, n_col
+    tma.store_wait(0)
+    mbarrier.invalidate(qk_bar)
+    mbarrier.invalidate(do_bar)
+    mbarrier.invalidate(v_bar)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side.
+
+def descriptors(*tensors):
+    """TMA descriptors of [N, H, D] tensors as [N, H * D] in (BLOCK, D/2) boxes, or None where a
+    layout does not allow them (common.rows_viewable) or the dtype has no Gluon twin."""
+    half = tensors[0].shape[2] // 2
+    if tensors[0].dtype not in _GL_DTYPES or not all(rows_viewable(t, BLOCK, half) for t in tensors):
+        return None
+    return [TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [BLOCK, half],
+                             shared_layout(BLOCK, half, t.dtype)) for t in tensors]
+
+
+def table_descriptors(cos, sin):
+    """TMA descriptors of the rope tables [rows, D/2] in (BLOCK, D/2) boxes (fp16 and bf16 tables,
+    what rope_table_dtype gives 16-bit inputs, or fp32: twice the shared memory, one program per
+    SM), or None where their dtype or alignment does not allow them."""
+    import torch
+
+    dtypes = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
+    if cos.dtype not in dtypes or cos.dtype != sin.dtype:
+        return None
+    size = cos.element_size()
+    if any(t.stride(1) != 1 or (t.stride(0) * size) % 16 or t.data_ptr() % 16 or (t.shape[1] * size) % 16
+           for t in (cos, sin)):
+        return None
+    layout = _table_layout(cos.shape[1], dtypes[cos.dtype])
+    return [TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [BLOCK, t.shape[1]], layout) for t in (cos, sin)]
+
+
+@functools.lru_cache(maxsize=None)
+def _table_layout(half: int, dtype) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for([BLOCK, half], dtype)
+
+
+def backward(q, k, v, do, lse, dq, dk, dv, cos, sin, offsets, work, block_size: int, rope: bool, qk_scale: float,
+             scale: float, per_sm: int) -> None:
+    """Launch the Gluon backward over ``work`` (every block, whole and partial: common.query_work
+    with a tile of block_size rows), ``per_sm`` programs per SM; ``cos``/``sin`` the rope tables
+    (ignored without ``rope``). Raises ValueError where the inputs do not allow the kernel (block
+    size, head dim, dtype, a layout without TMA descriptors): the autotuner then takes the next
+    candidate, a pinned config raises."""
+    heads, dim = q.shape[1], q.shape[2]
+    if block_size != BLOCK or dim not in (64, 128) or q.dtype not in _GL_DTYPES:
+        raise ValueError(f"block_attention (Hopper): block {block_size}, head_dim {dim}, {q.dtype} is not built "
+                         f"(block {BLOCK}, head_dim 64/128, bf16/fp16)")
+    descs = descriptors(q, k, v, do, dq, dk, dv)
+    if descs is None:
+        raise ValueError("block_attention (Hopper): q/k/v/do do not allow TMA descriptors (heads adjacent, "
+                         "16-byte aligned rows, at least one block of rows)")
+    tables = table_descriptors(cos, sin) if rope else descs[:2]  # without rope: placeholders, never read
+    if tables is None:
+        raise ValueError(f"block_attention (Hopper): rope tables of {cos.dtype} with strides {tuple(cos.stride())} "
+                         "(16-byte aligned fp16/bf16/fp32 rows needed)")
+    n_items = work.shape[0] * heads
+    if n_items == 0:
+        return
+    grid = (num_programs(n_items, per_sm, q.device),)
+    _block_attn_bwd_hopper[grid](*descs, *tables, dq, dk, dv, lse, offsets, work, n_items, heads, dq.stride(0),
+                                 dk.stride(0), dv.stride(0), qk_scale, scale, HEAD_DIM=dim, BLOCK=BLOCK,
+                                 ROPE=bool(rope), num_warps=4)
