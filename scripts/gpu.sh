@@ -17,6 +17,11 @@
 #             call without xdist). EVERY_K narrows the selection (pytest -k expression).
 #   sweep-block scripts/bench_block_attention.py --sweep: every block-attention candidate (TMA too)
 #             timed against the memory roofline
+#   block-hopper  the Gluon block-attention backward (block_attention_hopper.py): its GPU tier (float64
+#             checks, the every-candidate and determinism tests) and then, only if that passed, the
+#             backward sweep of the Triton pick against both Hopper configs (self-1000, self-4000)
+#   gdpa-probes  bench_gdpa.py's timing probes of the Gluon cross-128 forward (memory alone, math
+#             alone, against the pick) and the self-1000 forward against the softmax one, 10 A/B rounds
 #   bench-mx  scripts/bench_mx.py: MX quantize kernels, Python call and CUDA-graph time, vs copy
 #   tests-precision  the GPU tier of the FP8, MX and MX-attention tests alone (~1-2 minutes)
 #   bench-fp8 scripts/bench_fp8.py --only cast,mlp --pending: the FP8 casts vs copy, the MLP block vs
@@ -84,6 +89,16 @@ for stage in "$@"; do
         done; wait; tail -n 6 "$OUT"/every_*.log
       fi ;;
     sweep-block) python3 scripts/bench_block_attention.py --sweep --out "$OUT/sweep_block.json" 2>&1 | quiet | tee "$OUT/sweep_block.log" ;;
+    block-hopper)
+      python3 -m pytest -v -m gpu -n 8 tests/test_block_attention_triton.py -k "hopper or every_candidate or deterministic" \
+        -p no:cacheprovider -rf 2>&1 | grep -v '^ *$\|Warning\|warner' | tail -60 | tee "$OUT/gpu_tests_block_hopper.log" \
+        && python3 scripts/bench_block_attention.py --sweep --fwd-configs "4,2,0,0,1" --bwd-configs "4,1,1,0,1 4,1,1,0,0,2 4,1,1,0,0,1" \
+          --out "$OUT/sweep_block_hopper.json" 2>&1 | quiet | tee "$OUT/sweep_block_hopper.log" ;;
+    gdpa-probes)
+      python3 scripts/bench_gdpa.py --grid-only --only cross-128 --grid-configs 64,128,4,2,2,16,0,0,1,1 --probes \
+        --out "$OUT/gdpa_probes.json" 2>&1 | quiet | tee "$OUT/gdpa_probes.log"
+      python3 scripts/bench_gdpa.py --only self-1000 --ab 10 --out "$OUT/gdpa_self1000_ab.json" 2>&1 | quiet \
+        | tee "$OUT/gdpa_self1000_ab.log" ;;
     bench-mx) python3 scripts/bench_mx.py --out "$OUT/bench_mx.json" 2>&1 | quiet | tee "$OUT/bench_mx.log" ;;
     tests-precision)
       # compile-bound (447 s in one process on 2026-11-30): with pytest-xdist (a wheel in .whl/) 12 workers
