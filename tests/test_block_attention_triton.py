@@ -204,6 +204,11 @@ def test_hopper_backward_is_pinned_only_and_refused_off_hopper_cpu():
     assert bh.table_descriptors(tables, tables) is None  # fp64 tables: the Triton kernels take them
     assert bh.table_descriptors(tables.float(), tables.float())[0].block_shape == [64, 32]
     assert bh.descriptors(x)[0].block_shape == [64, 32]
+    assert bh.descriptors(x, x.half()) is None  # one dtype for every tile
+    # the persistent grid never asks for more programs than fit an SM (sm_90 ptxas: 106,536 B with
+    # fp16 tables at D=128, two per SM; fp32 tables add 16 KB: one)
+    assert bh.resident_programs(128, 2, 2) == 2 and bh.resident_programs(128, 2, 0) == 2
+    assert bh.resident_programs(128, 2, 4) == 1 and bh.resident_programs(64, 2, 4) == 2
 
 
 def test_packed_rotation_only_where_sm90_ptx_runs_cpu(monkeypatch):

@@ -134,9 +134,10 @@ _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2,
 # HOPPER (sixth field, programs per SM): the Gluon backward of block_attention_hopper.py (block 64,
 # bf16/fp16, D 64/128, sm_90+): persistent programs, every tile a (BS, D/2) TMA box, the next
 # item's tiles loading while this one's gradients are formed, stored by TMA. sm_90 ptxas (Triton
-# 3.6), D=128, rope with fp16 tables: 255 registers, no spills, 106,536 B of shared memory: two
-# programs per SM (90,152 B without rope; D=64: 190 registers, 57,384 B). Not yet run on a GPU, so
-# pinned-only until the GPU tier passes it (test_block_attention_hopper_backward_gpu).
+# 3.6), D=128, rope with fp16 tables: 255 registers, 92 B of spill stores (loop invariants, reloaded
+# ~15 times per item), 106,536 B of shared memory: two programs per SM (without rope 240 registers,
+# no spills, 90,152 B; D=64 with fp32 tables 188, 65,576 B). Not yet run on a GPU, so pinned-only
+# until the GPU tier passes it (test_block_attention_hopper_backward_gpu).
 _HOPPER_BWD_CANDIDATES = [(4, 1, 1, 0, 0, 2), (4, 1, 1, 0, 0, 1)]
 _BWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (8, 1, 2), (4, 2, 2),
                    (4, 1, 1, 1), (4, 2, 0, 1), (8, 1, 1, 1),
@@ -505,7 +506,7 @@ def _backward(do, q, k, v, lse, cos, sin, offsets, max_len, block_size, rope_bas
     def run(cfg):
         if config_field(cfg, 5):  # the Gluon kernel for Hopper
             work = query_work(offsets, offsets, block_size, False, q.device)
-            _hopper().backward(q, k, v, do, lse, dq, dk, dv, cos, sin, offsets, work, block_size, rope, scale * LOG2E,
+            _hopper(q.device).backward(q, k, v, do, lse, dq, dk, dv, cos, sin, offsets, work, block_size, rope, scale * LOG2E,
                                scale, config_field(cfg, 5))
             return
         args = (q, k, v, do, lse, dq, dk, dv, cos, sin, strides)
@@ -519,11 +520,11 @@ def _backward(do, q, k, v, lse, cos, sin, offsets, max_len, block_size, rope_bas
     return dq, dk, dv
 
 
-def _hopper():
-    """gemctl.ops.triton.block_attention_hopper, or ValueError where it cannot run (a GPU before
+def _hopper(device: torch.device):
+    """gemctl.ops.triton.block_attention_hopper, or ValueError where it cannot run on ``device`` (a GPU before
     sm_90, a Triton without Gluon's Hopper API): autotuning then takes the next candidate, a pinned
     config raises."""
-    if INTERPRET or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+    if INTERPRET or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
         raise ValueError("block_attention (Hopper): needs an sm_90+ GPU (config field 5 selects the Gluon backward)")
     try:
         from gemctl.ops.triton import block_attention_hopper

@@ -23,10 +23,11 @@ warps) spilled or lost occupancy. Gluon states the schedule directly:
 - gradients leave through two shared staging halves and TMA stores; the last, partial block of a
   sequence by masked stores (a TMA box would write into the next sequence's rows).
 
-Rows past the sequence's end (the next sequence's rows, or TMA's zero fill at the tensor's end):
-q and k are zeroed by the rotation pass (ROPE) and p is 0 for them (keys by a mask, queries by
-lse = inf), so they add nothing, as long as they are finite (p = 0 times a non-finite do or v row
-of the next sequence is NaN; that sequence's own gradients are non-finite then anyway).
+Rows past the sequence's end in a partial last block (the TMA boxes read the next sequence's rows,
+or TMA's zero fill at the tensor's end): q, k, v and do are zeroed there in shared memory (q and k
+by the rotation pass) before any MMA reads them, and p is 0 for them (keys by a mask, queries by
+lse = inf), so, as with the Triton kernels' masked loads, nothing there reaches a gradient, not
+even a non-finite value.
 
 Supported: bf16/fp16, D in {64, 128}, block 64, heads adjacent in memory ([N, H * D] rows with
 16-byte aligned strides, at least one block of rows), sm_90+. No interpreter: the CPU tier compiles
@@ -99,24 +100,41 @@ def _rows_layout(num_warps, cols):
 
 @gluon.jit
 def _rope_rows(cs_smem, layout: gl.constexpr):
-    """The block's cos and sin rows (BS, D/2) from shared memory, in ``layout`` (fp32)."""
-    return cs_smem.index(0).load(layout).to(gl.float32), cs_smem.index(1).load(layout).to(gl.float32)
+    """The block's cos and sin rows (BS, D/2) from shared memory, in ``layout``, in the tables' dtype
+    (widened where they are used: held as fp32 next to dq's accumulators they spilled)."""
+    return cs_smem.index(0).load(layout), cs_smem.index(1).load(layout)
 
 
 @gluon.jit
-def _rotate_in_place(smem, cs_smem, BLOCK: gl.constexpr, HALF: gl.constexpr, ROWS: gl.constexpr,
+def _rotate_in_place(smem, cs_smem, first, length, BLOCK: gl.constexpr, HALF: gl.constexpr, ROWS: gl.constexpr,
                      num_warps: gl.constexpr):
     """The halves [x1, x2] in smem[0], smem[1] -> [x1 c - x2 s, x2 c + x1 s] (c, s: cs_smem[0], [1]),
-    written back, ROWS rows at a time: the whole tile at once spilled 60 B per thread (sm_90 ptxas,
-    Triton 3.6, D=128), 32 or 16 rows none."""
+    written back, rows past the sequence as 0; ROWS rows at a time: the whole tile at once spilled
+    60 B per thread (sm_90 ptxas, Triton 3.6, D=128), 32 or 16 rows none."""
     layout: gl.constexpr = _rows_layout(num_warps, HALF)
     for r in gl.static_range(0, BLOCK, ROWS):
+        ok = (first + r + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout)) < length)[:, None]
         c = cs_smem.index(0).slice(r, ROWS).load(layout).to(gl.float32)
         s = cs_smem.index(1).slice(r, ROWS).load(layout).to(gl.float32)
         x1 = smem.index(0).slice(r, ROWS).load(layout).to(gl.float32)
         x2 = smem.index(1).slice(r, ROWS).load(layout).to(gl.float32)
-        smem.index(0).slice(r, ROWS).store((x1 * c - x2 * s).to(smem.dtype))
-        smem.index(1).slice(r, ROWS).store((x2 * c + x1 * s).to(smem.dtype))
+        smem.index(0).slice(r, ROWS).store(gl.where(ok, x1 * c - x2 * s, 0.0).to(smem.dtype))
+        smem.index(1).slice(r, ROWS).store(gl.where(ok, x2 * c + x1 * s, 0.0).to(smem.dtype))
+
+
+@gluon.jit
+def _zero_rows_past(smem, first, length, BLOCK: gl.constexpr, HALF: gl.constexpr, ROWS: gl.constexpr,
+                    num_warps: gl.constexpr):
+    """Rows at or past ``length`` of both halves in smem[0], smem[1] set to 0 (a partial block's TMA
+    boxes hold the next sequence's rows there): then 0 * a non-finite value in them cannot reach
+    the gradients through the MMAs, as the Triton kernels' masked loads guarantee. The caller
+    fences and syncs before an MMA reads the tiles."""
+    layout: gl.constexpr = _rows_layout(num_warps, HALF)
+    for i in gl.static_range(2):
+        for r in gl.static_range(0, BLOCK, ROWS):
+            ok = (first + r + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout)) < length)[:, None]
+            x = smem.index(i).slice(r, ROWS).load(layout)
+            smem.index(i).slice(r, ROWS).store(gl.where(ok, x, gl.zeros_like(x)))
 
 
 @gluon.jit
@@ -124,8 +142,13 @@ def _store_half(x, desc, stage, DST, start, first, length, col, stride, BLOCK: g
                 num_warps: gl.constexpr):
     """One (BS, D/2) gradient half through the shared staging tile ``stage``: a TMA store when the
     block is whole, else masked 16-byte stores of its rows read back from the tile. Two staging
-    tiles take the stores in turn, so the one before the last has read this tile."""
-    tma.store_wait(1)
+    tiles take the stores in turn: the TMA store before the last has read this tile when every
+    store went by TMA; after a partial block (masked stores commit no bulk group) all of them must
+    have (the last one may be this tile's)."""
+    if first + BLOCK <= length:
+        tma.store_wait(1)
+    else:
+        tma.store_wait(0)
     _cta_barrier()
     stage.store(x.to(desc.dtype))
     if first + BLOCK <= length:
@@ -149,6 +172,7 @@ def _store_rotated_back(g1, g2, c, s, desc, stage, DST, start, first, length, co
     stored in the two staging tiles."""
     g1, g2 = g1 * scale, g2 * scale
     if ROPE:
+        c, s = c.to(gl.float32), s.to(gl.float32)
         g1, g2 = g1 * c + g2 * s, g2 * c - g1 * s
     _store_half(g1, desc, stage.index(0), DST, start, first, length, col, stride, BLOCK, HALF, num_warps)
     _store_half(g2, desc, stage.index(1), DST, start, first, length, col + HALF, stride, BLOCK, HALF, num_warps)
@@ -203,10 +227,16 @@ def _block_attn_bwd_hopper(
             q_rows = first + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, s_layout))
             k_cols = first + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
             lse = gl.load(LSE + (start + q_rows) * num_heads + head, mask=q_rows < length, other=float("inf"))
+            partial = first + BLOCK > length
             mbarrier.wait(qk_bar, phase)
-            if ROPE:  # q~ and k~ replace q and k in shared memory
-                _rotate_in_place(q_smem, cs_smem, BLOCK, HALF, 32, num_warps)
-                _rotate_in_place(k_smem, cs_smem, BLOCK, HALF, 32, num_warps)
+            if ROPE:  # q~ and k~ replace q and k in shared memory (rows past the sequence: 0)
+                _rotate_in_place(q_smem, cs_smem, first, length, BLOCK, HALF, 32, num_warps)
+                _rotate_in_place(k_smem, cs_smem, first, length, BLOCK, HALF, 32, num_warps)
+                fence_async_shared()
+                _cta_barrier()
+            elif partial:
+                _zero_rows_past(q_smem, first, length, BLOCK, HALF, 32, num_warps)
+                _zero_rows_past(k_smem, first, length, BLOCK, HALF, 32, num_warps)
                 fence_async_shared()
                 _cta_barrier()
             sc = warpgroup_mma(q_smem.index(0), k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -218,6 +248,12 @@ def _block_attn_bwd_hopper(
             fence_async_shared()
             _cta_barrier()
             mbarrier.wait(do_bar, phase)
+            mbarrier.wait(v_bar, phase, pred=partial)  # a partial block zeroes both before the MMAs
+            if partial:
+                _zero_rows_past(do_smem, first, length, BLOCK, HALF, 32, num_warps)
+                _zero_rows_past(v_smem, first, length, BLOCK, HALF, 32, num_warps)
+                fence_async_shared()
+                _cta_barrier()
             dv1 = warpgroup_mma(p_t, do_smem.index(0), h_zero, use_acc=False, is_async=True)
             dv2 = warpgroup_mma(p_t, do_smem.index(1), h_zero, use_acc=False, is_async=True)
             mbarrier.wait(v_bar, phase)
@@ -271,7 +307,8 @@ def descriptors(*tensors):
     """TMA descriptors of [N, H, D] tensors as [N, H * D] in (BLOCK, D/2) boxes, or None where a
     layout does not allow them (common.rows_viewable) or the dtype has no Gluon twin."""
     half = tensors[0].shape[2] // 2
-    if tensors[0].dtype not in _GL_DTYPES or not all(rows_viewable(t, BLOCK, half) for t in tensors):
+    if (tensors[0].dtype not in _GL_DTYPES or any(t.dtype != tensors[0].dtype for t in tensors)
+            or not all(rows_viewable(t, BLOCK, half) for t in tensors)):
         return None
     return [TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [BLOCK, half],
                              shared_layout(BLOCK, half, t.dtype)) for t in tensors]
@@ -299,6 +336,19 @@ def _table_layout(half: int, dtype) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for([BLOCK, half], dtype)
 
 
+_SMEM_PER_SM, _SMEM_RESERVED = 233472, 1024  # sm_90: shared memory of an SM, reserved per program
+
+
+def resident_programs(dim: int, size: int, table_size: int) -> int:
+    """How many programs of the kernel fit one SM's shared memory (registers allow two): eight
+    (BLOCK, D/2) input halves, the p/ds tile, two staging halves and the two rope-row tiles
+    (``table_size`` bytes an element, 0 without rope). A persistent grid larger than what is
+    resident would run its second wave only after the first has done all its rounds."""
+    tile = BLOCK * dim // 2
+    shared = (10 * tile + BLOCK * BLOCK) * size + 2 * tile * table_size + 3 * 8 + 1024  # + barriers, alignment
+    return max(1, min(2, _SMEM_PER_SM // (shared + _SMEM_RESERVED)))
+
+
 def backward(q, k, v, do, lse, dq, dk, dv, cos, sin, offsets, work, block_size: int, rope: bool, qk_scale: float,
              scale: float, per_sm: int) -> None:
     """Launch the Gluon backward over ``work`` (every block, whole and partial: common.query_work
@@ -321,6 +371,7 @@ def backward(q, k, v, do, lse, dq, dk, dv, cos, sin, offsets, work, block_size: 
     n_items = work.shape[0] * heads
     if n_items == 0:
         return
+    per_sm = min(per_sm, resident_programs(dim, q.element_size(), cos.element_size() if rope else 0))
     grid = (num_programs(n_items, per_sm, q.device),)
     _block_attn_bwd_hopper[grid](*descs, *tables, dq, dk, dv, lse, offsets, work, n_items, heads, dq.stride(0),
                                  dk.stride(0), dv.stride(0), qk_scale, scale, HEAD_DIM=dim, BLOCK=BLOCK,
