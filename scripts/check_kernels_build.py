@@ -145,8 +145,8 @@ def gluon_kernels():
     def desc(rows, dim):
         return f"tensordesc<bf16[{rows}, {dim}],{gh.shared_layout(rows, dim, torch.bfloat16)!r}>"
 
-    # the block attention backward: D=128 with fp16 rope tables (the default for bf16 inputs) and
-    # without rope, D=64 with fp32 tables
+    # the block attention backward and forward: D=128 with fp16 rope tables (the default for bf16
+    # inputs) and without rope, D=64 with fp32 tables
     for dim, table_dtype in ((128, "fp16"), (128, None), (64, "fp32")):
         tile = desc(bh.BLOCK, dim // 2)
         table = tile
@@ -158,6 +158,9 @@ def gluon_kernels():
                   cos_desc=table, sin_desc=table, DQ="*bf16", DK="*bf16", DV="*bf16", LSE="*fp32", OFFSETS="*i64",
                   WORK="*i32", qk_scale="fp32", scale="fp32")
         yield bh._block_attn_bwd_hopper, io, dict(HEAD_DIM=dim, BLOCK=bh.BLOCK, ROPE=rope, num_warps=4)
+        io = dict(q_desc=tile, k_desc=tile, v_desc=tile, o_desc=tile, cos_desc=table, sin_desc=table, O="*bf16",
+                  LSE="*fp32", OFFSETS="*i64", WORK="*i32", qk_scale="fp32")
+        yield bh._block_attn_fwd_hopper, io, dict(HEAD_DIM=dim, BLOCK=bh.BLOCK, ROPE=rope, num_warps=4)
 
     for block_n, dim, pipeline, act in ((128, 128, 0, 0), (128, 128, 1, 0), (32, 64, 1, 1)):
         io = dict(q_desc=desc(64, dim), o_desc=desc(64, dim), k_desc=desc(block_n, dim), v_desc=desc(block_n, dim),

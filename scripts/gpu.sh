@@ -17,9 +17,10 @@
 #             call without xdist). EVERY_K narrows the selection (pytest -k expression).
 #   sweep-block scripts/bench_block_attention.py --sweep: every block-attention candidate (TMA too)
 #             timed against the memory roofline
-#   block-hopper  the Gluon block-attention backward (block_attention_hopper.py): its GPU tier (float64
+#   block-hopper  the Gluon block-attention kernels (block_attention_hopper.py): their GPU tier (float64
 #             checks, the every-candidate and determinism tests) and then, only if that passed, the
-#             backward sweep of the Triton pick against both Hopper configs (self-1000, self-4000)
+#             forward and backward sweep of the Triton picks against the Hopper configs (self-1000,
+#             self-4000)
 #   gdpa-probes  bench_gdpa.py's timing probes of the Gluon cross-128 forward (memory alone, math
 #             alone, against the pick) and the self-1000 forward against the softmax one, 10 A/B rounds
 #   bench-mx  scripts/bench_mx.py: MX quantize kernels, Python call and CUDA-graph time, vs copy
@@ -92,7 +93,7 @@ for stage in "$@"; do
     block-hopper)
       python3 -m pytest -v -m gpu -n 8 tests/test_block_attention_triton.py -k "hopper or every_candidate or deterministic" \
         -p no:cacheprovider -rf 2>&1 | grep -v '^ *$\|Warning\|warner' | tail -60 | tee "$OUT/gpu_tests_block_hopper.log" \
-        && python3 scripts/bench_block_attention.py --sweep --fwd-configs "4,2,0,0,1" --bwd-configs "4,1,1,0,1 4,1,1,0,0,2 4,1,1,0,0,1" \
+        && python3 scripts/bench_block_attention.py --sweep --fwd-configs "4,2,0,0,1 4,1,1,0,0,3 4,1,1,0,0,2" --bwd-configs "4,1,1,0,1 4,1,1,0,0,2 4,1,1,0,0,1" \
           --out "$OUT/sweep_block_hopper.json" 2>&1 | quiet | tee "$OUT/sweep_block_hopper.log" ;;
     gdpa-probes)
       python3 scripts/bench_gdpa.py --grid-only --only cross-128 --grid-configs 64,128,4,2,2,16,0,0,1,1 --probes \

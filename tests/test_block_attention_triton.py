@@ -182,11 +182,17 @@ def test_hopper_backward_is_pinned_only_and_refused_off_hopper_cpu():
     """The Gluon backward's configs (sixth field: programs per SM) wait for the GPU tier like the TMA
     ones, and pinned where it cannot run (here: the interpreter, no GPU) they raise one clear error
     instead of falling back; its own checks refuse what it was not built for."""
-    hopper = ba_kernels._HOPPER_BWD_CANDIDATES
-    assert hopper and all(common.config_field(c, 5) for c in hopper)
-    assert not set(hopper) & set(ba_kernels._tuned(ba_kernels._BWD_CANDIDATES, ba_kernels._BWD_CHECKED))
+    for hopper, cands, checked in ((ba_kernels._HOPPER_FWD_CANDIDATES, ba_kernels._FWD_CANDIDATES,
+                                    ba_kernels._FWD_CHECKED),
+                                   (ba_kernels._HOPPER_BWD_CANDIDATES, ba_kernels._BWD_CANDIDATES,
+                                    ba_kernels._BWD_CHECKED)):
+        assert hopper and all(common.config_field(c, 5) for c in hopper) and set(hopper) <= set(cands)
+        assert not set(hopper) & set(ba_kernels._tuned(cands, checked))
     off, q, k, v, grad = _inputs([70, 3], 2, 32, "cpu", torch.float32, 0)
-    with common.forced_config({"block_attention_bwd": hopper[0]}):
+    with common.forced_config({"block_attention_fwd": ba_kernels._HOPPER_FWD_CANDIDATES[0]}):
+        with pytest.raises(ValueError, match="Hopper.*sm_90"):
+            block_attention_triton(q, k, v, off, 70, block_size=64)
+    with common.forced_config({"block_attention_bwd": ba_kernels._HOPPER_BWD_CANDIDATES[0]}):
         out = block_attention_triton(q, k, v, off, 70, block_size=64)
         with pytest.raises(ValueError, match="Hopper.*sm_90"):
             torch.autograd.grad(out, [q, k, v], grad)
@@ -200,6 +206,9 @@ def test_hopper_backward_is_pinned_only_and_refused_off_hopper_cpu():
     with pytest.raises(ValueError, match="TMA descriptors"):
         y = torch.zeros(128, 2, 66, dtype=torch.bfloat16)[..., :64]  # rows of 132 elements: not 16-byte aligned
         bh.backward(*((y,) + args[1:]), 64, False, 1.0, 1.0, 2)
+    with pytest.raises(ValueError, match="rope tables of torch.float64"):
+        tables64 = torch.zeros(64, 32, dtype=torch.float64)
+        bh.forward(x, x, x, x, None, tables64, tables64, None, work, 64, True, 1.0, 3)
     tables = torch.zeros(64, 32, dtype=torch.float64)
     assert bh.table_descriptors(tables, tables) is None  # fp64 tables: the Triton kernels take them
     assert bh.table_descriptors(tables.float(), tables.float())[0].block_shape == [64, 32]
@@ -209,6 +218,9 @@ def test_hopper_backward_is_pinned_only_and_refused_off_hopper_cpu():
     # fp16 tables at D=128, two per SM; fp32 tables add 16 KB: one)
     assert bh.resident_programs(128, 2, 2) == 2 and bh.resident_programs(128, 2, 0) == 2
     assert bh.resident_programs(128, 2, 4) == 1 and bh.resident_programs(64, 2, 4) == 2
+    # the forward: 65,560 B with fp16 tables at D=128 (three per SM), 49,176 B without rope (four fit,
+    # its registers allow three)
+    assert bh.resident_programs(128, 2, 2, backward=False) == 3 == bh.resident_programs(128, 2, 0, backward=False)
 
 
 def test_packed_rotation_only_where_sm90_ptx_runs_cpu(monkeypatch):
@@ -366,19 +378,26 @@ def test_every_candidate_config_gpu(which, cfg):
         _check(LENGTHS_GPU[0], block, None, "cuda", torch.bfloat16, heads=4, dim=64, factor=2.0, elementwise=True)
 
 
+_HOPPER_PINS = ([("fwd", c, (4, 2, 0)) for c in ba_kernels._HOPPER_FWD_CANDIDATES]
+                + [("bwd", (4, 2, 0), c) for c in ba_kernels._HOPPER_BWD_CANDIDATES]
+                + [("both", ba_kernels._HOPPER_FWD_CANDIDATES[0], ba_kernels._HOPPER_BWD_CANDIDATES[0])])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", ba_kernels._HOPPER_BWD_CANDIDATES)
+@pytest.mark.parametrize("kind,fwd,bwd", _HOPPER_PINS,
+                         ids=[f"{k}-{'_'.join(map(str, f))}-{'_'.join(map(str, b))}" for k, f, b in _HOPPER_PINS])
 @pytest.mark.parametrize("lengths", LENGTHS_GPU + [[64] * 300 + [65, 1]])
 @pytest.mark.parametrize("dim,dtype", [(128, torch.bfloat16), (64, torch.float16)])
 @pytest.mark.parametrize("rope_kind", [None, "tables", "base"])
-def test_block_attention_hopper_backward_gpu(cfg, lengths, dim, dtype, rope_kind):
-    """The Gluon backward (block 64) pinned, against float64 element-wise and the 16-bit PyTorch
-    path's error: partial blocks, empty and one-row sequences, fp32 tables ("tables") and the fp16
-    tables of a base frequency, and more items than the persistent grid has programs (the third
-    lengths: 302 sequences x 4 heads over 132-264 programs, each program several rounds)."""
+def test_block_attention_hopper_gpu(kind, fwd, bwd, lengths, dim, dtype, rope_kind):
+    """The Gluon forward and backward (block 64) pinned, each with the other pass Triton's and
+    both together, against float64 element-wise and the 16-bit PyTorch path's error: partial
+    blocks, empty and one-row sequences, fp32 tables ("tables") and the fp16 tables of a base
+    frequency, and more items than the persistent grid has programs (the third lengths: 302
+    sequences x 4 heads over 264-396 programs, each program several rounds)."""
     if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("the Gluon backward needs an sm_90+ GPU")
-    with common.forced_config({"block_attention_fwd": (4, 2, 0), "block_attention_bwd": cfg}):
+        pytest.skip("the Gluon kernels need an sm_90+ GPU")
+    with common.forced_config({"block_attention_fwd": fwd, "block_attention_bwd": bwd}):
         _check(lengths, 64, rope_kind, "cuda", dtype, heads=4, dim=dim, factor=2.0, elementwise=True)
 
 

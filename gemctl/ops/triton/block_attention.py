@@ -50,9 +50,9 @@ faster. Block 128 with rope: forward 96 KB, backward 129 KB (one program per SM)
 TMA: configs with a fourth field 1 load whole blocks through tensor descriptors (see the configs);
 HALVES: configs with a fifth field 1 hold v and o (forward), do, v and dv (backward) as (BS, D/2)
 halves.
-HOPPER: configs with a sixth field (programs per SM) run the backward as the persistent Gluon kernel of
-block_attention_hopper.py (block 64, 16-bit inputs, sm_90+), whose next block loads while this one
-computes; pinned-only until the GPU tier passes it.
+HOPPER: configs with a sixth field (programs per SM) run the forward or the backward as the persistent
+Gluon kernels of block_attention_hopper.py (block 64, 16-bit inputs, sm_90+), whose next block loads
+while this one computes; pinned-only until the GPU tier passes them.
 Known limits: no warp specialization, no persistent grid in the Triton kernels (Triton 3.x); the
 tables get no gradient.
 """
@@ -95,8 +95,14 @@ LOG2E = 1.4426950408889634
 # 111.5 / 95.0 us against 116.5 / 99.6 for (4, 2, 0) with the fp32 rotation, 107.2 / 91.8 against
 # 110.3 / 94.5 with bf16x2; it passed the GPU tier and joins autotuning. Its TMA twin
 # (4, 2, 0, 1, 1) was slower (115.0 / 104.9 us) and stays pinned-only.
+# HOPPER (sixth field, programs per SM): the Gluon forward of block_attention_hopper.py, on the plan of
+# its backward (below); o staged in v's tiles once o's MMAs have read them. sm_90 ptxas (Triton 3.6),
+# D=128, rope with fp16 tables: 136 registers, no spills, 65,560 B: three programs per SM (without
+# rope 113 and 49,176 B: four fit, three asked). Not yet run on a GPU: pinned-only.
+_HOPPER_FWD_CANDIDATES = [(4, 1, 1, 0, 0, 3), (4, 1, 1, 0, 0, 2)]
 _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2, 2), (2, 1, 1),
-                   (4, 1, 1, 1), (4, 2, 0, 1), (4, 3, 0, 1), (8, 2, 0, 1), (4, 2, 0, 0, 1), (4, 2, 0, 1, 1)]
+                   (4, 1, 1, 1), (4, 2, 0, 1), (4, 3, 0, 1), (8, 2, 0, 1), (4, 2, 0, 0, 1), (4, 2, 0, 1, 1),
+                   *_HOPPER_FWD_CANDIDATES]
 # HALVES = 1 (backward, fifth field): do, v and dv in (BS, D/2) halves, so the dv accumulator is
 # half as wide; sm_90 ptxas (Triton 3.6), D=128, block 64 with RoPE: spill stores 576 -> 376 B per
 # thread at 4 warps, 88 -> 0 at 8 warps (254 registers; figures of the kernel of the time, compiled
@@ -483,6 +489,11 @@ def _forward(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
     mode = _rope_mode(rope, q, True)
 
     def run(cfg):
+        if config_field(cfg, 5):  # the Gluon kernel for Hopper (fp32 rotation)
+            work = query_work(offsets, offsets, block_size, False, q.device)
+            _hopper(q.device).forward(q, k, v, out, lse, cos, sin, offsets, work, block_size, rope, scale * LOG2E,
+                                      config_field(cfg, 5))
+            return
         halves = bool(config_field(cfg, 4))  # v by (BS, D/2) blocks too
         descs = _descriptors(cfg, block_size, (q, k, v) if halves else (q, k), () if halves else (v,))
         _launch(_block_attn_fwd, offsets, heads, block_size, cfg, (q, k, v, out, lse, cos, sin, strides), descs, dim,

@@ -1,16 +1,19 @@
-"""Block attention backward for Hopper in Gluon: persistent programs, the next item loading during this one.
+"""Block attention for Hopper in Gluon: persistent programs, the next item loading during this one.
 
-Same math, work list and outputs as gemctl.ops.triton.block_attention's backward (see its
-docstring): per (block, head) item, p = exp2(s - lse), dv = p^T do, dp = do v^T, delta = rowsum(p
-dp), ds = p (dp - delta), dq~ = ds k~, dk~ = ds^T q~, and the rotations' backward on dq~ and dk~.
+The backward (_block_attn_bwd_hopper) and, on the same plan, the forward (_block_attn_fwd_hopper:
+s by wgmma, the softmax in registers, o = p v with p as the register operand, o staged in v's
+tiles). Same math, work list and outputs as gemctl.ops.triton.block_attention's kernels (see its
+docstring); the backward, per (block, head) item, p = exp2(s - lse), dv = p^T do, dp = do v^T,
+delta = rowsum(p dp), ds = p (dp - delta), dq~ = ds k~, dk~ = ds^T q~, and the rotations' backward
+on dq~ and dk~.
 
-Why a second kernel: the Triton backward stays at 66-67% of its memory roofline on the H200
+Why a second backward: the Triton backward stays at 66-67% of its memory roofline on the H200
 (docs/benchmarks.md, block_attention). Each of its programs loads its block, computes and stores in
 sequence, and at 168 registers only three fit an SM, so little memory traffic is in flight; every
 variant that kept more in flight in Triton (pipelined head loops, TMA tiles, prefetch into L2, more
 warps) spilled or lost occupancy. Gluon states the schedule directly:
 
-- persistent programs (two per SM), items (block, head) dealt in rounds (item pid + r * programs);
+- persistent programs (two per SM; the forward three), items (block, head) dealt in rounds (item pid + r * programs);
 - every tile is a (BS, D/2) half (q, k, v, do in, dq, dk, dv out), 8 KB at BS = 64, D = 128, one
   TMA box each; the item's q and k, do, v land in shared memory by TMA on three mbarriers;
 - the rotation runs in registers on q and k and writes the rotated halves back to the same
@@ -300,6 +303,91 @@ def _block_attn_bwd_hopper(
     mbarrier.invalidate(v_bar)
 
 
+@gluon.jit(do_not_specialize=["n_items"])
+def _block_attn_fwd_hopper(
+    q_desc, k_desc, v_desc, o_desc, cos_desc, sin_desc, O, LSE, OFFSETS, WORK, n_items, num_heads, stride_on, qk_scale,
+    HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, ROPE: gl.constexpr, num_warps: gl.constexpr,
+):
+    # The forward on the backward's plan: per item q, k (and the rope rows) on one mbarrier, v on
+    # another; q~ and k~ rotated in shared memory; s = q~ k~^T by wgmma; the softmax in registers
+    # (keys past the sequence -inf); o = p v with p as the register operand; o and the rows'
+    # log2-sum-exp2 stored. The next item's q, k and rope rows load as soon as s's MMA has read
+    # them (during this item's softmax, o and stores), its v once o's stores have read v's tiles.
+    HALF: gl.constexpr = HEAD_DIM // 2
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = _acc_layout(num_warps, BLOCK)
+    h_layout: gl.constexpr = _acc_layout(num_warps, HALF)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=h_layout, k_width=2)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, HALF], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, HALF], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, HALF], v_desc.layout)  # v, then o's staging tiles
+    cs_smem = gl.allocate_shared_memory(cos_desc.dtype, [2, BLOCK, HALF], cos_desc.layout)
+    qk_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(qk_bar, count=1)
+    mbarrier.init(v_bar, count=1)
+    s_zero = gl.zeros([BLOCK, BLOCK], gl.float32, s_layout)
+    h_zero = gl.zeros([BLOCK, HALF], gl.float32, h_layout)
+
+    pid = gl.program_id(0)
+    n_programs = gl.num_programs(0)
+    valid, start, length, first, col = _item(pid, n_items, WORK, OFFSETS, num_heads, BLOCK, HALF)
+    _load_qk(q_desc, k_desc, cos_desc, sin_desc, q_smem, k_smem, cs_smem, qk_bar, start + first, first, col, valid,
+             HALF, ROPE)
+    _load_pair(v_desc, v_smem, v_bar, start + first, col, valid, HALF)
+    for r in range(0, gl.cdiv(n_items, n_programs)):
+        phase = r & 1
+        n_valid, n_start, n_length, n_first, n_col = _item(pid + (r + 1) * n_programs, n_items, WORK, OFFSETS,
+                                                           num_heads, BLOCK, HALF)
+        if valid:
+            partial = first + BLOCK > length
+            mbarrier.wait(qk_bar, phase)
+            if ROPE:
+                _rotate_in_place(q_smem, cs_smem, first, length, BLOCK, HALF, 32, num_warps)
+                _rotate_in_place(k_smem, cs_smem, first, length, BLOCK, HALF, 32, num_warps)
+                fence_async_shared()
+                _cta_barrier()
+            sc = warpgroup_mma(q_smem.index(0), k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sc = warpgroup_mma(q_smem.index(1), k_smem.index(1).permute((1, 0)), sc, is_async=True)
+            sc = warpgroup_mma_wait(0, deps=(sc, ))
+            _cta_barrier()  # q, k and the rope rows are read: the next item's start loading
+            _load_qk(q_desc, k_desc, cos_desc, sin_desc, q_smem, k_smem, cs_smem, qk_bar, n_start + n_first, n_first,
+                     n_col, n_valid, HALF, ROPE)
+            k_cols = first + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
+            sc = gl.where((k_cols < length)[None, :], sc * qk_scale, float("-inf"))  # finite: key `first` is valid
+            m = gl.max(sc, 1)
+            p = gl.exp2(sc - m[:, None])
+            l = gl.sum(p, 1)
+            q_rows = first + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, s_layout))
+            gl.store(LSE + (start + q_rows) * num_heads + col // HEAD_DIM, m + gl.log2(l), mask=q_rows < length)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            inv_l = gl.convert_layout(1.0 / l, gl.SliceLayout(1, h_layout))
+            mbarrier.wait(v_bar, phase)
+            if partial:  # the next sequence's v rows: p = 0 there, and 0 * a non-finite value is NaN
+                _zero_rows_past(v_smem, first, length, BLOCK, HALF, 32, num_warps)
+                fence_async_shared()
+                _cta_barrier()
+            o1 = warpgroup_mma(p_op, v_smem.index(0), h_zero, use_acc=False, is_async=True)
+            o2 = warpgroup_mma(p_op, v_smem.index(1), h_zero, use_acc=False, is_async=True)
+            o1, o2 = warpgroup_mma_wait(0, deps=(o1, o2))
+            # v's tiles, read now, stage o (no staging tiles of its own: 66 KB with fp16 tables at
+            # D=128, three programs per SM where 82 KB fit two); the next item's v loads once the
+            # stores have read them, well before its softmax needs them
+            _store_half(o1 * inv_l[:, None], o_desc, v_smem.index(0), O, start, first, length, col, stride_on, BLOCK,
+                        HALF, num_warps)
+            _store_half(o2 * inv_l[:, None], o_desc, v_smem.index(1), O, start, first, length, col + HALF, stride_on,
+                        BLOCK, HALF, num_warps)
+            tma.store_wait(0)
+            fence_async_shared()  # a partial block's staging went through the generic proxy only
+            _cta_barrier()
+            _load_pair(v_desc, v_smem, v_bar, n_start + n_first, n_col, n_valid, HALF)
+        valid, start, length, first, col = n_valid, n_start, n_length, n_first, n_col
+    tma.store_wait(0)
+    mbarrier.invalidate(qk_bar)
+    mbarrier.invalidate(v_bar)
+
+
 # ----------------------------------------------------------------------------------------------
 # Host side.
 
@@ -339,40 +427,64 @@ def _table_layout(half: int, dtype) -> gl.NVMMASharedLayout:
 _SMEM_PER_SM, _SMEM_RESERVED = 233472, 1024  # sm_90: shared memory of an SM, reserved per program
 
 
-def resident_programs(dim: int, size: int, table_size: int) -> int:
-    """How many programs of the kernel fit one SM's shared memory (registers allow two): eight
-    (BLOCK, D/2) input halves, the p/ds tile, two staging halves and the two rope-row tiles
+def resident_programs(dim: int, size: int, table_size: int, backward: bool = True) -> int:
+    """How many programs of a kernel fit one SM (the backward's registers allow two, the forward's
+    three: sm_90 ptxas, Triton 3.6). Shared memory: the backward's eight (BLOCK, D/2) input halves,
+    p/ds tile and two staging halves, the forward's six halves; both the two rope-row tiles
     (``table_size`` bytes an element, 0 without rope). A persistent grid larger than what is
     resident would run its second wave only after the first has done all its rounds."""
     tile = BLOCK * dim // 2
-    shared = (10 * tile + BLOCK * BLOCK) * size + 2 * tile * table_size + 3 * 8 + 1024  # + barriers, alignment
-    return max(1, min(2, _SMEM_PER_SM // (shared + _SMEM_RESERVED)))
+    tiles = (10 * tile + BLOCK * BLOCK) if backward else 6 * tile
+    shared = tiles * size + 2 * tile * table_size + 1024  # + barriers, alignment
+    return max(1, min(2 if backward else 3, _SMEM_PER_SM // (shared + _SMEM_RESERVED)))
+
+
+def _checked(block_size: int, rope: bool, cos, sin, *tensors):
+    """(tile descriptors, table descriptors) of a launch over ``tensors`` (q first), or ValueError
+    naming what the kernels were not built for (block size, head dim, dtype, a layout without TMA
+    descriptors): the autotuner then takes the next candidate, a pinned config raises. Without
+    rope the tables' descriptors are placeholders (q's and k's), never read."""
+    q = tensors[0]
+    dim = q.shape[2]
+    if block_size != BLOCK or dim not in (64, 128) or q.dtype not in _GL_DTYPES:
+        raise ValueError(f"block_attention (Hopper): block {block_size}, head_dim {dim}, {q.dtype} is not built "
+                         f"(block {BLOCK}, head_dim 64/128, bf16/fp16)")
+    descs = descriptors(*tensors)
+    if descs is None:
+        raise ValueError("block_attention (Hopper): the tensors do not allow TMA descriptors (one dtype, heads "
+                         "adjacent, 16-byte aligned rows, at least one block of rows)")
+    tables = table_descriptors(cos, sin) if rope else descs[:2]
+    if tables is None:
+        raise ValueError(f"block_attention (Hopper): rope tables of {cos.dtype} with strides {tuple(cos.stride())} "
+                         "(16-byte aligned fp16/bf16/fp32 rows needed)")
+    return descs, tables
+
+
+def _grid(work, q, cos, rope: bool, per_sm: int, backward: bool):
+    n_items = work.shape[0] * q.shape[1]
+    per_sm = min(per_sm, resident_programs(q.shape[2], q.element_size(), cos.element_size() if rope else 0, backward))
+    return n_items, (num_programs(n_items, per_sm, q.device),)
+
+
+def forward(q, k, v, out, lse, cos, sin, offsets, work, block_size: int, rope: bool, qk_scale: float,
+            per_sm: int) -> None:
+    """Launch the Gluon forward over ``work`` (every block: common.query_work with a tile of
+    block_size rows), ``per_sm`` programs per SM (at most what fits); writes ``out`` and ``lse``
+    (log2 units, as the Triton forward)."""
+    descs, tables = _checked(block_size, rope, cos, sin, q, k, v, out)
+    n_items, grid = _grid(work, q, cos, rope, per_sm, False)
+    if n_items:
+        _block_attn_fwd_hopper[grid](*descs, *tables, out, lse, offsets, work, n_items, q.shape[1], out.stride(0),
+                                     qk_scale, HEAD_DIM=q.shape[2], BLOCK=BLOCK, ROPE=bool(rope), num_warps=4)
 
 
 def backward(q, k, v, do, lse, dq, dk, dv, cos, sin, offsets, work, block_size: int, rope: bool, qk_scale: float,
              scale: float, per_sm: int) -> None:
-    """Launch the Gluon backward over ``work`` (every block, whole and partial: common.query_work
-    with a tile of block_size rows), ``per_sm`` programs per SM; ``cos``/``sin`` the rope tables
-    (ignored without ``rope``). Raises ValueError where the inputs do not allow the kernel (block
-    size, head dim, dtype, a layout without TMA descriptors): the autotuner then takes the next
-    candidate, a pinned config raises."""
-    heads, dim = q.shape[1], q.shape[2]
-    if block_size != BLOCK or dim not in (64, 128) or q.dtype not in _GL_DTYPES:
-        raise ValueError(f"block_attention (Hopper): block {block_size}, head_dim {dim}, {q.dtype} is not built "
-                         f"(block {BLOCK}, head_dim 64/128, bf16/fp16)")
-    descs = descriptors(q, k, v, do, dq, dk, dv)
-    if descs is None:
-        raise ValueError("block_attention (Hopper): q/k/v/do do not allow TMA descriptors (heads adjacent, "
-                         "16-byte aligned rows, at least one block of rows)")
-    tables = table_descriptors(cos, sin) if rope else descs[:2]  # without rope: placeholders, never read
-    if tables is None:
-        raise ValueError(f"block_attention (Hopper): rope tables of {cos.dtype} with strides {tuple(cos.stride())} "
-                         "(16-byte aligned fp16/bf16/fp32 rows needed)")
-    n_items = work.shape[0] * heads
-    if n_items == 0:
-        return
-    per_sm = min(per_sm, resident_programs(dim, q.element_size(), cos.element_size() if rope else 0))
-    grid = (num_programs(n_items, per_sm, q.device),)
-    _block_attn_bwd_hopper[grid](*descs, *tables, dq, dk, dv, lse, offsets, work, n_items, heads, dq.stride(0),
-                                 dk.stride(0), dv.stride(0), qk_scale, scale, HEAD_DIM=dim, BLOCK=BLOCK,
-                                 ROPE=bool(rope), num_warps=4)
+    """Launch the Gluon backward over ``work`` (every block, as forward), ``per_sm`` programs per SM
+    (at most what fits); ``cos``/``sin`` the rope tables (ignored without ``rope``)."""
+    descs, tables = _checked(block_size, rope, cos, sin, q, k, v, do, dq, dk, dv)
+    n_items, grid = _grid(work, q, cos, rope, per_sm, True)
+    if n_items:
+        _block_attn_bwd_hopper[grid](*descs, *tables, dq, dk, dv, lse, offsets, work, n_items, q.shape[1],
+                                     dq.stride(0), dk.stride(0), dv.stride(0), qk_scale, scale, HEAD_DIM=q.shape[2],
+                                     BLOCK=BLOCK, ROPE=bool(rope), num_warps=4)
