@@ -214,6 +214,13 @@ def test_hopper_backward_is_pinned_only_and_refused_off_hopper_cpu():
     assert bh.table_descriptors(tables.float(), tables.float())[0].block_shape == [64, 32]
     assert bh.descriptors(x)[0].block_shape == [64, 32]
     assert bh.descriptors(x, x.half()) is None  # one dtype for every tile
+    # autotuning offers the Gluon configs only where they can run (the flag is part of the key)
+    assert not ba_kernels._hopper_eligible(64, False, None, None, x)  # no GPU here
+    for cands in (ba_kernels._FWD_CANDIDATES, ba_kernels._BWD_CANDIDATES):
+        assert ba_kernels._eligible(cands, True) == cands
+        assert ba_kernels._eligible(cands, False) == [c for c in cands if not common.config_field(c, 5)]
+    assert bh.tables_viewable(tables.float(), tables.float()) and not bh.tables_viewable(tables.float()[:, :30],
+                                                                                          tables.float()[:, :30])
     # the persistent grid never asks for more programs than fit an SM (sm_90 ptxas: 106,536 B with
     # fp16 tables at D=128, two per SM; fp32 tables add 16 KB: one)
     assert bh.resident_programs(128, 2, 2) == 2 and bh.resident_programs(128, 2, 0) == 2
@@ -399,6 +406,30 @@ def test_block_attention_hopper_gpu(kind, fwd, bwd, lengths, dim, dtype, rope_ki
         pytest.skip("the Gluon kernels need an sm_90+ GPU")
     with common.forced_config({"block_attention_fwd": fwd, "block_attention_bwd": bwd}):
         _check(lengths, 64, rope_kind, "cuda", dtype, heads=4, dim=dim, factor=2.0, elementwise=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rope", [None, BASE])
+def test_block_attention_hopper_ignores_non_finite_rows_past_the_sequences_gpu(rope):
+    """Rows after offsets[-1] full of NaN and inf, the last sequence ending in a partial block (the
+    Gluon kernels' TMA boxes read those rows): outputs and gradients stay those of the Triton
+    kernels, whose masked loads never read them."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the Gluon kernels need an sm_90+ GPU")
+    lengths = [65, 3, 130]
+    off, q, k, v, grad = _inputs(lengths, 4, 128, "cuda", torch.bfloat16, 5)
+    junk = torch.full((64, 4, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    junk[::2] = float("inf")
+    padded = [torch.cat([t.detach(), junk]).requires_grad_(True) for t in (q, k, v)]
+    grad_padded = torch.cat([grad, junk])
+    got = {}
+    for name, fwd, bwd in (("triton", (4, 2, 0), (4, 1, 1)),
+                           ("gluon", ba_kernels._HOPPER_FWD_CANDIDATES[0], ba_kernels._HOPPER_BWD_CANDIDATES[0])):
+        with common.forced_config({"block_attention_fwd": fwd, "block_attention_bwd": bwd}):
+            got[name] = [t[:int(off[-1])] for t in _run("triton", *padded, off, max(lengths), 64, rope, grad_padded)]
+    for name, a, b in zip(["out", "dq", "dk", "dv"], got["gluon"], got["triton"]):
+        assert torch.isfinite(a).all(), name
+        assert rel_err(a, b) < 2e-2, name
 
 
 @pytest.mark.gpu

@@ -164,6 +164,11 @@ def _tuned(candidates: list, checked: set) -> list:
     return gpu_checked(candidates, 3, checked, _PENDING_AUTOTUNE)
 
 
+def _eligible(candidates: list, hopper: bool) -> list:
+    """The candidates that can run: the Gluon ones (sixth field) only where _hopper_eligible."""
+    return candidates if hopper else [c for c in candidates if not config_field(c, 5)]
+
+
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _rope_rows(COS, SIN, rows, length, stride_rope, offs_half):
@@ -499,9 +504,11 @@ def _forward(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
         _launch(_block_attn_fwd, offsets, heads, block_size, cfg, (q, k, v, out, lse, cos, sin, strides), descs, dim,
                 mode, q.device, HALVES=halves)
 
-    # the rotation's arithmetic (mode) too: configs timed with one are not the other's
-    key = ("block_attention_fwd", dim, q.dtype, block_size, _table_key(cos, rope), mode, heads, bucket_len(n))
-    run(pick_config(key, lambda: _tuned(_FWD_CANDIDATES, _FWD_CHECKED), run, _INTERPRET_CONFIG))
+    # the rotation's arithmetic (mode) too: configs timed with one are not the other's; and whether
+    # the Gluon configs can run on these inputs
+    hopper = _hopper_eligible(block_size, rope, cos, sin, q, k, v, out)
+    key = ("block_attention_fwd", dim, q.dtype, block_size, _table_key(cos, rope), mode, heads, bucket_len(n), hopper)
+    run(pick_config(key, lambda: _tuned(_eligible(_FWD_CANDIDATES, hopper), _FWD_CHECKED), run, _INTERPRET_CONFIG))
     return out, lse
 
 
@@ -526,8 +533,9 @@ def _backward(do, q, k, v, lse, cos, sin, offsets, max_len, block_size, rope_bas
         _launch(_block_attn_bwd, offsets, heads, block_size, cfg, args, descs, dim, _rope_mode(rope, q, False),
                 q.device, HALVES=bool(config_field(cfg, 4)))
 
-    key = ("block_attention_bwd", dim, q.dtype, block_size, _table_key(cos, rope), heads, bucket_len(n))
-    run(pick_config(key, lambda: _tuned(_BWD_CANDIDATES, _BWD_CHECKED), run, _INTERPRET_CONFIG))
+    hopper = _hopper_eligible(block_size, rope, cos, sin, q, k, v, do, dq, dk, dv)
+    key = ("block_attention_bwd", dim, q.dtype, block_size, _table_key(cos, rope), heads, bucket_len(n), hopper)
+    run(pick_config(key, lambda: _tuned(_eligible(_BWD_CANDIDATES, hopper), _BWD_CHECKED), run, _INTERPRET_CONFIG))
     return dq, dk, dv
 
 
@@ -536,12 +544,34 @@ def _hopper(device: torch.device):
     sm_90, a Triton without Gluon's Hopper API): autotuning then takes the next candidate, a pinned
     config raises."""
     if INTERPRET or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        raise ValueError("block_attention (Hopper): needs an sm_90+ GPU (config field 5 selects the Gluon backward)")
+        raise ValueError("block_attention (Hopper): needs an sm_90+ GPU (config field 5 selects the Gluon kernels)")
     try:
         from gemctl.ops.triton import block_attention_hopper
     except ImportError as exc:
         raise ValueError(f"block_attention (Hopper): Gluon unavailable ({exc})") from exc
     return block_attention_hopper
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_runs(device: torch.device) -> bool:
+    """An sm_90+ GPU and a Triton with Gluon's Hopper API (asked once per device)."""
+    try:
+        _hopper(device)
+    except ValueError:
+        return False
+    return True
+
+
+def _hopper_eligible(block_size: int, rope: bool, cos, sin, *tensors) -> bool:
+    """Whether the Gluon configs can run on these inputs: part of the autotune key, so that a pick is
+    never reused for inputs it cannot take (block 64, bf16/fp16, head_dim 64/128, an sm_90+ GPU,
+    every tensor readable by TMA in (64, D/2) boxes, the rope tables too)."""
+    q = tensors[0]
+    if block_size != 64 or q.shape[2] not in (64, 128) or not _hopper_runs(q.device):
+        return False
+    from gemctl.ops.triton import block_attention_hopper as bh  # imported once _hopper_runs said it can be
+
+    return bh.tiles_viewable(*tensors) and (not rope or bh.tables_viewable(cos, sin))
 
 
 def _contiguous_dim(*tensors):

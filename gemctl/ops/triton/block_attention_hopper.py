@@ -27,10 +27,11 @@ warps) spilled or lost occupancy. Gluon states the schedule directly:
   sequence by masked stores (a TMA box would write into the next sequence's rows).
 
 Rows past the sequence's end in a partial last block (the TMA boxes read the next sequence's rows,
-or TMA's zero fill at the tensor's end): q, k, v and do are zeroed there in shared memory (q and k
-by the rotation pass) before any MMA reads them, and p is 0 for them (keys by a mask, queries by
-lse = inf), so, as with the Triton kernels' masked loads, nothing there reaches a gradient, not
-even a non-finite value.
+or TMA's zero fill at the tensor's end): the backward zeroes q, k, v and do there in shared memory
+(q and k by the rotation pass) before any MMA reads them, and p is 0 for them (keys by a mask,
+queries by lse = inf); the forward zeroes v there (and q, k with rope), sets those keys' scores to
+-inf by a select and never stores those query rows. So, as with the Triton kernels' masked loads,
+nothing there reaches an output or a gradient, not even a non-finite value.
 
 Supported: bf16/fp16, D in {64, 128}, block 64, heads adjacent in memory ([N, H * D] rows with
 16-byte aligned strides, at least one block of rows), sm_90+. No interpreter: the CPU tier compiles
@@ -54,6 +55,15 @@ from gemctl.ops.triton.common import num_programs, rows_viewable
 from gemctl.ops.triton.gdpa_hopper import _GL_DTYPES, _acc_layout, _cta_barrier, _tma_load, _tma_store, shared_layout
 
 BLOCK = 64  # rows of a block: one warpgroup's wgmma M
+
+
+def _table_dtypes():
+    import torch
+
+    return {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
+
+
+_TABLE_DTYPES = _table_dtypes()
 
 
 @gluon.jit
@@ -391,31 +401,41 @@ def _block_attn_fwd_hopper(
 # ----------------------------------------------------------------------------------------------
 # Host side.
 
-def descriptors(*tensors):
-    """TMA descriptors of [N, H, D] tensors as [N, H * D] in (BLOCK, D/2) boxes, or None where a
-    layout does not allow them (common.rows_viewable) or the dtype has no Gluon twin."""
+def tiles_viewable(*tensors) -> bool:
+    """Whether [N, H, D] tensors of one 16-bit dtype can be read or written by TMA as [N, H * D] in
+    (BLOCK, D/2) boxes (common.rows_viewable)."""
     half = tensors[0].shape[2] // 2
-    if (tensors[0].dtype not in _GL_DTYPES or any(t.dtype != tensors[0].dtype for t in tensors)
-            or not all(rows_viewable(t, BLOCK, half) for t in tensors)):
+    return (tensors[0].dtype in _GL_DTYPES and all(t.dtype == tensors[0].dtype for t in tensors)
+            and all(rows_viewable(t, BLOCK, half) for t in tensors))
+
+
+def tables_viewable(cos, sin) -> bool:
+    """Whether rope tables [rows, D/2] can be read by TMA in (BLOCK, D/2) boxes: fp16/bf16 (what
+    rope_table_dtype gives 16-bit inputs) or fp32 (twice the shared memory), one dtype, 16-byte
+    aligned rows and bases."""
+    if cos.dtype not in _TABLE_DTYPES or cos.dtype != sin.dtype:
+        return False
+    size = cos.element_size()
+    return not any(t.stride(1) != 1 or (t.stride(0) * size) % 16 or t.data_ptr() % 16 or (t.shape[1] * size) % 16
+                   for t in (cos, sin))
+
+
+def descriptors(*tensors):
+    """TMA descriptors of [N, H, D] tensors as [N, H * D] in (BLOCK, D/2) boxes, or None where
+    tiles_viewable says no."""
+    if not tiles_viewable(*tensors):
         return None
+    half = tensors[0].shape[2] // 2
     return [TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [BLOCK, half],
                              shared_layout(BLOCK, half, t.dtype)) for t in tensors]
 
 
 def table_descriptors(cos, sin):
-    """TMA descriptors of the rope tables [rows, D/2] in (BLOCK, D/2) boxes (fp16 and bf16 tables,
-    what rope_table_dtype gives 16-bit inputs, or fp32: twice the shared memory, one program per
-    SM), or None where their dtype or alignment does not allow them."""
-    import torch
-
-    dtypes = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
-    if cos.dtype not in dtypes or cos.dtype != sin.dtype:
+    """TMA descriptors of the rope tables in (BLOCK, D/2) boxes, or None where tables_viewable says
+    no (fp32 tables: one backward program per SM, resident_programs)."""
+    if not tables_viewable(cos, sin):
         return None
-    size = cos.element_size()
-    if any(t.stride(1) != 1 or (t.stride(0) * size) % 16 or t.data_ptr() % 16 or (t.shape[1] * size) % 16
-           for t in (cos, sin)):
-        return None
-    layout = _table_layout(cos.shape[1], dtypes[cos.dtype])
+    layout = _table_layout(cos.shape[1], _TABLE_DTYPES[cos.dtype])
     return [TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [BLOCK, t.shape[1]], layout) for t in (cos, sin)]
 
 
