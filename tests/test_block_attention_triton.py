@@ -230,6 +230,35 @@ def test_hopper_backward_is_pinned_only_and_refused_off_hopper_cpu():
     assert bh.resident_programs(128, 2, 2, backward=False) == 3 == bh.resident_programs(128, 2, 0, backward=False)
 
 
+@pytest.mark.parametrize("rows,eligible", [(200, True), (40, False)])
+def test_hopper_configs_only_for_tensors_they_can_read_cpu(monkeypatch, rows, eligible):
+    """Both passes' autotune keys say whether the Gluon configs can run on the call's tensors (TMA
+    boxes of 64 rows): a key tuned with them is never handed a batch they cannot read (here 40
+    rows), and without that the candidates hold none of them."""
+    seen = []
+
+    class Picked(Exception):
+        pass
+
+    def spy(key, candidates, run, interpret_config):
+        seen.append((key, candidates()))
+        raise Picked
+
+    monkeypatch.setattr(ba_kernels, "_hopper_runs", lambda device: True)  # as on an sm_90 GPU
+    monkeypatch.setattr(ba_kernels, "_PENDING_AUTOTUNE", True)  # every candidate, checked or not
+    monkeypatch.setattr(ba_kernels, "pick_config", spy)
+    off, q, k, v, grad = _inputs([rows - 30, 30], 2, 128, "cpu", torch.bfloat16, 0)
+    q, k, v = (t.detach() for t in (q, k, v))
+    with pytest.raises(Picked):
+        ba_kernels._forward(q, k, v, None, None, off, rows - 30, 64, BASE, 0.1)
+    lse = torch.zeros(rows, 2)
+    with pytest.raises(Picked):
+        ba_kernels._backward(grad, q, k, v, lse, None, None, off, rows - 30, 64, BASE, 0.1)
+    for key, cands in seen:
+        assert key[-1] is eligible
+        assert any(common.config_field(c, 5) for c in cands) is eligible
+
+
 def test_packed_rotation_only_where_sm90_ptx_runs_cpu(monkeypatch):
     """The bf16x2 rotation (ROPE == 2) is asked for by the forward only, for bf16 only, and given only
     where sm_90 PTX runs: never under the interpreter or on the CPU, nor with _PACKED_ROPE off."""

@@ -68,8 +68,8 @@ import triton.language as tl
 
 from gemctl.ops.reference.block import rope_cos_sin, rope_table_dtype
 from gemctl.ops.triton.common import (
-    INTERPRET, bucket_len, cdiv, config_field, gpu_checked, load_tile, pick_config, query_work, row_descriptors,
-    store_rows, whole_tile_work, work_item,
+    INTERPRET, bucket_len, cdiv, config_field, gluon_module, gluon_runs, gpu_checked, load_tile, pick_config, query_work,
+    row_descriptors, store_rows, whole_tile_work, work_item,
 )
 
 LOG2E = 1.4426950408889634
@@ -540,26 +540,14 @@ def _backward(do, q, k, v, lse, cos, sin, offsets, max_len, block_size, rope_bas
 
 
 def _hopper(device: torch.device):
-    """gemctl.ops.triton.block_attention_hopper, or ValueError where it cannot run on ``device`` (a GPU before
-    sm_90, a Triton without Gluon's Hopper API): autotuning then takes the next candidate, a pinned
-    config raises."""
-    if INTERPRET or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        raise ValueError("block_attention (Hopper): needs an sm_90+ GPU (config field 5 selects the Gluon kernels)")
-    try:
-        from gemctl.ops.triton import block_attention_hopper
-    except ImportError as exc:
-        raise ValueError(f"block_attention (Hopper): Gluon unavailable ({exc})") from exc
-    return block_attention_hopper
+    """gemctl.ops.triton.block_attention_hopper, or ValueError where it cannot run on ``device``
+    (common.gluon_module): autotuning then takes the next candidate, a pinned config raises."""
+    return gluon_module("block_attention_hopper", "block_attention", device)
 
 
-@functools.lru_cache(maxsize=None)
 def _hopper_runs(device: torch.device) -> bool:
     """An sm_90+ GPU and a Triton with Gluon's Hopper API (asked once per device)."""
-    try:
-        _hopper(device)
-    except ValueError:
-        return False
-    return True
+    return gluon_runs("block_attention_hopper", device)
 
 
 def _hopper_eligible(block_size: int, rope: bool, cos, sin, *tensors) -> bool:

@@ -191,6 +191,39 @@ def _store_rotated_back(g1, g2, c, s, desc, stage, DST, start, first, length, co
     _store_half(g2, desc, stage.index(1), DST, start, first, length, col + HALF, stride, BLOCK, HALF, num_warps)
 
 
+@gluon.jit
+def _first_item(q_desc, k_desc, v_desc, cos_desc, sin_desc, q_smem, k_smem, v_smem, cs_smem, qk_bar, v_bar, n_items,
+                WORK, OFFSETS, num_heads, BLOCK: gl.constexpr, HALF: gl.constexpr, ROPE: gl.constexpr):
+    """The program's first item (_item's fields), its q, k, rope rows and v loads started."""
+    valid, start, length, first, col = _item(gl.program_id(0), n_items, WORK, OFFSETS, num_heads, BLOCK, HALF)
+    _load_qk(q_desc, k_desc, cos_desc, sin_desc, q_smem, k_smem, cs_smem, qk_bar, start + first, first, col, valid,
+             HALF, ROPE)
+    _load_pair(v_desc, v_smem, v_bar, start + first, col, valid, HALF)
+    return valid, start, length, first, col
+
+
+@gluon.jit
+def _scores_of(q_smem, k_smem, cs_smem, qk_bar, phase, first, length, s_zero, BLOCK: gl.constexpr, HALF: gl.constexpr,
+               ROPE: gl.constexpr, ZERO_PAST: gl.constexpr, num_warps: gl.constexpr):
+    """Once q and k have landed: q~ and k~ in place of them (ROPE; rows past the sequence 0, and
+    with ZERO_PAST also without rope), then s = q~ k~^T by two wgmma of depth D/2 (raw: unscaled)."""
+    mbarrier.wait(qk_bar, phase)
+    if ROPE:
+        _rotate_in_place(q_smem, cs_smem, first, length, BLOCK, HALF, 32, num_warps)
+        _rotate_in_place(k_smem, cs_smem, first, length, BLOCK, HALF, 32, num_warps)
+        fence_async_shared()
+        _cta_barrier()
+    elif ZERO_PAST:
+        if first + BLOCK > length:
+            _zero_rows_past(q_smem, first, length, BLOCK, HALF, 32, num_warps)
+            _zero_rows_past(k_smem, first, length, BLOCK, HALF, 32, num_warps)
+            fence_async_shared()
+            _cta_barrier()
+    sc = warpgroup_mma(q_smem.index(0), k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    sc = warpgroup_mma(q_smem.index(1), k_smem.index(1).permute((1, 0)), sc, is_async=True)
+    return warpgroup_mma_wait(0, deps=(sc, ))
+
+
 @gluon.jit(do_not_specialize=["n_items"])
 def _block_attn_bwd_hopper(
     q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, cos_desc, sin_desc, DQ, DK, DV, LSE, OFFSETS, WORK,
@@ -226,11 +259,10 @@ def _block_attn_bwd_hopper(
 
     pid = gl.program_id(0)
     n_programs = gl.num_programs(0)
-    valid, start, length, first, col = _item(pid, n_items, WORK, OFFSETS, num_heads, BLOCK, HALF)
-    _load_qk(q_desc, k_desc, cos_desc, sin_desc, q_smem, k_smem, cs_smem, qk_bar, start + first, first, col, valid,
-             HALF, ROPE)
+    valid, start, length, first, col = _first_item(q_desc, k_desc, v_desc, cos_desc, sin_desc, q_smem, k_smem, v_smem,
+                                                   cs_smem, qk_bar, v_bar, n_items, WORK, OFFSETS, num_heads, BLOCK,
+                                                   HALF, ROPE)
     _load_pair(do_desc, do_smem, do_bar, start + first, col, valid, HALF)
-    _load_pair(v_desc, v_smem, v_bar, start + first, col, valid, HALF)
     for r in range(0, gl.cdiv(n_items, n_programs)):
         phase = r & 1
         n_valid, n_start, n_length, n_first, n_col = _item(pid + (r + 1) * n_programs, n_items, WORK, OFFSETS,
@@ -241,20 +273,8 @@ def _block_attn_bwd_hopper(
             k_cols = first + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
             lse = gl.load(LSE + (start + q_rows) * num_heads + head, mask=q_rows < length, other=float("inf"))
             partial = first + BLOCK > length
-            mbarrier.wait(qk_bar, phase)
-            if ROPE:  # q~ and k~ replace q and k in shared memory (rows past the sequence: 0)
-                _rotate_in_place(q_smem, cs_smem, first, length, BLOCK, HALF, 32, num_warps)
-                _rotate_in_place(k_smem, cs_smem, first, length, BLOCK, HALF, 32, num_warps)
-                fence_async_shared()
-                _cta_barrier()
-            elif partial:
-                _zero_rows_past(q_smem, first, length, BLOCK, HALF, 32, num_warps)
-                _zero_rows_past(k_smem, first, length, BLOCK, HALF, 32, num_warps)
-                fence_async_shared()
-                _cta_barrier()
-            sc = warpgroup_mma(q_smem.index(0), k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            sc = warpgroup_mma(q_smem.index(1), k_smem.index(1).permute((1, 0)), sc, is_async=True)
-            sc = warpgroup_mma_wait(0, deps=(sc, ))
+            sc = _scores_of(q_smem, k_smem, cs_smem, qk_bar, phase, first, length, s_zero, BLOCK, HALF, ROPE, True,
+                            num_warps)
             p = gl.exp2(sc * qk_scale - lse[:, None])
             p = gl.where((k_cols < length)[None, :], p, 0.0)  # keys past the sequence: 0
             p_smem.store(p.to(dtype))
@@ -342,25 +362,19 @@ def _block_attn_fwd_hopper(
 
     pid = gl.program_id(0)
     n_programs = gl.num_programs(0)
-    valid, start, length, first, col = _item(pid, n_items, WORK, OFFSETS, num_heads, BLOCK, HALF)
-    _load_qk(q_desc, k_desc, cos_desc, sin_desc, q_smem, k_smem, cs_smem, qk_bar, start + first, first, col, valid,
-             HALF, ROPE)
-    _load_pair(v_desc, v_smem, v_bar, start + first, col, valid, HALF)
+    valid, start, length, first, col = _first_item(q_desc, k_desc, v_desc, cos_desc, sin_desc, q_smem, k_smem, v_smem,
+                                                   cs_smem, qk_bar, v_bar, n_items, WORK, OFFSETS, num_heads, BLOCK,
+                                                   HALF, ROPE)
     for r in range(0, gl.cdiv(n_items, n_programs)):
         phase = r & 1
         n_valid, n_start, n_length, n_first, n_col = _item(pid + (r + 1) * n_programs, n_items, WORK, OFFSETS,
                                                            num_heads, BLOCK, HALF)
         if valid:
             partial = first + BLOCK > length
-            mbarrier.wait(qk_bar, phase)
-            if ROPE:
-                _rotate_in_place(q_smem, cs_smem, first, length, BLOCK, HALF, 32, num_warps)
-                _rotate_in_place(k_smem, cs_smem, first, length, BLOCK, HALF, 32, num_warps)
-                fence_async_shared()
-                _cta_barrier()
-            sc = warpgroup_mma(q_smem.index(0), k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            sc = warpgroup_mma(q_smem.index(1), k_smem.index(1).permute((1, 0)), sc, is_async=True)
-            sc = warpgroup_mma_wait(0, deps=(sc, ))
+            # without rope q and k rows past the sequence stay: their scores are replaced by -inf
+            # (keys) or never stored (queries)
+            sc = _scores_of(q_smem, k_smem, cs_smem, qk_bar, phase, first, length, s_zero, BLOCK, HALF, ROPE, False,
+                            num_warps)
             _cta_barrier()  # q, k and the rope rows are read: the next item's start loading
             _load_qk(q_desc, k_desc, cos_desc, sin_desc, q_smem, k_smem, cs_smem, qk_bar, n_start + n_first, n_first,
                      n_col, n_valid, HALF, ROPE)

@@ -342,6 +342,29 @@ def zigzag_item(r, pid, n_programs):
     return r * n_programs + tl.where(r % 2 == 0, pid, n_programs - 1 - pid)
 
 
+def gluon_module(name: str, op: str, device=None):
+    """gemctl.ops.triton.<name>, a module of Gluon kernels for Hopper, or ValueError where they
+    cannot run on ``device`` (the current CUDA device when None): no sm_90+ GPU, the interpreter, a
+    Triton without Gluon's Hopper API. Autotuning then skips their configs; a pinned one raises."""
+    if (INTERPRET or not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda")
+            or torch.cuda.get_device_capability(device)[0] < 9):
+        raise ValueError(f"{op} (Hopper): needs an sm_90+ GPU (the Gluon kernels' configs)")
+    try:
+        return importlib.import_module(f"gemctl.ops.triton.{name}")
+    except ImportError as exc:
+        raise ValueError(f"{op} (Hopper): Gluon unavailable ({exc})") from exc
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_runs(name: str, device: torch.device) -> bool:
+    """Whether gluon_module(name) runs on ``device`` (asked once per module and device)."""
+    try:
+        gluon_module(name, name, device)
+    except ValueError:
+        return False
+    return True
+
+
 def num_programs(n_items: int, per_sm: int, device) -> int:
     """Grid size: one program per item (per_sm = 0), or a persistent grid of per_sm programs on
     every streaming multiprocessor (fewer if there are fewer items)."""

@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 
 from gemctl.ops.triton.common import (
-    bucket_len, config_field, gpu_checked, key_work, load_rows, num_programs, pick_config, query_work, row_descriptors,
-    rows_viewable, store_rows, work_item, zigzag_item,
+    bucket_len, config_field, gluon_module, gluon_runs, gpu_checked, key_work, load_rows, num_programs, pick_config,
+    query_work, row_descriptors, rows_viewable, store_rows, work_item, zigzag_item,
 )
 
 ACTIVATIONS = {"gelu": 0, "silu": 1}
@@ -458,27 +458,14 @@ def _launch(kernel, work, heads, cfg, args, dim, act, after_work=(), **constexpr
 
 
 def _hopper():
-    """gemctl.ops.triton.gdpa_hopper, or ValueError where it cannot run (a Triton without Gluon's
-    Hopper API, a GPU before sm_90): the autotuner then skips its configs."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
-        raise ValueError("gdpa (Hopper): needs an sm_90+ GPU")
-    try:
-        from gemctl.ops.triton import gdpa_hopper
-    except ImportError as exc:
-        raise ValueError(f"gdpa (Hopper): Gluon unavailable ({exc})") from exc
-    return gdpa_hopper
+    """gemctl.ops.triton.gdpa_hopper, or ValueError where it cannot run (common.gluon_module): the
+    autotuner then skips its configs."""
+    return gluon_module("gdpa_hopper", "gdpa")
 
 
-@functools.lru_cache(maxsize=None)
 def _hopper_runs(device: torch.device) -> bool:
     """An sm_90+ GPU and a Triton with Gluon's Hopper API (asked once per device)."""
-    if device.type != "cuda":
-        return False
-    try:
-        _hopper()
-    except ValueError:
-        return False
-    return True
+    return gluon_runs("gdpa_hopper", device)
 
 
 def _hopper_eligible(q, k, v, out) -> bool:
