@@ -452,8 +452,8 @@ def test_block_attention_hopper_ignores_non_finite_rows_past_the_sequences_gpu(r
     padded = [torch.cat([t.detach(), junk]).requires_grad_(True) for t in (q, k, v)]
     grad_padded = torch.cat([grad, junk])
     got = {}
-    for name, fwd, bwd in (("triton", (4, 2, 0), (4, 1, 1)),
-                           ("gluon", ba_kernels._HOPPER_FWD_CANDIDATES[0], ba_kernels._HOPPER_BWD_CANDIDATES[0])):
+    gluon = (ba_kernels._HOPPER_FWD_CANDIDATES[0], ba_kernels._HOPPER_BWD_CANDIDATES[0])
+    for name, fwd, bwd in (("triton", (4, 2, 0), (4, 1, 1)), ("gluon", *gluon)):
         with common.forced_config({"block_attention_fwd": fwd, "block_attention_bwd": bwd}):
             got[name] = [t[:int(off[-1])] for t in _run("triton", *padded, off, max(lengths), 64, rope, grad_padded)]
     for name, a, b in zip(["out", "dq", "dk", "dv"], got["gluon"], got["triton"]):

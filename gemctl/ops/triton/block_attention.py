@@ -68,8 +68,8 @@ import triton.language as tl
 
 from gemctl.ops.reference.block import rope_cos_sin, rope_table_dtype
 from gemctl.ops.triton.common import (
-    INTERPRET, bucket_len, cdiv, config_field, gluon_module, gluon_runs, gpu_checked, load_tile, pick_config, query_work,
-    row_descriptors, store_rows, whole_tile_work, work_item,
+    INTERPRET, bucket_len, cdiv, config_field, gluon_module, gluon_runs, gpu_checked, load_tile, pick_config,
+    query_work, row_descriptors, store_rows, whole_tile_work, work_item,
 )
 
 LOG2E = 1.4426950408889634
@@ -143,7 +143,7 @@ _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2,
 # 3.6), D=128, rope with fp16 tables: 255 registers, 92 B of spill stores (loop invariants, reloaded
 # ~15 times per item), 106,536 B of shared memory: two programs per SM (without rope 240 registers,
 # no spills, 90,152 B; D=64 with fp32 tables 188, 65,576 B). Not yet run on a GPU, so pinned-only
-# until the GPU tier passes it (test_block_attention_hopper_backward_gpu).
+# until the GPU tier passes it (test_block_attention_hopper_gpu).
 _HOPPER_BWD_CANDIDATES = [(4, 1, 1, 0, 0, 2), (4, 1, 1, 0, 0, 1)]
 _BWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (8, 1, 2), (4, 2, 2),
                    (4, 1, 1, 1), (4, 2, 0, 1), (8, 1, 1, 1),
@@ -524,8 +524,8 @@ def _backward(do, q, k, v, lse, cos, sin, offsets, max_len, block_size, rope_bas
     def run(cfg):
         if config_field(cfg, 5):  # the Gluon kernel for Hopper
             work = query_work(offsets, offsets, block_size, False, q.device)
-            _hopper(q.device).backward(q, k, v, do, lse, dq, dk, dv, cos, sin, offsets, work, block_size, rope, scale * LOG2E,
-                               scale, config_field(cfg, 5))
+            _hopper(q.device).backward(q, k, v, do, lse, dq, dk, dv, cos, sin, offsets, work, block_size, rope,
+                                       scale * LOG2E, scale, config_field(cfg, 5))
             return
         args = (q, k, v, do, lse, dq, dk, dv, cos, sin, strides)
         descs = _descriptors(cfg, block_size, (q, k), (v, do))

@@ -27,7 +27,6 @@ On Hopper the forward's candidates also hold the Gluon kernel of gdpa_hopper.py 
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
