@@ -137,8 +137,6 @@ def gluon_kernels():
     """The Gluon kernels (Hopper only; their descriptors carry the shared-memory layout)."""
     import torch
 
-    from triton.experimental.gluon import language as gl
-
     from gemctl.ops.triton import block_attention_hopper as bh
     from gemctl.ops.triton import gdpa_hopper as gh
 
@@ -151,7 +149,7 @@ def gluon_kernels():
         tile = desc(bh.BLOCK, dim // 2)
         table = tile
         if table_dtype:
-            layout = bh._table_layout(dim // 2, {"fp16": gl.float16, "fp32": gl.float32}[table_dtype])
+            layout = gh.shared_layout(bh.BLOCK, dim // 2, {"fp16": torch.float16, "fp32": torch.float32}[table_dtype])
             table = f"tensordesc<{table_dtype}[{bh.BLOCK}, {dim // 2}],{layout!r}>"
         rope = table_dtype is not None
         io = dict(q_desc=tile, k_desc=tile, v_desc=tile, do_desc=tile, dq_desc=tile, dk_desc=tile, dv_desc=tile,

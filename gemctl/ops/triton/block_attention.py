@@ -506,7 +506,8 @@ def _forward(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
 
     # the rotation's arithmetic (mode) too: configs timed with one are not the other's; and whether
     # the Gluon configs can run on these inputs
-    hopper = _hopper_eligible(block_size, rope, cos, sin, q, k, v, out)
+    hopper = (_hopper_tunable(_HOPPER_FWD_CANDIDATES, _FWD_CHECKED)
+              and _hopper_eligible(block_size, rope, cos, sin, q, k, v, out))
     key = ("block_attention_fwd", dim, q.dtype, block_size, _table_key(cos, rope), mode, heads, bucket_len(n), hopper)
     run(pick_config(key, lambda: _tuned(_eligible(_FWD_CANDIDATES, hopper), _FWD_CHECKED), run, _INTERPRET_CONFIG))
     return out, lse
@@ -533,7 +534,8 @@ def _backward(do, q, k, v, lse, cos, sin, offsets, max_len, block_size, rope_bas
         _launch(_block_attn_bwd, offsets, heads, block_size, cfg, args, descs, dim, _rope_mode(rope, q, False),
                 q.device, HALVES=bool(config_field(cfg, 4)))
 
-    hopper = _hopper_eligible(block_size, rope, cos, sin, q, k, v, do, dq, dk, dv)
+    hopper = (_hopper_tunable(_HOPPER_BWD_CANDIDATES, _BWD_CHECKED)
+              and _hopper_eligible(block_size, rope, cos, sin, q, k, v, do, dq, dk, dv))
     key = ("block_attention_bwd", dim, q.dtype, block_size, _table_key(cos, rope), heads, bucket_len(n), hopper)
     run(pick_config(key, lambda: _tuned(_eligible(_BWD_CANDIDATES, hopper), _BWD_CHECKED), run, _INTERPRET_CONFIG))
     return dq, dk, dv
@@ -548,6 +550,13 @@ def _hopper(device: torch.device):
 def _hopper_runs(device: torch.device) -> bool:
     """An sm_90+ GPU and a Triton with Gluon's Hopper API (asked once per device)."""
     return gluon_runs("block_attention_hopper", device)
+
+
+def _hopper_tunable(hopper_candidates: list, checked: set) -> bool:
+    """Whether autotuning could time any Gluon config of a pass (one the GPU tier passed, or every
+    candidate with _PENDING_AUTOTUNE): only then is _hopper_eligible's per-call check worth its host
+    time (a stride and alignment read per tensor)."""
+    return _PENDING_AUTOTUNE or not checked.isdisjoint(hopper_candidates)
 
 
 def _hopper_eligible(block_size: int, rope: bool, cos, sin, *tensors) -> bool:

@@ -41,8 +41,6 @@ it for sm_90 (scripts/check_kernels_build.py), the GPU tier checks it against fl
 
 from __future__ import annotations
 
-import functools
-
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -51,19 +49,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from gemctl.ops.triton.common import num_programs, rows_viewable
-from gemctl.ops.triton.gdpa_hopper import _GL_DTYPES, _acc_layout, _cta_barrier, _tma_load, _tma_store, shared_layout
+from gemctl.ops.triton.common import num_programs, rows_viewable, work_item
+from gemctl.ops.triton.gdpa_hopper import (
+    _GL_DTYPES, ELEMENT_TYPES, _acc_layout, _cta_barrier, _tma_load, _tma_store, shared_layout,
+)
 
 BLOCK = 64  # rows of a block: one warpgroup's wgmma M
-
-
-def _table_dtypes():
-    import torch
-
-    return {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
-
-
-_TABLE_DTYPES = _table_dtypes()
 
 
 @gluon.jit
@@ -72,11 +63,7 @@ def _item(e, n_items, WORK, OFFSETS, num_heads, BLOCK: gl.constexpr, HALF: gl.co
     (of half 0) in the [N, H * D] views; valid = e < n_items (clamped to the last item if not)."""
     valid = e < n_items
     e = gl.minimum(e, n_items - 1)
-    w = e // num_heads
-    b = gl.load(WORK + 2 * w)
-    first = gl.load(WORK + 2 * w + 1) * BLOCK
-    start = gl.load(OFFSETS + b).to(gl.int32)
-    length = gl.load(OFFSETS + b + 1).to(gl.int32) - start
+    first, start, length, _, _, _ = work_item(WORK, OFFSETS, OFFSETS, e // num_heads, BLOCK)
     return valid, start, length, first, (e % num_heads) * (2 * HALF)
 
 
@@ -158,13 +145,14 @@ def _store_half(x, desc, stage, DST, start, first, length, col, stride, BLOCK: g
     tiles take the stores in turn: the TMA store before the last has read this tile when every
     store went by TMA; after a partial block (masked stores commit no bulk group) all of them must
     have (the last one may be this tile's)."""
-    if first + BLOCK <= length:
+    whole = first + BLOCK <= length
+    if whole:
         tma.store_wait(1)
     else:
         tma.store_wait(0)
     _cta_barrier()
     stage.store(x.to(desc.dtype))
-    if first + BLOCK <= length:
+    if whole:
         fence_async_shared()
         _cta_barrier()  # every warp's rows are in the tile before one thread starts the copy
         _tma_store(desc, [start + first, col], stage)
@@ -427,7 +415,7 @@ def tables_viewable(cos, sin) -> bool:
     """Whether rope tables [rows, D/2] can be read by TMA in (BLOCK, D/2) boxes: fp16/bf16 (what
     rope_table_dtype gives 16-bit inputs) or fp32 (twice the shared memory), one dtype, 16-byte
     aligned rows and bases."""
-    if cos.dtype not in _TABLE_DTYPES or cos.dtype != sin.dtype:
+    if cos.dtype not in ELEMENT_TYPES or cos.dtype != sin.dtype:
         return False
     size = cos.element_size()
     return not any(t.stride(1) != 1 or (t.stride(0) * size) % 16 or t.data_ptr() % 16 or (t.shape[1] * size) % 16
@@ -449,13 +437,8 @@ def table_descriptors(cos, sin):
     no (fp32 tables: one backward program per SM, resident_programs)."""
     if not tables_viewable(cos, sin):
         return None
-    layout = _table_layout(cos.shape[1], _TABLE_DTYPES[cos.dtype])
+    layout = shared_layout(BLOCK, cos.shape[1], cos.dtype)
     return [TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [BLOCK, t.shape[1]], layout) for t in (cos, sin)]
-
-
-@functools.lru_cache(maxsize=None)
-def _table_layout(half: int, dtype) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for([BLOCK, half], dtype)
 
 
 _SMEM_PER_SM, _SMEM_RESERVED = 233472, 1024  # sm_90: shared memory of an SM, reserved per program

@@ -281,7 +281,7 @@ PROBES = False  # scripts/bench_gdpa.py --probes: configs with a PROBE field may
 def shared_layout(block_rows: int, dim: int, dtype) -> gl.NVMMASharedLayout:
     """The swizzled shared-memory layout of a (block_rows, dim) tile that TMA and wgmma share
     (cached: ~5 us of host time to build, four per launch)."""
-    return gl.NVMMASharedLayout.get_default_for([block_rows, dim], _GL_DTYPES[dtype])
+    return gl.NVMMASharedLayout.get_default_for([block_rows, dim], ELEMENT_TYPES[dtype])
 
 
 def descriptors(block_m: int, block_n: int, q, k, v, out):
@@ -331,4 +331,11 @@ def _torch_dtypes():
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
-_GL_DTYPES = _torch_dtypes()
+def _element_types():
+    import torch
+
+    return {**_torch_dtypes(), torch.float32: gl.float32}
+
+
+_GL_DTYPES = _torch_dtypes()  # the dtypes the kernels compute in
+ELEMENT_TYPES = _element_types()  # the dtypes a shared tile can hold (fp32: block attention's rope tables)
