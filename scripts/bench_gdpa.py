@@ -139,7 +139,7 @@ PROBE_NAMES = {1: "memory alone", 2: "math alone"}  # gdpa_hopper's PROBE field 
 
 
 def with_probes(configs: list[tuple]) -> list[tuple]:
-    """configs, each Gluon one (ninth field 1) followed by its probes (eleventh field 1 and 2), with
+    """configs, each resident Gluon one (ninth field 1) followed by its probes (eleventh field 1 and 2), with
     the probes let through gdpa_hopper.forward."""
     from gemctl.ops.triton import gdpa_hopper
 
@@ -147,7 +147,8 @@ def with_probes(configs: list[tuple]) -> list[tuple]:
     out = []
     for cfg in configs:
         out.append(cfg)
-        if common.config_field(cfg, 8) and not common.config_field(cfg, 10):  # a probe is not probed again
+        # the resident Gluon kernel's (the warp-specialized one has none); a probe is not probed again
+        if common.config_field(cfg, 8) == 1 and not common.config_field(cfg, 10):
             base = (tuple(cfg) + (0,) * 11)[:10]
             out += [base + (1,), base + (2,)]
     return out

@@ -168,6 +168,14 @@ def gluon_kernels():
     # GELU with the scale applied first (a scale outside the fold range, or fp16): 32 keys at D = 64
     yield gh._gdpa_fwd_resident, io, dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=32, CHUNK=4, ACT=0, Q_STAGES=2,
                                            LOOKAHEAD=1, FOLD=False, num_warps=4)
+    # the warp-specialized form (a loader warp, two consumer warpgroups): cross-128's two buffer
+    # plans at D = 128, and cross-32's at D = 64 with SiLU
+    for block_n, dim, q_stages, kv_stages, act in ((128, 128, 4, 2, 0), (128, 128, 6, 1, 0), (32, 64, 8, 2, 1)):
+        io = dict(q_desc=desc(64, dim), o_desc=desc(64, dim), k_desc=desc(block_n, dim), v_desc=desc(block_n, dim),
+                  O="*bf16", Q_OFFSETS="*i64", K_OFFSETS="*i64", WORK="*i32", scale="fp32")
+        yield gh._gdpa_fwd_ws, io, dict(HEAD_DIM=dim, BLOCK_M=64, BLOCK_N=block_n, CHUNK=16, ACT=act, Q_STAGES=q_stages,
+                                        KV_STAGES=kv_stages, FOLD=act == 0, CONSUMER_REGS=gh.WS_REGS[0],
+                                        LOADER_REGS=gh.WS_REGS[1], num_warps=4)
     # the benchmark's timing probes (bench_gdpa.py --probes): memory alone, math alone, at 128 keys
     io = dict(io, q_desc=desc(64, 128), o_desc=desc(64, 128), k_desc=desc(128, 128), v_desc=desc(128, 128))
     for probe in (1, 2):
@@ -276,6 +284,17 @@ def _constexprs(fn, types: dict, consts: dict) -> dict:
     return consts
 
 
+def _options(fn, consts: dict, warps: int, stages: int) -> dict:
+    """Compile options as a launch passes them: warps, stages, and the register limit of the
+    warp-specialized kernels (its partitions' shares are set against it)."""
+    from gemctl.ops.triton import gdpa_hopper as gh
+
+    options = {"num_warps": consts.get("num_warps", warps), "num_stages": stages}
+    if fn is gh._gdpa_fwd_ws:
+        options["maxnreg"] = gh.WS_MAXNREG
+    return options
+
+
 def _flags(consts: dict) -> str:
     """The variant a compile is: its integer and boolean constexprs other than tile sizes."""
     return ",".join(f"{k}={int(v)}" for k, v in consts.items()
@@ -337,8 +356,7 @@ def ptxas_stats(target, warps: int, stages: int, head_loop: bool = False) -> lis
         if "heads_per_program" in fn.arg_names and not head_loop:
             consts["heads_per_program"] = 1  # Triton specializes the value 1: one-head configs get no loop
         src = _source(fn, types, consts, _aligned_attrs(fn, types, consts))
-        compiled = triton.compile(src, target=target, options={"num_warps": consts.get("num_warps", warps),
-                                                               "num_stages": stages})
+        compiled = triton.compile(src, target=target, options=_options(fn, consts, warps, stages))
         with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
             ptx.write(compiled.asm["ptx"])
             ptx.flush()
@@ -383,7 +401,7 @@ def main() -> int:
         t0 = time.time()
         consts = _constexprs(fn, types, consts)
         src = _source(fn, types, consts)
-        compiled = triton.compile(src, target=target, options={"num_warps": consts.get("num_warps", 4), "num_stages": 3})
+        compiled = triton.compile(src, target=target, options=_options(fn, consts, 4, 3))
         print(f"{fn.__name__:<24} {_flags(consts):<30} sm_{args.arch}: ok ({time.time() - t0:.1f} s, {compiled.metadata.shared} B shared)")
     stores = column_cast_stores(target)
     print("\n".join(stores))

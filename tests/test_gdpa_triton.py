@@ -314,13 +314,27 @@ HOPPER_SHAPES = {
 @pytest.mark.parametrize("cfg,why", [((64, 64, 4, 2, 2, 0, 0, 0, 1, 1), "is not built"),
                                      ((128, 128, 8, 2, 2, 16, 0, 0, 1, 1), "is not built"),
                                      ((64, 128, 4, 2, 2, 16, 0, 0, 1, 1, 1), "timing probe"),
-                                     ((64, 128, 4, 2, 2, 16, 0, 0, 1, 1, 2), "timing probe")])
-def test_hopper_forward_refuses_configs_without_a_kernel(cfg, why):
+                                     ((64, 128, 4, 2, 2, 16, 0, 0, 1, 1, 2), "timing probe"),
+                                     ((64, 128, 4, 4, 1, 16, 0, 0, 3, 2), "is not built"),
+                                     ((64, 128, 4, 8, 1, 16, 0, 0, 2, 2), "needs 295424 B"),
+                                     ((64, 128, 4, 4, 2, 16, 0, 0, 2, 2), "one program per SM"),
+                                     ((64, 128, 4, 4, 1, 16, 0, 0, 2, 3), "1 or 2 K/V buffers"),
+                                     ((64, 128, 4, 3, 1, 16, 0, 0, 2, 2), "even number of query slots"),
+                                     ((64, 128, 4, 4, 1, 16, 0, 0, 2, 2, 1), "timing probe")])
+@pytest.mark.parametrize("probes", [False, True])
+def test_hopper_forward_refuses_configs_without_a_kernel(monkeypatch, cfg, why, probes):
     """A pinned Hopper config the Gluon module has no kernel for (chunk 0: the streaming form, removed
-    after hanging the H200; 8 warps), or a benchmark's timing probe (wrong outputs by design) outside
-    bench_gdpa.py --probes, raises before anything is built or launched."""
+    after hanging the H200; 8 warps; a kernel number other than 1 and 2; a warp-specialized config
+    whose buffers exceed an SM's shared memory, with two programs per SM, three K/V buffers or an odd
+    number of query slots, where a consumer could pass a slot on the other's phase), or a
+    timing probe (wrong outputs by design) outside bench_gdpa.py --probes or on the warp-specialized
+    kernel (which has none), raises before anything is built or launched."""
     gdpa_hopper = pytest.importorskip("gemctl.ops.triton.gdpa_hopper")
     assert not gdpa_hopper.PROBES
+    if probes:
+        if why == "timing probe" and gdpa_kernels.config_field(cfg, 8) == 1:
+            pytest.skip("bench_gdpa.py --probes lets the resident kernel's probes through")
+        monkeypatch.setattr(gdpa_hopper, "PROBES", True)
     q = torch.zeros(4, 2, 128, dtype=torch.bfloat16)
     offs = torch.tensor([0, 4])
     work = torch.zeros(1, 2, dtype=torch.int32)
@@ -328,13 +342,28 @@ def test_hopper_forward_refuses_configs_without_a_kernel(cfg, why):
         gdpa_hopper.forward(q, q, q, torch.empty_like(q), offs, offs, work, 0, 0.1, cfg, fold=False)
 
 
+def test_warp_specialized_candidates_fit_and_wait_for_the_gpu_tier():
+    """Every warp-specialized candidate fits one SM's shared memory at head_dim 128 in 16 bits (the
+    kernel's budget, which ptxas measured at 229,704 B for the largest: the estimate may not be
+    below it), and none is autotuned before the GPU tier has passed it."""
+    gdpa_hopper = pytest.importorskip("gemctl.ops.triton.gdpa_hopper")
+    assert gdpa_hopper.ws_shared_bytes(64, 128, 128, 4, 2, 2) >= 229704
+    for cfg in gdpa_kernels._HOPPER_WS_CANDIDATES:
+        assert gdpa_kernels.config_field(cfg, 8) == 2 and cfg[4] == 1
+        assert gdpa_hopper.ws_shared_bytes(cfg[0], cfg[1], 128, cfg[3], cfg[9], 2) <= gdpa_hopper._SMEM_PER_BLOCK
+        assert cfg in gdpa_kernels._FWD_CANDIDATES
+    assert not set(gdpa_kernels._HOPPER_WS_CANDIDATES) & gdpa_kernels._GPU_CHECKED
+    checked = gdpa_kernels.gpu_checked(gdpa_kernels._FWD_CANDIDATES, 6, gdpa_kernels._GPU_CHECKED)
+    assert not set(gdpa_kernels._HOPPER_WS_CANDIDATES) & set(checked)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", gdpa_kernels._HOPPER_FWD_CANDIDATES,
+@pytest.mark.parametrize("cfg", gdpa_kernels._HOPPER_FWD_CANDIDATES + gdpa_kernels._HOPPER_WS_CANDIDATES,
                          ids=lambda c: "_".join(map(str, c)))
 @pytest.mark.parametrize("activation", ["gelu", "silu"])
 @pytest.mark.parametrize("dim,dtype", [(128, torch.bfloat16), (64, torch.float16)])
 def test_gdpa_hopper_forward_gpu(cfg, activation, dim, dtype):
-    """The Gluon forward (gdpa_hopper.py) pinned: key sides of 0 .. block_n keys (masked past
+    """The Gluon forwards (gdpa_hopper.py: resident and warp-specialized) pinned: key sides of 0 .. block_n keys (masked past
     k_len), query sides of 0, 1, tile +- 1 and beyond a chunk (the TMA ring across tiles, the
     masked partial-tile store), one long among short. Element-wise against the bf16 PyTorch path's
     error. The backward is the Triton one's (checked with it)."""

@@ -51,6 +51,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from gemctl.ops.triton.common import num_programs, rows_viewable, work_item
 from gemctl.ops.triton.gdpa_hopper import (
+    SMEM_PER_SM as _SMEM_PER_SM, SMEM_RESERVED as _SMEM_RESERVED,
     _GL_DTYPES, ELEMENT_TYPES, _acc_layout, _cta_barrier, _tma_load, _tma_store, shared_layout,
 )
 
@@ -439,9 +440,6 @@ def table_descriptors(cos, sin):
         return None
     layout = shared_layout(BLOCK, cos.shape[1], cos.dtype)
     return [TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [BLOCK, t.shape[1]], layout) for t in (cos, sin)]
-
-
-_SMEM_PER_SM, _SMEM_RESERVED = 233472, 1024  # sm_90: shared memory of an SM, reserved per program
 
 
 def resident_programs(dim: int, size: int, table_size: int, backward: bool = True) -> int:

@@ -101,7 +101,18 @@ _HOPPER_FWD_CANDIDATES = [
 # from registers with a third query slot (cross-128 119 us against 85 us), and a streaming Gluon
 # form for long key sides (3% slower than the tile loop on self-1000, and it hung the GPU on the
 # every-candidate test's shapes).
-_FWD_CANDIDATES += _HOPPER_FWD_CANDIDATES
+# The warp-specialized Gluon forward (ninth field 2; gdpa_hopper._gdpa_fwd_ws): one program per SM
+# of a loader warp and two consumer warpgroups sharing each item's K and V. Fields as above, but
+# the tenth is the number of K/V buffers (2: the next item's K and V load during this item). Built
+# because cross-128 stays at 70% of its roofline with the resident form (85 us against the 74.7 us
+# the bar needs). sm_90 ptxas, Triton 3.6: 168 registers at launch (232 a consumer, 40 the loader),
+# no spills; 229,704 B of shared memory at 4 query slots and 2 K/V buffers (128 keys, D = 128).
+# Pinned-only until the GPU tier passes them (test_gdpa_hopper_forward_gpu).
+_HOPPER_WS_CANDIDATES = [
+    (64, 128, 4, 4, 1, 16, 0, 0, 2, 2), (64, 128, 4, 6, 1, 16, 0, 0, 2, 1), (64, 128, 4, 4, 1, 8, 0, 0, 2, 2),
+    (64, 64, 4, 6, 1, 16, 0, 0, 2, 2), (64, 32, 4, 8, 1, 16, 0, 0, 2, 2),
+]
+_FWD_CANDIDATES += _HOPPER_FWD_CANDIDATES + _HOPPER_WS_CANDIDATES
 # configs with optional fields the GPU tier has passed; the Hopper ones: test_gdpa_hopper_forward_gpu,
 # 28 passed (H200, 2026-12-03: 320 items over 2-3 programs per SM, bf16 D=128 and fp16 D=64, GELU and SiLU)
 _GPU_CHECKED: set = {(64, 32, 4, 2, 0, 0, 0, 128), *_HOPPER_FWD_CANDIDATES}

@@ -44,6 +44,11 @@ It was removed (docs/benchmarks.md, gdpa). So was a resident form storing its ou
 from the accumulator's registers (no staging tile, a third query slot): 119 us on cross-128
 against 85 us through shared memory and TMA.
 
+A warp-specialized form of the resident kernel (_gdpa_fwd_ws: one program per SM, a loader warp
+and two consumer warpgroups sharing each item's K and V, the next item's K and V double-buffered)
+was built on 2026-12-04 for cross-128's missing 10 points; it has not run on a GPU yet, and its
+configs stay out of autotuning until the GPU tier passes them.
+
 Supported: bf16/fp16, D in {64, 128}, heads adjacent in memory (q/k/v/out as [N, H * D] rows
 with 16-byte aligned strides, at least one box of rows), sm_90+. No interpreter: the CPU tier
 compiles it for sm_90 (scripts/check_kernels_build.py) and the GPU tier checks it against float64
@@ -272,8 +277,186 @@ def _gdpa_fwd_resident(
 
 
 # ----------------------------------------------------------------------------------------------
+# The warp-specialized form: one program per SM, a loader warp and two consumer warpgroups.
+#
+# The resident kernel above runs loads, MMAs, the activation and stores in one warpgroup, in the
+# order of its code: a query slot is refilled only when that warpgroup reaches the refill, K and V
+# of the next item only after this item's last tile, and the two programs of an SM hold two items'
+# K and V (64 KB each at 128 keys, D = 128) in shared memory. Here the roles are split:
+# - a loader warp walks the program's items and issues every TMA load as soon as its buffer is free
+#   (`*_empty` barriers), independent of the consumers' progress;
+# - two consumer warpgroups take the stream's query tiles alternately (tile g to warpgroup g % 2),
+#   sharing the item's K and V, each with its own output staging tile; one's activation overlaps
+#   the other's MMAs, as two programs per SM do, without a second copy of K and V;
+# - KV_STAGES = 2 buffers hold the next item's K and V while this item's tiles run (no bubble at an
+#   item boundary); 1 leaves room for more query slots.
+# Every partition walks the same item list (_item) and so agrees on tile and buffer numbers without
+# talking: tile g is in slot g % Q_STAGES at phase (g // Q_STAGES) & 1, item j (counting items with
+# tiles) in K/V buffer j % KV_STAGES. A buffer is released by one arrival per consumer (kv_empty
+# counts two), made after the consumer's last MMA on it, or, for a consumer with no tile in the item
+# (an item of one tile), after waiting for the buffer to be filled: so a consumer never releases a
+# buffer twice before it has been refilled.
+
+@gluon.jit
+def _ws_load_q(q_desc, q_smem, q_ready, q_empty, g, row, col, Q_STAGES: gl.constexpr):
+    """Stream tile g into slot g % Q_STAGES once that slot's previous tile (g - Q_STAGES) is read."""
+    slot = g % Q_STAGES
+    mbarrier.wait(q_empty.index(slot), ((g // Q_STAGES) & 1) ^ 1)  # a fresh barrier: the first pass goes at once
+    _load_q(q_desc, q_smem, q_ready, slot, row, col, True)
+
+
+@gluon.jit
+def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, Q_OFFSETS,
+               K_OFFSETS, WORK, n_items, num_heads, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr,
+               HEAD_DIM: gl.constexpr, Q_STAGES: gl.constexpr, KV_STAGES: gl.constexpr):
+    pid = gl.program_id(0)
+    n_programs = gl.num_programs(0)
+    g = 0  # query tiles loaded
+    j = 0  # items (with tiles) whose K and V are loaded
+    for r in range(0, gl.cdiv(n_items, n_programs)):
+        q_start, q_len, m0, k_start, k_len, col, n_tiles = _item(r, pid, n_programs, n_items, WORK, Q_OFFSETS,
+                                                                 K_OFFSETS, num_heads, CHUNK, BLOCK_M, HEAD_DIM)
+        if n_tiles > 0:
+            # With one K/V buffer, the item's first tiles go before its K and V, whose buffer frees
+            # only when this program's previous item is done: a slot those tiles wait for holds a
+            # tile of an earlier item (at most Q_STAGES of them), so the wait cannot need this item's
+            # K and V. With two, K and V go first: they are what the item's first tile waits for.
+            early = 0
+            if KV_STAGES == 1:
+                early = gl.minimum(n_tiles, Q_STAGES)
+                for t in range(0, early):
+                    _ws_load_q(q_desc, q_smem, q_ready, q_empty, g + t, q_start + m0 + t * BLOCK_M, col, Q_STAGES)
+            buf = j % KV_STAGES
+            mbarrier.wait(kv_empty.index(buf), ((j // KV_STAGES) & 1) ^ 1)
+            bar = kv_ready.index(buf)
+            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            _tma_load(k_desc, [k_start, col], bar, k_smem.index(buf))
+            _tma_load(v_desc, [k_start, col], bar, v_smem.index(buf))
+            j += 1
+            for t in range(early, n_tiles):
+                _ws_load_q(q_desc, q_smem, q_ready, q_empty, g + t, q_start + m0 + t * BLOCK_M, col, Q_STAGES)
+            g += n_tiles
+
+
+@gluon.jit
+def _ws_consumer(me, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, O, Q_OFFSETS,
+                 K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, ACT: gl.constexpr,
+                 FOLD: gl.constexpr, Q_STAGES: gl.constexpr, KV_STAGES: gl.constexpr):
+    """Consumer warpgroup ``me`` (0 or 1): the tiles g with g % 2 == me of the program's stream.
+    Q_STAGES is even, so a slot only ever holds one consumer's tiles: a consumer waiting on a slot
+    is never more than one phase behind it (with an odd count it could pass on the other
+    consumer's previous phase)."""
+    gl.static_assert(Q_STAGES % 2 == 0, "the warp-specialized GDPA forward needs an even number of query slots")
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = _acc_layout(4, BLOCK_N)
+    o_layout: gl.constexpr = _acc_layout(4, HEAD_DIM)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    o_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    ac = _act_consts(scale, FOLD)
+    pid = gl.program_id(0)
+    n_programs = gl.num_programs(0)
+    g = 0  # the stream position of the current item's first tile
+    j = 0
+    q_start, q_len, m0, k_start, k_len, col, n_tiles = _item(0, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS,
+                                                             num_heads, CHUNK, BLOCK_M, HEAD_DIM)
+    for r in range(0, gl.cdiv(n_items, n_programs)):
+        # the next round's item, read now: its loads' latency passes during this item's tiles
+        nq_start, nq_len, nm0, nk_start, nk_len, ncol, nn_tiles = _item(
+            r + 1, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads, CHUNK, BLOCK_M, HEAD_DIM)
+        if n_tiles > 0:
+            buf = j % KV_STAGES
+            mbarrier.wait(kv_ready.index(buf), (j // KV_STAGES) & 1)
+            k_t = k_smem.index(buf).permute((1, 0))
+            v_buf = v_smem.index(buf)
+            for t in range((g + me) % 2, n_tiles, 2):  # my tiles: (g + t) % 2 == me
+                slot = (g + t) % Q_STAGES
+                mbarrier.wait(q_ready.index(slot), ((g + t) // Q_STAGES) & 1)
+                s = warpgroup_mma(q_smem.index(slot), k_t, s_zero, use_acc=False, is_async=True)
+                s = warpgroup_mma_wait(0, deps=(s, ))
+                mbarrier.arrive(q_empty.index(slot), count=1)  # the S MMA has read the slot
+                p = _scores(s, k_len, ac, s_layout, BLOCK_N, ACT, FOLD, dtype, p_layout)
+                o = warpgroup_mma(p, v_buf, o_zero, use_acc=False, is_async=True)
+                o = warpgroup_mma_wait(0, deps=(o, ))
+                _store_o(_fwd_out(o, ac, ACT), o_desc, o_smem, O, q_start, m0 + t * BLOCK_M, q_len, col, stride_on,
+                         o_layout, BLOCK_M, HEAD_DIM)
+            mbarrier.arrive(kv_empty.index(buf), count=1)  # after my last MMA on this buffer (or its fill)
+            g += n_tiles
+            j += 1
+        q_start, q_len, m0, k_start, k_len, col, n_tiles = nq_start, nq_len, nm0, nk_start, nk_len, ncol, nn_tiles
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _ws_consumer_worker(q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, O, Q_OFFSETS,
+                        K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM: gl.constexpr,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, ACT: gl.constexpr,
+                        FOLD: gl.constexpr, Q_STAGES: gl.constexpr, KV_STAGES: gl.constexpr):
+    """The second consumer, a worker partition (whose functions take no tensors: its staging tile is
+    the second of the pair)."""
+    _ws_consumer(1, q_smem, k_smem, v_smem, o_smem.index(1), q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
+                 Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M, BLOCK_N, CHUNK,
+                 ACT, FOLD, Q_STAGES, KV_STAGES)
+
+
+@gluon.jit
+def _ws_consumer_default(q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, O, Q_OFFSETS,
+                         K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM: gl.constexpr,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, ACT: gl.constexpr,
+                         FOLD: gl.constexpr, Q_STAGES: gl.constexpr, KV_STAGES: gl.constexpr):
+    _ws_consumer(0, q_smem, k_smem, v_smem, o_smem.index(0), q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
+                 Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M, BLOCK_N, CHUNK,
+                 ACT, FOLD, Q_STAGES, KV_STAGES)
+
+
+@gluon.jit(do_not_specialize=["n_items"])
+def _gdpa_fwd_ws(
+    q_desc, k_desc, v_desc, o_desc, O, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, ACT: gl.constexpr,
+    Q_STAGES: gl.constexpr, KV_STAGES: gl.constexpr, FOLD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    # descriptors and WORK as _gdpa_fwd_resident's; num_warps = 4 (the default partition is the
+    # first consumer)
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [Q_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [KV_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [KV_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    o_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], o_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(Q_STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
+    for i in gl.static_range(KV_STAGES):
+        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer
+    # (the argument tuples written out in the call: a tuple bound to a name first turns its
+    # constexprs into tensors)
+    gl.warp_specialize([
+        (_ws_consumer_default, (q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
+                                Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M,
+                                BLOCK_N, CHUNK, ACT, FOLD, Q_STAGES, KV_STAGES)),
+        (_ws_consumer_worker, (q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
+                               Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M,
+                               BLOCK_N, CHUNK, ACT, FOLD, Q_STAGES, KV_STAGES)),
+        (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, Q_OFFSETS,
+                      K_OFFSETS, WORK, n_items, num_heads, CHUNK, BLOCK_M, HEAD_DIM, Q_STAGES, KV_STAGES)),
+    ],
+                       [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------
 # Host side.
 
+# Registers of the warp-specialized kernel: 12 warps (the loader's warpgroup padded to 4) at
+# WS_MAXNREG fill the SM's 64K; the partitions then set their own (setmaxnreg, per warpgroup):
+# each consumer 232, the loader 40, 2 x 232 + 40 = 3 x 168.
+WS_MAXNREG = 168
+WS_REGS = (232, 40)  # (second consumer, loader); the default partition (first consumer) gets the rest
 PROBES = False  # scripts/bench_gdpa.py --probes: configs with a PROBE field may run (wrong outputs)
 
 
@@ -297,21 +480,32 @@ def descriptors(block_m: int, block_n: int, q, k, v, out):
 
 def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cfg: tuple, *, fold: bool) -> None:
     """Launch the Gluon forward: ``cfg`` = (block_m, block_n, warps, query-ring stages, programs per
-    SM, chunk, ..., look-ahead at index 9, a timing probe at index 10) as gdpa's configs carry it;
-    ``work`` is common.query_work with block_m * chunk rows per item; ``fold`` the caller's
-    gdpa.fold_scale decision, made once per call for every kernel it launches. Raises ValueError where the inputs do not
-    allow the kernel (no TMA layout, a head_dim or dtype it was not built for, a key side that needs
-    the streaming form this module no longer has): the autotuner then takes the next candidate."""
+    SM, chunk, 0, 0, kernel at index 8 (1: resident, 2: warp-specialized), then for the resident
+    kernel the look-ahead at index 9 and a timing probe at index 10, for the warp-specialized one the
+    K/V buffers at index 9) as gdpa's configs carry it; ``work`` is common.query_work with
+    block_m * chunk rows per item; ``fold`` the caller's gdpa.fold_scale decision, made once per call
+    for every kernel it launches. Raises ValueError where the inputs do not allow the kernel (no TMA
+    layout, a head_dim or dtype it was not built for, a key side that needs the streaming form this
+    module no longer has, buffers beyond an SM's shared memory): the autotuner then takes the next
+    candidate."""
     block_m, block_n, warps, stages, per_sm, chunk = cfg[:6]
     heads, dim = q.shape[1], q.shape[2]
-    probe = config_field(cfg, 10)
-    if probe and not PROBES:
+    kind, probe = config_field(cfg, 8), config_field(cfg, 10)
+    if probe and (kind != 1 or not PROBES):
         raise ValueError(f"gdpa (Hopper): config {cfg} is a timing probe (wrong outputs by design); "
-                         "only scripts/bench_gdpa.py --probes runs it")
-    # one warpgroup: a slot is refilled (and K/V reloaded) right after this warpgroup's MMA read
-    # it, which with a second warpgroup could still be waiting on that slot's previous phase
-    if dim not in (64, 128) or warps != 4 or block_m != 64 or chunk < 1:
+                         "only scripts/bench_gdpa.py --probes runs it, on the resident kernel")
+    # the resident kernel runs one warpgroup: a slot is refilled (and K/V reloaded) right after this
+    # warpgroup's MMA read it, which with a second warpgroup could still be waiting on that slot's
+    # previous phase (the warp-specialized kernel's second warpgroup is a partition of its own)
+    if dim not in (64, 128) or warps != 4 or block_m != 64 or chunk < 1 or kind not in (1, 2):
         raise ValueError(f"gdpa (Hopper): head_dim {dim} with config {cfg} is not built")
+    kv_stages = config_field(cfg, 9)
+    if kind == 2:
+        need = ws_shared_bytes(block_m, block_n, dim, stages, kv_stages, q.element_size())
+        if per_sm != 1 or kv_stages not in (1, 2) or stages < 2 or stages % 2 or need > _SMEM_PER_BLOCK:
+            raise ValueError(f"gdpa (Hopper): warp-specialized config {cfg} at head_dim {dim} is not built (one "
+                             f"program per SM, an even number of query slots, 1 or 2 K/V buffers, at most "
+                             f"{_SMEM_PER_BLOCK} B of shared memory; it needs {need} B)")
     descs = descriptors(block_m, block_n, q, k, v, out)
     if descs is None:
         raise ValueError("gdpa (Hopper): q/k/v/out do not allow TMA descriptors (heads adjacent, 16-byte aligned rows)")
@@ -319,10 +513,25 @@ def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cf
     if n_items == 0:
         return
     grid = (num_programs(n_items, per_sm, q.device),)
-    _gdpa_fwd_resident[grid](*descs, out, q_offsets, k_offsets, work, n_items, heads, out.stride(0), scale,
-                             HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk, ACT=act,
-                             Q_STAGES=stages, LOOKAHEAD=config_field(cfg, 9), FOLD=fold,
-                             num_warps=warps, PROBE=probe)
+    args = (*descs, out, q_offsets, k_offsets, work, n_items, heads, out.stride(0), scale)
+    if kind == 2:
+        _gdpa_fwd_ws[grid](*args, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk, ACT=act,
+                           Q_STAGES=stages, KV_STAGES=kv_stages, FOLD=fold, CONSUMER_REGS=WS_REGS[0],
+                           LOADER_REGS=WS_REGS[1], num_warps=4, maxnreg=WS_MAXNREG)
+        return
+    _gdpa_fwd_resident[grid](*args, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk, ACT=act,
+                             Q_STAGES=stages, LOOKAHEAD=kv_stages, FOLD=fold, num_warps=warps, PROBE=probe)
+
+
+SMEM_PER_SM, SMEM_RESERVED = 233472, 1024  # sm_90: shared memory of an SM, reserved per program
+_SMEM_PER_BLOCK = SMEM_PER_SM - SMEM_RESERVED  # the most one program can have (227 KiB)
+
+
+def ws_shared_bytes(block_m: int, block_n: int, dim: int, q_stages: int, kv_stages: int, size: int) -> int:
+    """Shared memory of the warp-specialized kernel: the query ring, K and V buffers, two output
+    staging tiles, and the mbarriers (sm_90 ptxas, Triton 3.6: 229,704 B at 4 query slots, 2 K/V
+    buffers, 128 keys, D = 128, bf16; the tiles alone are 229,376)."""
+    return (q_stages * block_m + 2 * kv_stages * block_n + 2 * block_m) * dim * size + 512
 
 
 def _torch_dtypes():
