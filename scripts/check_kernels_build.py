@@ -176,6 +176,14 @@ def gluon_kernels():
         yield gh._gdpa_fwd_ws, io, dict(HEAD_DIM=dim, BLOCK_M=64, BLOCK_N=block_n, CHUNK=16, ACT=act, Q_STAGES=q_stages,
                                         KV_STAGES=kv_stages, FOLD=act == 0, CONSUMER_REGS=gh.WS_REGS[0],
                                         LOADER_REGS=gh.WS_REGS[1], num_warps=4)
+    # its streaming form (any key length: (K, V) tiles through a ring both consumers read): 64-key
+    # tiles in 4 stages and 128-key tiles in 2 at D = 128, 32-key tiles in 6 at D = 64 with SiLU
+    for block_n, dim, kv_stages, act in ((64, 128, 4, 0), (128, 128, 2, 0), (32, 64, 6, 1)):
+        io = dict(q_desc=desc(64, dim), o_desc=desc(64, dim), k_desc=desc(block_n, dim), v_desc=desc(block_n, dim),
+                  O="*bf16", Q_OFFSETS="*i64", K_OFFSETS="*i64", WORK="*i32", scale="fp32")
+        yield gh._gdpa_fwd_ws_stream, io, dict(HEAD_DIM=dim, BLOCK_M=64, BLOCK_N=block_n, ACT=act, KV_STAGES=kv_stages,
+                                               FOLD=act == 0, CONSUMER_REGS=gh.WS_REGS[0], LOADER_REGS=gh.WS_REGS[1],
+                                               num_warps=4)
     # the benchmark's timing probes (bench_gdpa.py --probes): memory alone, math alone, at 128 keys
     io = dict(io, q_desc=desc(64, 128), o_desc=desc(64, 128), k_desc=desc(128, 128), v_desc=desc(128, 128))
     for probe in (1, 2):
@@ -290,7 +298,7 @@ def _options(fn, consts: dict, warps: int, stages: int) -> dict:
     from gemctl.ops.triton import gdpa_hopper as gh
 
     options = {"num_warps": consts.get("num_warps", warps), "num_stages": stages}
-    if fn is gh._gdpa_fwd_ws:
+    if fn in (gh._gdpa_fwd_ws, gh._gdpa_fwd_ws_stream):
         options["maxnreg"] = gh.WS_MAXNREG
     return options
 

@@ -23,8 +23,9 @@
 #             self-4000)
 #   gdpa-probes  bench_gdpa.py's timing probes of the Gluon cross-128 forward (memory alone, math
 #             alone, against the pick) and the self-1000 forward against the softmax one, 10 A/B rounds
-#   gdpa-ws   the warp-specialized GDPA forward (gdpa_hopper._gdpa_fwd_ws): its GPU tier under a 90 s
-#             limit per test, then, only if that passed, cross-128 and cross-32 against the picks
+#   gdpa-ws   the warp-specialized GDPA forwards (gdpa_hopper._gdpa_fwd_ws, _gdpa_fwd_ws_stream): their
+#             GPU tier under a 90 s limit per test, then, only if that passed, cross-128 and cross-32
+#             (resident) and self-1000 (streaming) against the picks
 #   bench-mx  scripts/bench_mx.py: MX quantize kernels, Python call and CUDA-graph time, vs copy
 #   tests-precision  the GPU tier of the FP8, MX and MX-attention tests alone (~1-2 minutes)
 #   bench-fp8 scripts/bench_fp8.py --only cast,mlp --pending: the FP8 casts vs copy, the MLP block vs
@@ -107,12 +108,15 @@ for stage in "$@"; do
       # kernel must not take the call), then, only if that passed, cross-128 and cross-32 timed
       # against the resident Gluon pick and the Triton resident-key pick
       GEMCTL_GPU_TEST_TIMEOUT=90 python3 -m pytest -v -m gpu -n 8 tests/test_gdpa_triton.py \
-        -k "(hopper_forward_gpu or every_candidate) and _0_0_2_" -p no:cacheprovider -rf 2>&1 \
-        | grep -v '^ *$\|Warning\|warner' | tail -40 | tee "$OUT/gpu_tests_gdpa_ws.log" \
-        && timeout 300 python3 scripts/bench_gdpa.py --grid-only --only cross-128 cross-32 --grid-configs \
+        -k "(hopper_forward_gpu or hopper_stream or every_candidate) and (_0_0_2_ or _0_0_0_3)" -p no:cacheprovider \
+        -rf 2>&1 | grep -v '^ *$\|Warning\|warner' | tail -40 | tee "$OUT/gpu_tests_gdpa_ws.log" \
+        && timeout 240 python3 scripts/bench_gdpa.py --grid-only --only cross-128 cross-32 --grid-configs \
           64,128,4,2,2,16,0,0,1,1 64,32,4,3,0,4 64,128,4,4,1,16,0,0,2,2 64,128,4,6,1,16,0,0,2,1 \
           64,128,4,4,1,8,0,0,2,2 64,64,4,6,1,16,0,0,2,2 64,32,4,8,1,16,0,0,2,2 \
-          --out "$OUT/gdpa_ws_grid.json" 2>&1 | quiet | tee "$OUT/gdpa_ws_grid.log" ;;
+          --out "$OUT/gdpa_ws_grid.json" 2>&1 | quiet | tee "$OUT/gdpa_ws_grid.log" \
+        && timeout 180 python3 scripts/bench_gdpa.py --grid-only --only self-1000 --grid-configs \
+          64,32,4,3,0,0 64,64,4,4,1,0,0,0,3 64,64,4,3,1,0,0,0,3 64,128,4,2,1,0,0,0,3 64,32,4,6,1,0,0,0,3 \
+          --out "$OUT/gdpa_ws_stream_grid.json" 2>&1 | quiet | tee "$OUT/gdpa_ws_stream_grid.log" ;;
     bench-mx) python3 scripts/bench_mx.py --out "$OUT/bench_mx.json" 2>&1 | quiet | tee "$OUT/bench_mx.log" ;;
     tests-precision)
       # compile-bound (447 s in one process on 2026-11-30): with pytest-xdist (a wheel in .whl/) 12 workers

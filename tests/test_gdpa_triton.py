@@ -320,7 +320,11 @@ HOPPER_SHAPES = {
                                      ((64, 128, 4, 4, 2, 16, 0, 0, 2, 2), "one program per SM"),
                                      ((64, 128, 4, 4, 1, 16, 0, 0, 2, 3), "1 or 2 K/V buffers"),
                                      ((64, 128, 4, 3, 1, 16, 0, 0, 2, 2), "even number of query slots"),
-                                     ((64, 128, 4, 4, 1, 16, 0, 0, 2, 2, 1), "timing probe")])
+                                     ((64, 128, 4, 4, 1, 16, 0, 0, 2, 2, 1), "timing probe"),
+                                     ((64, 64, 4, 4, 1, 4, 0, 0, 3), "streaming warp-specialized"),
+                                     ((64, 64, 4, 4, 2, 0, 0, 0, 3), "streaming warp-specialized"),
+                                     ((64, 64, 4, 8, 1, 0, 0, 0, 3), "needs 360960 B"),
+                                     ((64, 64, 4, 4, 1, 0, 0, 0, 3, 0, 1), "streaming warp-specialized")])
 @pytest.mark.parametrize("probes", [False, True])
 def test_hopper_forward_refuses_configs_without_a_kernel(monkeypatch, cfg, why, probes):
     """A pinned Hopper config the Gluon module has no kernel for (chunk 0: the streaming form, removed
@@ -343,18 +347,43 @@ def test_hopper_forward_refuses_configs_without_a_kernel(monkeypatch, cfg, why, 
 
 
 def test_warp_specialized_candidates_fit_and_wait_for_the_gpu_tier():
-    """Every warp-specialized candidate fits one SM's shared memory at head_dim 128 in 16 bits (the
-    kernel's budget, which ptxas measured at 229,704 B for the largest: the estimate may not be
-    below it), and none is autotuned before the GPU tier has passed it."""
+    """Every warp-specialized candidate (resident and streaming) fits one SM's shared memory at
+    head_dim 128 in 16 bits (the kernel's budget, which ptxas measured at 229,704 B for the largest:
+    the estimate may not be below it), the streaming ones take a pair of query tiles per item, and
+    none is autotuned before the GPU tier has passed it."""
     gdpa_hopper = pytest.importorskip("gemctl.ops.triton.gdpa_hopper")
     assert gdpa_hopper.ws_shared_bytes(64, 128, 128, 4, 2, 2) >= 229704
     for cfg in gdpa_kernels._HOPPER_WS_CANDIDATES:
         assert gdpa_kernels.config_field(cfg, 8) == 2 and cfg[4] == 1
         assert gdpa_hopper.ws_shared_bytes(cfg[0], cfg[1], 128, cfg[3], cfg[9], 2) <= gdpa_hopper._SMEM_PER_BLOCK
         assert cfg in gdpa_kernels._FWD_CANDIDATES
-    assert not set(gdpa_kernels._HOPPER_WS_CANDIDATES) & gdpa_kernels._GPU_CHECKED
+    for cfg in gdpa_kernels._HOPPER_STREAM_CANDIDATES:  # four query tiles: two consumers x two items
+        assert gdpa_kernels.config_field(cfg, 8) == 3 and cfg[4] == 1 and cfg[5] == 0
+        assert gdpa_hopper.ws_shared_bytes(cfg[0], cfg[1], 128, 4, cfg[3], 2) <= gdpa_hopper._SMEM_PER_BLOCK
+        assert gdpa_kernels.item_rows(cfg) == 2 * cfg[0]  # an item is one tile per consumer
+        assert cfg in gdpa_kernels._FWD_CANDIDATES
+    new = set(gdpa_kernels._HOPPER_WS_CANDIDATES + gdpa_kernels._HOPPER_STREAM_CANDIDATES)
+    assert not new & gdpa_kernels._GPU_CHECKED
     checked = gdpa_kernels.gpu_checked(gdpa_kernels._FWD_CANDIDATES, 6, gdpa_kernels._GPU_CHECKED)
-    assert not set(gdpa_kernels._HOPPER_WS_CANDIDATES) & set(checked)
+    assert not new & set(checked)
+    assert gdpa_kernels.item_rows((64, 128, 4, 2, 2, 16, 0, 0, 1, 1)) == 64 * 16
+    assert gdpa_kernels.item_rows((64, 32, 4, 3, 0, 0)) == 64
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", gdpa_kernels._HOPPER_STREAM_CANDIDATES, ids=lambda c: "_".join(map(str, c)))
+@pytest.mark.parametrize("activation", ["gelu", "silu"])
+@pytest.mark.parametrize("dim,dtype", [(128, torch.bfloat16), (64, torch.float16)])
+@pytest.mark.parametrize("shape", ["self", "asymmetric"])
+def test_gdpa_hopper_stream_forward_gpu(cfg, activation, dim, dtype, shape):
+    """The streaming warp-specialized forward pinned, on key sides of any length: jagged
+    self-attention (lengths 0, 1, tile +- 1, one long among short; pairs of query tiles whose second
+    tile is empty, key tiles ending mid-tile) and asymmetric sides (1..1000 keys against 0..1000
+    queries), 320 sequences (more items than programs). Element-wise against the 16-bit PyTorch
+    path's error."""
+    ql = _HOPPER_Q * 8
+    kl = ql if shape == "self" else [5, 1000, 1, 64, 63, 129, 0, 300, 1000, 2] * 8
+    _check_hopper(cfg, ql, kl, activation, dim, dtype)
 
 
 @pytest.mark.gpu

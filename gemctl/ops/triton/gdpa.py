@@ -112,7 +112,16 @@ _HOPPER_WS_CANDIDATES = [
     (64, 128, 4, 4, 1, 16, 0, 0, 2, 2), (64, 128, 4, 6, 1, 16, 0, 0, 2, 1), (64, 128, 4, 4, 1, 8, 0, 0, 2, 2),
     (64, 64, 4, 6, 1, 16, 0, 0, 2, 2), (64, 32, 4, 8, 1, 16, 0, 0, 2, 2),
 ]
-_FWD_CANDIDATES += _HOPPER_FWD_CANDIDATES + _HOPPER_WS_CANDIDATES
+# The streaming warp-specialized forward (ninth field 3; gdpa_hopper._gdpa_fwd_ws_stream), for key
+# sides of any length: an item is a pair of 64-row query tiles, one per consumer, and the keys
+# stream through a ring of (K, V) tiles (fourth field: its stages) that both consumers read. Built
+# (2026-12-04) to widen self-1000's thin margin over the softmax forward (333-340 us against
+# 336-340 us); pinned-only until the GPU tier passes it.
+_HOPPER_STREAM_CANDIDATES = [
+    (64, 64, 4, 4, 1, 0, 0, 0, 3), (64, 64, 4, 3, 1, 0, 0, 0, 3), (64, 128, 4, 2, 1, 0, 0, 0, 3),
+    (64, 32, 4, 6, 1, 0, 0, 0, 3),
+]
+_FWD_CANDIDATES += _HOPPER_FWD_CANDIDATES + _HOPPER_WS_CANDIDATES + _HOPPER_STREAM_CANDIDATES
 # configs with optional fields the GPU tier has passed; the Hopper ones: test_gdpa_hopper_forward_gpu,
 # 28 passed (H200, 2026-12-03: 320 items over 2-3 programs per SM, bf16 D=128 and fp16 D=64, GELU and SiLU)
 _GPU_CHECKED: set = {(64, 32, 4, 2, 0, 0, 0, 128), *_HOPPER_FWD_CANDIDATES}
@@ -496,6 +505,14 @@ def _check_resident(cfg, length: int, block: int, side: str):
         raise ValueError(f"gdpa: resident config {cfg} needs every {side} length <= {cfg[block]}, got {length}")
 
 
+def item_rows(cfg: tuple) -> int:
+    """Query rows per work item of a forward config: block_m x chunk, and for the streaming
+    warp-specialized Gluon kernel (ninth field 3) its pair of block_m tiles, one per consumer."""
+    if config_field(cfg, 8) == 3:
+        return 2 * cfg[0]
+    return cfg[0] * max(cfg[5], 1)
+
+
 def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scale):
     heads, dim = q.shape[1], q.shape[2]
     out = torch.empty_like(q)  # every query tile is an item; with no keys it writes zeros
@@ -505,7 +522,7 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scale):
 
     def run(cfg):
         _check_resident(cfg, max_k_len, 1, "key")
-        work = query_work(q_offsets, k_offsets, cfg[0] * max(cfg[5], 1), False, q.device)
+        work = query_work(q_offsets, k_offsets, item_rows(cfg), False, q.device)
         if config_field(cfg, 8):  # the Gluon kernel for Hopper
             _hopper().forward(q, k, v, out, q_offsets, k_offsets, work, act, scale, cfg, fold=fold)
             return
@@ -545,7 +562,7 @@ def _backward(do, q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scal
 
     def run_dq(cfg):
         _check_resident(cfg, max_k_len, 1, "key")
-        work = query_work(q_offsets, k_offsets, cfg[0] * max(cfg[5], 1), False, q.device)
+        work = query_work(q_offsets, k_offsets, item_rows(cfg), False, q.device)
         strides = common + (dq.stride(0), dq.stride(1), scale)
         _launch(_gdpa_bwd_dq, work, heads, cfg, (q, k, v, do, dq, q_offsets, k_offsets, strides), dim, act,
                 FOLD=fold)

@@ -449,6 +449,152 @@ def _gdpa_fwd_ws(
                        [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
+# The warp-specialized streaming form, for key sides of any length (self-attention, self-1000):
+# the same three partitions, but an item is a pair of query tiles (consumer c takes rows
+# [64 c, 64 c + 64) of the item's 128) and its keys stream through a ring of KV_STAGES (K, V)
+# tile pairs of BLOCK_N keys that both consumers read (kv_empty counts two), O accumulating in
+# registers over the keys. Each consumer's query tile is double-buffered by item parity, so the
+# loader starts the next item's tiles while this item's keys stream. A consumer without rows in
+# the item (its sequence ends in the first tile of the pair) still waits for and releases every
+# (K, V) slot and its query buffer, so the two agree on every slot and phase without talking.
+
+@gluon.jit
+def _ws_stream_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, Q_OFFSETS,
+                      K_OFFSETS, WORK, n_items, num_heads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr):
+    pid = gl.program_id(0)
+    n_programs = gl.num_programs(0)
+    j = 0  # items with tiles
+    n = 0  # (K, V) tiles loaded
+    for r in range(0, gl.cdiv(n_items, n_programs)):
+        q_start, q_len, m0, k_start, k_len, col, n_tiles = _item(r, pid, n_programs, n_items, WORK, Q_OFFSETS,
+                                                                 K_OFFSETS, num_heads, 1, 2 * BLOCK_M, HEAD_DIM)
+        if n_tiles > 0:
+            for c in gl.static_range(2):  # both consumers' tiles (past q_len: rows never stored)
+                qb = 2 * c + j % 2
+                mbarrier.wait(q_empty.index(qb), ((j // 2) & 1) ^ 1)
+                _load_q(q_desc, q_smem, q_ready, qb, q_start + m0 + c * BLOCK_M, col, True)
+            for t in range(0, gl.cdiv(k_len, BLOCK_N)):
+                slot = n % KV_STAGES
+                mbarrier.wait(kv_empty.index(slot), ((n // KV_STAGES) & 1) ^ 1)
+                bar = kv_ready.index(slot)
+                mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+                _tma_load(k_desc, [k_start + t * BLOCK_N, col], bar, k_smem.index(slot))
+                _tma_load(v_desc, [k_start + t * BLOCK_N, col], bar, v_smem.index(slot))
+                n += 1
+            j += 1
+
+
+@gluon.jit
+def _ws_stream_consumer(me, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
+                        Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM: gl.constexpr,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ACT: gl.constexpr, FOLD: gl.constexpr,
+                        KV_STAGES: gl.constexpr):
+    """Consumer ``me``: rows [m0 + 64 me, m0 + 64 me + 64) of every item, over all its keys."""
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = _acc_layout(4, BLOCK_N)
+    o_layout: gl.constexpr = _acc_layout(4, HEAD_DIM)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    o_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    ac = _act_consts(scale, FOLD)
+    pid = gl.program_id(0)
+    n_programs = gl.num_programs(0)
+    j = 0
+    n = 0
+    q_start, q_len, m0, k_start, k_len, col, n_tiles = _item(0, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS,
+                                                             num_heads, 1, 2 * BLOCK_M, HEAD_DIM)
+    for r in range(0, gl.cdiv(n_items, n_programs)):
+        nq_start, nq_len, nm0, nk_start, nk_len, ncol, nn_tiles = _item(
+            r + 1, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads, 1, 2 * BLOCK_M, HEAD_DIM)
+        if n_tiles > 0:
+            qb = 2 * me + j % 2
+            row0 = m0 + me * BLOCK_M
+            n_k = gl.cdiv(k_len, BLOCK_N)
+            mbarrier.wait(q_ready.index(qb), (j // 2) & 1)
+            if row0 < q_len:
+                q_tile = q_smem.index(qb)
+                o = o_zero
+                for t in range(0, n_k):
+                    slot = (n + t) % KV_STAGES
+                    mbarrier.wait(kv_ready.index(slot), ((n + t) // KV_STAGES) & 1)
+                    s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    s = warpgroup_mma_wait(0, deps=(s, ))
+                    p = _scores(s, k_len - t * BLOCK_N, ac, s_layout, BLOCK_N, ACT, FOLD, dtype, p_layout)
+                    o = warpgroup_mma(p, v_smem.index(slot), o, is_async=True)
+                    o = warpgroup_mma_wait(0, deps=(o, ))
+                    mbarrier.arrive(kv_empty.index(slot), count=1)  # both MMAs have read the slot
+                mbarrier.arrive(q_empty.index(qb), count=1)
+                _store_o(_fwd_out(o, ac, ACT), o_desc, o_smem, O, q_start, row0, q_len, col, stride_on, o_layout,
+                         BLOCK_M, HEAD_DIM)
+            else:  # no rows of mine: release what the other consumer uses, in the same order
+                for t in range(0, n_k):
+                    slot = (n + t) % KV_STAGES
+                    mbarrier.wait(kv_ready.index(slot), ((n + t) // KV_STAGES) & 1)
+                    mbarrier.arrive(kv_empty.index(slot), count=1)
+                mbarrier.arrive(q_empty.index(qb), count=1)
+            n += n_k
+            j += 1
+        q_start, q_len, m0, k_start, k_len, col, n_tiles = nq_start, nq_len, nm0, nk_start, nk_len, ncol, nn_tiles
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _ws_stream_consumer_worker(q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
+                               Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale,
+                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                               ACT: gl.constexpr, FOLD: gl.constexpr, KV_STAGES: gl.constexpr):
+    _ws_stream_consumer(1, q_smem, k_smem, v_smem, o_smem.index(1), q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
+                        Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                        ACT, FOLD, KV_STAGES)
+
+
+@gluon.jit
+def _ws_stream_consumer_default(q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
+                                Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale,
+                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                ACT: gl.constexpr, FOLD: gl.constexpr, KV_STAGES: gl.constexpr):
+    _ws_stream_consumer(0, q_smem, k_smem, v_smem, o_smem.index(0), q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
+                        Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                        ACT, FOLD, KV_STAGES)
+
+
+@gluon.jit(do_not_specialize=["n_items"])
+def _gdpa_fwd_ws_stream(
+    q_desc, k_desc, v_desc, o_desc, O, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ACT: gl.constexpr,
+    KV_STAGES: gl.constexpr, FOLD: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    # WORK: query_work over 2 * BLOCK_M rows (one item: a pair of query tiles); q_desc / o_desc in
+    # (BLOCK_M, D) boxes, k_desc / v_desc in (BLOCK_N, D) boxes
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_M, HEAD_DIM], q_desc.layout)  # consumer x item parity
+    k_smem = gl.allocate_shared_memory(dtype, [KV_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [KV_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    o_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], o_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(4):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
+    for i in gl.static_range(KV_STAGES):
+        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer
+    gl.warp_specialize([
+        (_ws_stream_consumer_default, (q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc,
+                                       O, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM,
+                                       BLOCK_M, BLOCK_N, ACT, FOLD, KV_STAGES)),
+        (_ws_stream_consumer_worker, (q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
+                                      Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM,
+                                      BLOCK_M, BLOCK_N, ACT, FOLD, KV_STAGES)),
+        (_ws_stream_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
+                             Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, BLOCK_M, BLOCK_N, HEAD_DIM, KV_STAGES)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
 # ----------------------------------------------------------------------------------------------
 # Host side.
 
@@ -491,6 +637,9 @@ def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cf
     block_m, block_n, warps, stages, per_sm, chunk = cfg[:6]
     heads, dim = q.shape[1], q.shape[2]
     kind, probe = config_field(cfg, 8), config_field(cfg, 10)
+    if kind == 3:  # the warp-specialized streaming kernel: any key length
+        _stream(q, k, v, out, q_offsets, k_offsets, work, act, scale, cfg, fold)
+        return
     if probe and (kind != 1 or not PROBES):
         raise ValueError(f"gdpa (Hopper): config {cfg} is a timing probe (wrong outputs by design); "
                          "only scripts/bench_gdpa.py --probes runs it, on the resident kernel")
@@ -521,6 +670,29 @@ def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cf
         return
     _gdpa_fwd_resident[grid](*args, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk, ACT=act,
                              Q_STAGES=stages, LOOKAHEAD=kv_stages, FOLD=fold, num_warps=warps, PROBE=probe)
+
+
+def _stream(q, k, v, out, q_offsets, k_offsets, work, act, scale, cfg, fold) -> None:
+    """forward() for the streaming kernel: cfg = (64, block_n, 4, (K, V) ring stages, 1, 0, 0, 0, 3)
+    and ``work`` over item_rows(cfg) = 128 rows per item."""
+    block_m, block_n, warps, stages, per_sm, chunk = cfg[:6]
+    heads, dim = q.shape[1], q.shape[2]
+    need = ws_shared_bytes(block_m, block_n, dim, 4, stages, q.element_size())  # 4 query tiles: 2 consumers x 2
+    if (dim not in (64, 128) or warps != 4 or block_m != 64 or chunk != 0 or per_sm != 1 or stages < 1
+            or len(cfg) > 9 or need > _SMEM_PER_BLOCK):
+        raise ValueError(f"gdpa (Hopper): streaming warp-specialized config {cfg} at head_dim {dim} is not built "
+                         f"(64-row tiles, 4 warps, no chunk, one program per SM, at most {_SMEM_PER_BLOCK} B of shared "
+                         f"memory; it needs {need} B)")
+    descs = descriptors(block_m, block_n, q, k, v, out)
+    if descs is None:
+        raise ValueError("gdpa (Hopper): q/k/v/out do not allow TMA descriptors (heads adjacent, 16-byte aligned rows)")
+    n_items = work.shape[0] * heads
+    if n_items == 0:
+        return
+    grid = (num_programs(n_items, per_sm, q.device),)
+    _gdpa_fwd_ws_stream[grid](*descs, out, q_offsets, k_offsets, work, n_items, heads, out.stride(0), scale,
+                              HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, ACT=act, KV_STAGES=stages, FOLD=fold,
+                              CONSUMER_REGS=WS_REGS[0], LOADER_REGS=WS_REGS[1], num_warps=4, maxnreg=WS_MAXNREG)
 
 
 SMEM_PER_SM, SMEM_RESERVED = 233472, 1024  # sm_90: shared memory of an SM, reserved per program
