@@ -46,8 +46,10 @@ against 85 us through shared memory and TMA.
 
 A warp-specialized form of the resident kernel (_gdpa_fwd_ws: one program per SM, a loader warp
 and two consumer warpgroups sharing each item's K and V, the next item's K and V double-buffered)
-was built on 2026-12-04 for cross-128's missing 10 points; it has not run on a GPU yet, and its
-configs stay out of autotuning until the GPU tier passes them.
+was built on 2026-12-04 for cross-128's missing 10 points, with a streaming twin for key sides of
+any length (_gdpa_fwd_ws_stream: a pair of query tiles per item, the keys through a ring of (K, V)
+tiles both consumers read) for self-1000. Neither has run on a GPU yet; their configs stay out of
+autotuning until the GPU tier passes them.
 
 Supported: bf16/fp16, D in {64, 128}, heads adjacent in memory (q/k/v/out as [N, H * D] rows
 with 16-byte aligned strides, at least one box of rows), sm_90+. No interpreter: the CPU tier
