@@ -324,7 +324,7 @@ HOPPER_SHAPES = {
                                      ((64, 64, 4, 4, 1, 4, 0, 0, 3), "streaming warp-specialized"),
                                      ((64, 64, 4, 4, 2, 0, 0, 0, 3), "streaming warp-specialized"),
                                      ((64, 64, 4, 8, 1, 0, 0, 0, 3), "needs 360960 B"),
-                                     ((64, 64, 4, 4, 1, 0, 0, 0, 3, 0, 1), "streaming warp-specialized")])
+                                     ((64, 64, 4, 4, 1, 0, 0, 0, 3, 0, 1), "timing probe")])
 @pytest.mark.parametrize("probes", [False, True])
 def test_hopper_forward_refuses_configs_without_a_kernel(monkeypatch, cfg, why, probes):
     """A pinned Hopper config the Gluon module has no kernel for (chunk 0: the streaming form, removed

@@ -299,6 +299,39 @@ def _gdpa_fwd_resident(
 # (an item of one tile), after waiting for the buffer to be filled: so a consumer never releases a
 # buffer twice before it has been refilled.
 
+@gluon.constexpr_function
+def _p_layout(o_layout):
+    """P = act(S) as the register A operand of O = P V."""
+    return gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+
+
+@gluon.jit
+def _consumer_start(scale, s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, FOLD: gl.constexpr):
+    """A warp-specialized consumer's constants: zero S and O tiles, the activation's constants,
+    its program and the grid's size."""
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    o_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    return s_zero, o_zero, _act_consts(scale, FOLD), gl.program_id(0), gl.num_programs(0)
+
+
+@gluon.jit
+def _ws_barriers(Q_SLOTS: gl.constexpr, KV_STAGES: gl.constexpr):
+    """The warp-specialized kernels' mbarriers: ready (a TMA fill landed) and empty (its readers are
+    done) per query slot and per (K, V) slot; a (K, V) slot's empty counts one arrival per consumer."""
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(Q_SLOTS):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
+    for i in gl.static_range(KV_STAGES):
+        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)
+    return q_ready, q_empty, kv_ready, kv_empty
+
+
 @gluon.jit
 def _ws_load_q(q_desc, q_smem, q_ready, q_empty, g, row, col, Q_STAGES: gl.constexpr):
     """Stream tile g into slot g % Q_STAGES once that slot's previous tile (g - Q_STAGES) is read."""
@@ -341,7 +374,7 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
 
 
 @gluon.jit
-def _ws_consumer(me, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, O, Q_OFFSETS,
+def _ws_consumer(me: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, O, Q_OFFSETS,
                  K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, ACT: gl.constexpr,
                  FOLD: gl.constexpr, Q_STAGES: gl.constexpr, KV_STAGES: gl.constexpr):
@@ -353,12 +386,8 @@ def _ws_consumer(me, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready,
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = _acc_layout(4, BLOCK_N)
     o_layout: gl.constexpr = _acc_layout(4, HEAD_DIM)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    o_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    ac = _act_consts(scale, FOLD)
-    pid = gl.program_id(0)
-    n_programs = gl.num_programs(0)
+    p_layout: gl.constexpr = _p_layout(o_layout)
+    s_zero, o_zero, ac, pid, n_programs = _consumer_start(scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, FOLD)
     g = 0  # the stream position of the current item's first tile
     j = 0
     q_start, q_len, m0, k_start, k_len, col, n_tiles = _item(0, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS,
@@ -390,28 +419,6 @@ def _ws_consumer(me, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready,
     tma.store_wait(0)
 
 
-@gluon.jit
-def _ws_consumer_worker(q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, O, Q_OFFSETS,
-                        K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM: gl.constexpr,
-                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, ACT: gl.constexpr,
-                        FOLD: gl.constexpr, Q_STAGES: gl.constexpr, KV_STAGES: gl.constexpr):
-    """The second consumer, a worker partition (whose functions take no tensors: its staging tile is
-    the second of the pair)."""
-    _ws_consumer(1, q_smem, k_smem, v_smem, o_smem.index(1), q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
-                 Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M, BLOCK_N, CHUNK,
-                 ACT, FOLD, Q_STAGES, KV_STAGES)
-
-
-@gluon.jit
-def _ws_consumer_default(q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, O, Q_OFFSETS,
-                         K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM: gl.constexpr,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, ACT: gl.constexpr,
-                         FOLD: gl.constexpr, Q_STAGES: gl.constexpr, KV_STAGES: gl.constexpr):
-    _ws_consumer(0, q_smem, k_smem, v_smem, o_smem.index(0), q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
-                 Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M, BLOCK_N, CHUNK,
-                 ACT, FOLD, Q_STAGES, KV_STAGES)
-
-
 @gluon.jit(do_not_specialize=["n_items"])
 def _gdpa_fwd_ws(
     q_desc, k_desc, v_desc, o_desc, O, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale,
@@ -426,25 +433,17 @@ def _gdpa_fwd_ws(
     k_smem = gl.allocate_shared_memory(dtype, [KV_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [KV_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     o_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], o_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())
-    kv_ready = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(Q_STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=1)
-    for i in gl.static_range(KV_STAGES):
-        mbarrier.init(kv_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer
+    q_ready, q_empty, kv_ready, kv_empty = _ws_barriers(Q_STAGES, KV_STAGES)
     # (the argument tuples written out in the call: a tuple bound to a name first turns its
-    # constexprs into tensors)
+    # constexprs into tensors; the first consumer is the default partition, the second a worker,
+    # which takes no tensors: each is handed its own staging tile)
     gl.warp_specialize([
-        (_ws_consumer_default, (q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
-                                Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M,
-                                BLOCK_N, CHUNK, ACT, FOLD, Q_STAGES, KV_STAGES)),
-        (_ws_consumer_worker, (q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
-                               Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M,
-                               BLOCK_N, CHUNK, ACT, FOLD, Q_STAGES, KV_STAGES)),
+        (_ws_consumer, (0, q_smem, k_smem, v_smem, o_smem.index(0), q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
+                        Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                        CHUNK, ACT, FOLD, Q_STAGES, KV_STAGES)),
+        (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem.index(1), q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
+                        Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                        CHUNK, ACT, FOLD, Q_STAGES, KV_STAGES)),
         (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, Q_OFFSETS,
                       K_OFFSETS, WORK, n_items, num_heads, CHUNK, BLOCK_M, HEAD_DIM, Q_STAGES, KV_STAGES)),
     ],
@@ -488,7 +487,7 @@ def _ws_stream_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q
 
 
 @gluon.jit
-def _ws_stream_consumer(me, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
+def _ws_stream_consumer(me: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
                         Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM: gl.constexpr,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ACT: gl.constexpr, FOLD: gl.constexpr,
                         KV_STAGES: gl.constexpr):
@@ -496,12 +495,8 @@ def _ws_stream_consumer(me, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = _acc_layout(4, BLOCK_N)
     o_layout: gl.constexpr = _acc_layout(4, HEAD_DIM)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    o_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    ac = _act_consts(scale, FOLD)
-    pid = gl.program_id(0)
-    n_programs = gl.num_programs(0)
+    p_layout: gl.constexpr = _p_layout(o_layout)
+    s_zero, o_zero, ac, pid, n_programs = _consumer_start(scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, FOLD)
     j = 0
     n = 0
     q_start, q_len, m0, k_start, k_len, col, n_tiles = _item(0, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS,
@@ -541,26 +536,6 @@ def _ws_stream_consumer(me, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv
     tma.store_wait(0)
 
 
-@gluon.jit
-def _ws_stream_consumer_worker(q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
-                               Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale,
-                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                               ACT: gl.constexpr, FOLD: gl.constexpr, KV_STAGES: gl.constexpr):
-    _ws_stream_consumer(1, q_smem, k_smem, v_smem, o_smem.index(1), q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
-                        Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                        ACT, FOLD, KV_STAGES)
-
-
-@gluon.jit
-def _ws_stream_consumer_default(q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
-                                Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale,
-                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                ACT: gl.constexpr, FOLD: gl.constexpr, KV_STAGES: gl.constexpr):
-    _ws_stream_consumer(0, q_smem, k_smem, v_smem, o_smem.index(0), q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
-                        Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                        ACT, FOLD, KV_STAGES)
-
-
 @gluon.jit(do_not_specialize=["n_items"])
 def _gdpa_fwd_ws_stream(
     q_desc, k_desc, v_desc, o_desc, O, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale,
@@ -575,23 +550,14 @@ def _gdpa_fwd_ws_stream(
     k_smem = gl.allocate_shared_memory(dtype, [KV_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [KV_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     o_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], o_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    kv_ready = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(4):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=1)
-    for i in gl.static_range(KV_STAGES):
-        mbarrier.init(kv_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer
+    q_ready, q_empty, kv_ready, kv_empty = _ws_barriers(4, KV_STAGES)
     gl.warp_specialize([
-        (_ws_stream_consumer_default, (q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc,
-                                       O, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM,
-                                       BLOCK_M, BLOCK_N, ACT, FOLD, KV_STAGES)),
-        (_ws_stream_consumer_worker, (q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
-                                      Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM,
-                                      BLOCK_M, BLOCK_N, ACT, FOLD, KV_STAGES)),
+        (_ws_stream_consumer, (0, q_smem, k_smem, v_smem, o_smem.index(0), q_ready, q_empty, kv_ready, kv_empty,
+                               o_desc, O, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM,
+                               BLOCK_M, BLOCK_N, ACT, FOLD, KV_STAGES)),
+        (_ws_stream_consumer, (1, q_smem, k_smem, v_smem, o_smem.index(1), q_ready, q_empty, kv_ready, kv_empty,
+                               o_desc, O, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM,
+                               BLOCK_M, BLOCK_N, ACT, FOLD, KV_STAGES)),
         (_ws_stream_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                              Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, BLOCK_M, BLOCK_N, HEAD_DIM, KV_STAGES)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -638,25 +604,10 @@ def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cf
     candidate."""
     block_m, block_n, warps, stages, per_sm, chunk = cfg[:6]
     heads, dim = q.shape[1], q.shape[2]
-    kind, probe = config_field(cfg, 8), config_field(cfg, 10)
-    if kind == 3:  # the warp-specialized streaming kernel: any key length
-        _stream(q, k, v, out, q_offsets, k_offsets, work, act, scale, cfg, fold)
-        return
-    if probe and (kind != 1 or not PROBES):
-        raise ValueError(f"gdpa (Hopper): config {cfg} is a timing probe (wrong outputs by design); "
-                         "only scripts/bench_gdpa.py --probes runs it, on the resident kernel")
-    # the resident kernel runs one warpgroup: a slot is refilled (and K/V reloaded) right after this
-    # warpgroup's MMA read it, which with a second warpgroup could still be waiting on that slot's
-    # previous phase (the warp-specialized kernel's second warpgroup is a partition of its own)
-    if dim not in (64, 128) or warps != 4 or block_m != 64 or chunk < 1 or kind not in (1, 2):
-        raise ValueError(f"gdpa (Hopper): head_dim {dim} with config {cfg} is not built")
-    kv_stages = config_field(cfg, 9)
-    if kind == 2:
-        need = ws_shared_bytes(block_m, block_n, dim, stages, kv_stages, q.element_size())
-        if per_sm != 1 or kv_stages not in (1, 2) or stages < 2 or stages % 2 or need > _SMEM_PER_BLOCK:
-            raise ValueError(f"gdpa (Hopper): warp-specialized config {cfg} at head_dim {dim} is not built (one "
-                             f"program per SM, an even number of query slots, 1 or 2 K/V buffers, at most "
-                             f"{_SMEM_PER_BLOCK} B of shared memory; it needs {need} B)")
+    kind, kv_stages, probe = config_field(cfg, 8), config_field(cfg, 9), config_field(cfg, 10)
+    why = _not_built(cfg, dim, q.element_size())
+    if why:
+        raise ValueError(f"gdpa (Hopper): {why}")
     descs = descriptors(block_m, block_n, q, k, v, out)
     if descs is None:
         raise ValueError("gdpa (Hopper): q/k/v/out do not allow TMA descriptors (heads adjacent, 16-byte aligned rows)")
@@ -665,36 +616,44 @@ def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cf
         return
     grid = (num_programs(n_items, per_sm, q.device),)
     args = (*descs, out, q_offsets, k_offsets, work, n_items, heads, out.stride(0), scale)
-    if kind == 2:
-        _gdpa_fwd_ws[grid](*args, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk, ACT=act,
-                           Q_STAGES=stages, KV_STAGES=kv_stages, FOLD=fold, CONSUMER_REGS=WS_REGS[0],
-                           LOADER_REGS=WS_REGS[1], num_warps=4, maxnreg=WS_MAXNREG)
-        return
-    _gdpa_fwd_resident[grid](*args, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk, ACT=act,
-                             Q_STAGES=stages, LOOKAHEAD=kv_stages, FOLD=fold, num_warps=warps, PROBE=probe)
+    tiles = dict(HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, ACT=act, FOLD=fold)
+    ws = dict(CONSUMER_REGS=WS_REGS[0], LOADER_REGS=WS_REGS[1], num_warps=4, maxnreg=WS_MAXNREG)
+    if kind == 3:
+        _gdpa_fwd_ws_stream[grid](*args, **tiles, KV_STAGES=stages, **ws)
+    elif kind == 2:
+        _gdpa_fwd_ws[grid](*args, **tiles, CHUNK=chunk, Q_STAGES=stages, KV_STAGES=kv_stages, **ws)
+    else:
+        _gdpa_fwd_resident[grid](*args, **tiles, CHUNK=chunk, Q_STAGES=stages, LOOKAHEAD=kv_stages, num_warps=warps,
+                                 PROBE=probe)
 
 
-def _stream(q, k, v, out, q_offsets, k_offsets, work, act, scale, cfg, fold) -> None:
-    """forward() for the streaming kernel: cfg = (64, block_n, 4, (K, V) ring stages, 1, 0, 0, 0, 3)
-    and ``work`` over item_rows(cfg) = 128 rows per item."""
+def _not_built(cfg: tuple, dim: int, size: int) -> str | None:
+    """Why no kernel of this module runs ``cfg`` at ``dim`` (``size``-byte elements), or None."""
     block_m, block_n, warps, stages, per_sm, chunk = cfg[:6]
-    heads, dim = q.shape[1], q.shape[2]
-    need = ws_shared_bytes(block_m, block_n, dim, 4, stages, q.element_size())  # 4 query tiles: 2 consumers x 2
-    if (dim not in (64, 128) or warps != 4 or block_m != 64 or chunk != 0 or per_sm != 1 or stages < 1
-            or len(cfg) > 9 or need > _SMEM_PER_BLOCK):
-        raise ValueError(f"gdpa (Hopper): streaming warp-specialized config {cfg} at head_dim {dim} is not built "
-                         f"(64-row tiles, 4 warps, no chunk, one program per SM, at most {_SMEM_PER_BLOCK} B of shared "
-                         f"memory; it needs {need} B)")
-    descs = descriptors(block_m, block_n, q, k, v, out)
-    if descs is None:
-        raise ValueError("gdpa (Hopper): q/k/v/out do not allow TMA descriptors (heads adjacent, 16-byte aligned rows)")
-    n_items = work.shape[0] * heads
-    if n_items == 0:
-        return
-    grid = (num_programs(n_items, per_sm, q.device),)
-    _gdpa_fwd_ws_stream[grid](*descs, out, q_offsets, k_offsets, work, n_items, heads, out.stride(0), scale,
-                              HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, ACT=act, KV_STAGES=stages, FOLD=fold,
-                              CONSUMER_REGS=WS_REGS[0], LOADER_REGS=WS_REGS[1], num_warps=4, maxnreg=WS_MAXNREG)
+    kind, kv_stages, probe = config_field(cfg, 8), config_field(cfg, 9), config_field(cfg, 10)
+    if probe and (kind != 1 or not PROBES):
+        return (f"config {cfg} is a timing probe (wrong outputs by design); only scripts/bench_gdpa.py --probes "
+                "runs it, on the resident kernel")
+    if dim not in (64, 128) or warps != 4 or block_m != 64 or kind not in (1, 2, 3):
+        return f"head_dim {dim} with config {cfg} is not built"
+    if kind == 3:  # the streaming kernel: 4 query tiles (2 consumers x 2 items), `stages` (K, V) slots
+        need = ws_shared_bytes(block_m, block_n, dim, 4, stages, size)
+        if chunk != 0 or per_sm != 1 or stages < 1 or len(cfg) > 9 or need > _SMEM_PER_BLOCK:
+            return (f"streaming warp-specialized config {cfg} at head_dim {dim} is not built (no chunk, one program "
+                    f"per SM, at most {_SMEM_PER_BLOCK} B of shared memory; it needs {need} B)")
+        return None
+    # the resident kernel runs one warpgroup: a slot is refilled (and K/V reloaded) right after this
+    # warpgroup's MMA read it, which with a second warpgroup could still be waiting on that slot's
+    # previous phase (the warp-specialized kernel's second warpgroup is a partition of its own)
+    if chunk < 1:
+        return f"head_dim {dim} with config {cfg} is not built"
+    if kind == 2:
+        need = ws_shared_bytes(block_m, block_n, dim, stages, kv_stages, size)
+        if per_sm != 1 or kv_stages not in (1, 2) or stages < 2 or stages % 2 or need > _SMEM_PER_BLOCK:
+            return (f"warp-specialized config {cfg} at head_dim {dim} is not built (one program per SM, an even "
+                    f"number of query slots, 1 or 2 K/V buffers, at most {_SMEM_PER_BLOCK} B of shared memory; it "
+                    f"needs {need} B)")
+    return None
 
 
 SMEM_PER_SM, SMEM_RESERVED = 233472, 1024  # sm_90: shared memory of an SM, reserved per program
