@@ -324,6 +324,8 @@ HOPPER_SHAPES = {
                                      ((64, 64, 4, 4, 1, 4, 0, 0, 3), "streaming warp-specialized"),
                                      ((64, 64, 4, 4, 2, 0, 0, 0, 3), "streaming warp-specialized"),
                                      ((64, 64, 4, 8, 1, 0, 0, 0, 3), "needs 360960 B"),
+                                     ((64, 256, 4, 1, 1, 0, 0, 0, 3), "streaming warp-specialized"),
+                                     ((64, 64, 4, 4, 1, 0, 1, 0, 3), "streaming warp-specialized"),
                                      ((64, 64, 4, 4, 1, 0, 0, 0, 3, 0, 1), "timing probe")])
 @pytest.mark.parametrize("probes", [False, True])
 def test_hopper_forward_refuses_configs_without_a_kernel(monkeypatch, cfg, why, probes):
@@ -374,15 +376,17 @@ def test_warp_specialized_candidates_fit_and_wait_for_the_gpu_tier():
 @pytest.mark.parametrize("cfg", gdpa_kernels._HOPPER_STREAM_CANDIDATES, ids=lambda c: "_".join(map(str, c)))
 @pytest.mark.parametrize("activation", ["gelu", "silu"])
 @pytest.mark.parametrize("dim,dtype", [(128, torch.bfloat16), (64, torch.float16)])
-@pytest.mark.parametrize("shape", ["self", "asymmetric"])
+@pytest.mark.parametrize("shape", ["self", "asymmetric", "few"])
 def test_gdpa_hopper_stream_forward_gpu(cfg, activation, dim, dtype, shape):
     """The streaming warp-specialized forward pinned, on key sides of any length: jagged
     self-attention (lengths 0, 1, tile +- 1, one long among short; pairs of query tiles whose second
     tile is empty, key tiles ending mid-tile) and asymmetric sides (1..1000 keys against 0..1000
-    queries), 320 sequences (more items than programs). Element-wise against the 16-bit PyTorch
-    path's error."""
-    ql = _HOPPER_Q * 8
-    kl = ql if shape == "self" else [5, 1000, 1, 64, 63, 129, 0, 300, 1000, 2] * 8
+    queries), 80 sequences (more items than programs); and two sequences (fewer items than
+    programs: one with no keys, whose rows must be stored as zeros, and a last pair whose second
+    tile lies past the tensor's end). The output starts as NaN. Element-wise against the 16-bit
+    PyTorch path's error."""
+    ql, kl = {"self": (_HOPPER_Q * 8, _HOPPER_Q * 8), "few": ([65, 3], [0, 200]),
+              "asymmetric": (_HOPPER_Q * 8, [5, 1000, 1, 64, 63, 129, 0, 300, 1000, 2] * 8)}[shape]
     _check_hopper(cfg, ql, kl, activation, dim, dtype)
 
 
@@ -412,6 +416,8 @@ def _check_hopper(cfg, ql, kl, activation, dim, dtype):
 
     with forced_config({"gdpa_fwd": cfg}), pytest.MonkeyPatch.context() as mp:
         mp.setattr(gdpa_kernels, "_hopper", spy)
+        # the output starts as NaN: a row the kernel fails to store (a zero row too) cannot pass
+        mp.setattr(gdpa_kernels, "_output_like", lambda t: torch.full_like(t, float("nan")))
         _check(ql, kl, activation, "cuda", dtype, dim=dim, factor=2.0, heads=4, elementwise=True)
     assert used  # the Gluon kernel ran, not a fallback
 

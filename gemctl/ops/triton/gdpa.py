@@ -505,6 +505,9 @@ def _check_resident(cfg, length: int, block: int, side: str):
         raise ValueError(f"gdpa: resident config {cfg} needs every {side} length <= {cfg[block]}, got {length}")
 
 
+_output_like = torch.empty_like  # the forward's output buffer (the GPU tier fills it with NaN: a missed store shows)
+
+
 def item_rows(cfg: tuple) -> int:
     """Query rows per work item of a forward config: block_m x chunk, and for the streaming
     warp-specialized Gluon kernel (ninth field 3) its pair of block_m tiles, one per consumer."""
@@ -515,7 +518,7 @@ def item_rows(cfg: tuple) -> int:
 
 def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scale):
     heads, dim = q.shape[1], q.shape[2]
-    out = torch.empty_like(q)  # every query tile is an item; with no keys it writes zeros
+    out = _output_like(q)  # every query tile is an item; with no keys it writes zeros
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), scale)
 
     fold = fold_scale(act, scale, q.dtype)

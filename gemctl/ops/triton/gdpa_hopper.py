@@ -457,7 +457,8 @@ def _gdpa_fwd_ws(
 # registers over the keys. Each consumer's query tile is double-buffered by item parity, so the
 # loader starts the next item's tiles while this item's keys stream. A consumer without rows in
 # the item (its sequence ends in the first tile of the pair) still waits for and releases every
-# (K, V) slot and its query buffer, so the two agree on every slot and phase without talking.
+# (K, V) slot and its query buffer (whose phase the loader completes by a plain arrival, with no
+# load), so the two agree on every slot and phase without talking.
 
 @gluon.jit
 def _ws_stream_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, Q_OFFSETS,
@@ -471,10 +472,14 @@ def _ws_stream_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q
         q_start, q_len, m0, k_start, k_len, col, n_tiles = _item(r, pid, n_programs, n_items, WORK, Q_OFFSETS,
                                                                  K_OFFSETS, num_heads, 1, 2 * BLOCK_M, HEAD_DIM)
         if n_tiles > 0:
-            for c in gl.static_range(2):  # both consumers' tiles (past q_len: rows never stored)
+            for c in gl.static_range(2):  # both consumers' tiles
                 qb = 2 * c + j % 2
                 mbarrier.wait(q_empty.index(qb), ((j // 2) & 1) ^ 1)
-                _load_q(q_desc, q_smem, q_ready, qb, q_start + m0 + c * BLOCK_M, col, True)
+                # a second tile past the sequence's end is not loaded (its box can lie wholly past
+                # the tensor's last row): a plain arrival completes its phase instead
+                row0 = m0 + c * BLOCK_M
+                _load_q(q_desc, q_smem, q_ready, qb, q_start + row0, col, row0 < q_len)
+                mbarrier.arrive(q_ready.index(qb), count=1, pred=row0 >= q_len)
             for t in range(0, gl.cdiv(k_len, BLOCK_N)):
                 slot = n % KV_STAGES
                 mbarrier.wait(kv_empty.index(slot), ((n // KV_STAGES) & 1) ^ 1)
@@ -638,9 +643,11 @@ def _not_built(cfg: tuple, dim: int, size: int) -> str | None:
         return f"head_dim {dim} with config {cfg} is not built"
     if kind == 3:  # the streaming kernel: 4 query tiles (2 consumers x 2 items), `stages` (K, V) slots
         need = ws_shared_bytes(block_m, block_n, dim, 4, stages, size)
-        if chunk != 0 or per_sm != 1 or stages < 1 or len(cfg) > 9 or need > _SMEM_PER_BLOCK:
-            return (f"streaming warp-specialized config {cfg} at head_dim {dim} is not built (no chunk, one program "
-                    f"per SM, at most {_SMEM_PER_BLOCK} B of shared memory; it needs {need} B)")
+        if (block_n not in (32, 64, 128) or chunk != 0 or per_sm != 1 or stages < 1 or any(cfg[6:8])
+                or len(cfg) > 9 or need > _SMEM_PER_BLOCK):
+            return (f"streaming warp-specialized config {cfg} at head_dim {dim} is not built (32, 64 or 128 keys a "
+                    f"tile, no chunk, one program per SM, at most {_SMEM_PER_BLOCK} B of shared memory; it needs "
+                    f"{need} B)")
         return None
     # the resident kernel runs one warpgroup: a slot is refilled (and K/V reloaded) right after this
     # warpgroup's MMA read it, which with a second warpgroup could still be waiting on that slot's
