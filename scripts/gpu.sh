@@ -104,9 +104,10 @@ for stage in "$@"; do
       python3 scripts/bench_gdpa.py --only self-1000 --ab 10 --out "$OUT/gdpa_self1000_ab.json" 2>&1 | quiet \
         | tee "$OUT/gdpa_self1000_ab.log" ;;
     gdpa-ws)
-      # the warp-specialized GDPA forward: its GPU tier first (each test stopped after 90 s: a hung
-      # kernel must not take the call), then, only if that passed, cross-128 and cross-32 timed
-      # against the resident Gluon pick and the Triton resident-key pick
+      # the warp-specialized GDPA forwards: their GPU tier first (each test stopped after 90 s: a
+      # hung kernel must not take the call), then, only if that passed, cross-128 and cross-32 timed
+      # against the resident Gluon pick and the Triton resident-key pick, and self-1000 (streaming)
+      # against the Triton tile loop and the softmax forward
       GEMCTL_GPU_TEST_TIMEOUT=90 python3 -m pytest -v -m gpu -n 8 tests/test_gdpa_triton.py \
         -k "(hopper_forward_gpu or hopper_stream or every_candidate) and (_0_0_2_ or _0_0_0_3)" -p no:cacheprovider \
         -rf 2>&1 | grep -v '^ *$\|Warning\|warner' | tail -40 | tee "$OUT/gpu_tests_gdpa_ws.log" \

@@ -599,14 +599,14 @@ def descriptors(block_m: int, block_n: int, q, k, v, out):
 
 def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cfg: tuple, *, fold: bool) -> None:
     """Launch the Gluon forward: ``cfg`` = (block_m, block_n, warps, query-ring stages, programs per
-    SM, chunk, 0, 0, kernel at index 8 (1: resident, 2: warp-specialized), then for the resident
-    kernel the look-ahead at index 9 and a timing probe at index 10, for the warp-specialized one the
-    K/V buffers at index 9) as gdpa's configs carry it; ``work`` is common.query_work with
-    block_m * chunk rows per item; ``fold`` the caller's gdpa.fold_scale decision, made once per call
-    for every kernel it launches. Raises ValueError where the inputs do not allow the kernel (no TMA
-    layout, a head_dim or dtype it was not built for, a key side that needs the streaming form this
-    module no longer has, buffers beyond an SM's shared memory): the autotuner then takes the next
-    candidate."""
+    SM, chunk, 0, 0, kernel at index 8 (1: resident, 2: warp-specialized resident, 3: warp-specialized
+    streaming), then for the resident kernel the look-ahead at index 9 and a timing probe at index
+    10, for the warp-specialized resident one the K/V buffers at index 9; the streaming one's (K, V)
+    ring stages are index 3) as gdpa's configs carry it; ``work`` is common.query_work with
+    gdpa.item_rows(cfg) rows per item; ``fold`` the caller's gdpa.fold_scale decision, made once per
+    call for every kernel it launches. Raises ValueError where the inputs do not allow the kernel (no
+    TMA layout, a head_dim, dtype or config it was not built for, buffers beyond an SM's shared
+    memory: _not_built): the autotuner then takes the next candidate."""
     block_m, block_n, warps, stages, per_sm, chunk = cfg[:6]
     heads, dim = q.shape[1], q.shape[2]
     kind, kv_stages, probe = config_field(cfg, 8), config_field(cfg, 9), config_field(cfg, 10)
@@ -668,7 +668,8 @@ _SMEM_PER_BLOCK = SMEM_PER_SM - SMEM_RESERVED  # the most one program can have (
 
 
 def ws_shared_bytes(block_m: int, block_n: int, dim: int, q_stages: int, kv_stages: int, size: int) -> int:
-    """Shared memory of the warp-specialized kernel: the query ring, K and V buffers, two output
+    """Shared memory of a warp-specialized kernel: ``q_stages`` query tiles (the resident form's
+    ring, the streaming form's four), ``kv_stages`` (K, V) buffers of ``block_n`` keys, two output
     staging tiles, and the mbarriers (sm_90 ptxas, Triton 3.6: 229,704 B at 4 query slots, 2 K/V
     buffers, 128 keys, D = 128, bf16; the tiles alone are 229,376)."""
     return (q_stages * block_m + 2 * kv_stages * block_n + 2 * block_m) * dim * size + 512
