@@ -348,11 +348,21 @@ def test_hopper_forward_refuses_configs_without_a_kernel(monkeypatch, cfg, why, 
         gdpa_hopper.forward(q, q, q, torch.empty_like(q), offs, offs, work, 0, 0.1, cfg, fold=False)
 
 
+def test_streaming_forward_is_offered_only_where_no_resident_tile_holds_the_keys():
+    """Autotuning offers the streaming Gluon forward for long key sides (self-1000) and not where a
+    resident Gluon tile holds every key (cross-128, where it was slower); never off Hopper."""
+    stream = lambda cands: [c for c in cands if gdpa_kernels.config_field(c, 8) == 3]  # noqa: E731
+    long_keys, short_keys = gdpa_kernels._forward_candidates(True, 1000), gdpa_kernels._forward_candidates(True, 128)
+    assert stream(long_keys) and not stream(short_keys)
+    assert any(gdpa_kernels.config_field(c, 8) == 2 for c in short_keys)
+    assert not any(gdpa_kernels.config_field(c, 8) for c in gdpa_kernels._forward_candidates(False, 1000))
+
+
 def test_warp_specialized_candidates_fit_and_wait_for_the_gpu_tier():
     """Every warp-specialized candidate (resident and streaming) fits one SM's shared memory at
     head_dim 128 in 16 bits (the kernel's budget, which ptxas measured at 229,704 B for the largest:
     the estimate may not be below it), the streaming ones take a pair of query tiles per item, and
-    none is autotuned before the GPU tier has passed it."""
+    only the GPU tier's winners are autotuned."""
     gdpa_hopper = pytest.importorskip("gemctl.ops.triton.gdpa_hopper")
     assert gdpa_hopper.ws_shared_bytes(64, 128, 128, 4, 2, 2) >= 229704
     for cfg in gdpa_kernels._HOPPER_WS_CANDIDATES:
@@ -365,9 +375,10 @@ def test_warp_specialized_candidates_fit_and_wait_for_the_gpu_tier():
         assert gdpa_kernels.item_rows(cfg) == 2 * cfg[0]  # an item is one tile per consumer
         assert cfg in gdpa_kernels._FWD_CANDIDATES
     new = set(gdpa_kernels._HOPPER_WS_CANDIDATES + gdpa_kernels._HOPPER_STREAM_CANDIDATES)
-    assert not new & gdpa_kernels._GPU_CHECKED
+    passed = {(64, 128, 4, 4, 1, 16, 0, 0, 2, 2), (64, 64, 4, 4, 1, 0, 0, 0, 3), (64, 64, 4, 3, 1, 0, 0, 0, 3)}
+    assert new & gdpa_kernels._GPU_CHECKED == passed  # the H100 tier's winners (2026-12-05), no other
     checked = gdpa_kernels.gpu_checked(gdpa_kernels._FWD_CANDIDATES, 6, gdpa_kernels._GPU_CHECKED)
-    assert not new & set(checked)
+    assert new & set(checked) == passed
     assert gdpa_kernels.item_rows((64, 128, 4, 2, 2, 16, 0, 0, 1, 1)) == 64 * 16
     assert gdpa_kernels.item_rows((64, 32, 4, 3, 0, 0)) == 64
 

@@ -124,7 +124,13 @@ _HOPPER_STREAM_CANDIDATES = [
 _FWD_CANDIDATES += _HOPPER_FWD_CANDIDATES + _HOPPER_WS_CANDIDATES + _HOPPER_STREAM_CANDIDATES
 # configs with optional fields the GPU tier has passed; the Hopper ones: test_gdpa_hopper_forward_gpu,
 # 28 passed (H200, 2026-12-03: 320 items over 2-3 programs per SM, bf16 D=128 and fp16 D=64, GELU and SiLU)
-_GPU_CHECKED: set = {(64, 32, 4, 2, 0, 0, 0, 128), *_HOPPER_FWD_CANDIDATES}
+# The warp-specialized winners join them after their GPU tier (H100, 2026-12-05, tree 1fae7ed:
+# test_gdpa_hopper_forward_gpu, test_gdpa_hopper_stream_forward_gpu and the every-candidate test over
+# all 9 warp-specialized configs, 77 passed): cross-128 99.7 us (ws, 4 query slots, 2 K/V buffers)
+# against 100.2 us for the resident pick; self-1000 300.3 / 300.5 us (streaming, 64-key tiles, 4 / 3
+# stages) against 335.3 us for the 64x32 tile loop and 344.1 us for the softmax jagged forward.
+_GPU_CHECKED: set = {(64, 32, 4, 2, 0, 0, 0, 128), *_HOPPER_FWD_CANDIDATES, (64, 128, 4, 4, 1, 16, 0, 0, 2, 2),
+                     (64, 64, 4, 4, 1, 0, 0, 0, 3), (64, 64, 4, 3, 1, 0, 0, 0, 3)}
 _PENDING_AUTOTUNE = False  # True: autotuning times every candidate (benchmarks of unchecked ones)
 _DKDV_CANDIDATES = [
     (64, 64, 4, 2, 0, 0), (32, 64, 4, 3, 0, 0), (64, 32, 4, 3, 0, 0), (32, 128, 4, 3, 0, 0),
@@ -505,6 +511,19 @@ def _check_resident(cfg, length: int, block: int, side: str):
         raise ValueError(f"gdpa: resident config {cfg} needs every {side} length <= {cfg[block]}, got {length}")
 
 
+def _forward_candidates(hopper: bool, max_k_len: int) -> list:
+    """The forward configs autotuning times: the Gluon ones only where ``hopper``; resident ones
+    where the keys fit their tile, and then not the streaming Gluon form, which is for key sides
+    no resident tile holds. On cross-128 the autotuner's timing (Python calls: host cost included)
+    picked the streaming form at 114 us of GPU time against 100 us for the resident forms (H100,
+    2026-12-05)."""
+    cands = _FWD_CANDIDATES if hopper else [c for c in _FWD_CANDIDATES if not config_field(c, 8)]
+    cands = _candidates(cands, max_k_len, 1)
+    if any(c[5] and config_field(c, 8) for c in cands):
+        cands = [c for c in cands if config_field(c, 8) != 3]
+    return gpu_checked(cands, 6, _GPU_CHECKED, _PENDING_AUTOTUNE)
+
+
 _output_like = torch.empty_like  # the forward's output buffer (the GPU tier fills it with NaN: a missed store shows)
 
 
@@ -539,11 +558,7 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scale):
     hopper = _hopper_eligible(q, k, v, out)
     key = ("gdpa_fwd", dim, q.dtype, act, bucket_len(max_q_len), bucket_len(max_k_len)) + (("hopper",) if hopper else ())
 
-    def candidates():
-        cands = _FWD_CANDIDATES if hopper else [c for c in _FWD_CANDIDATES if not config_field(c, 8)]
-        return gpu_checked(_candidates(cands, max_k_len, 1), 6, _GPU_CHECKED, _PENDING_AUTOTUNE)
-
-    run(pick_config(key, candidates, run, _INTERPRET_CONFIG))
+    run(pick_config(key, lambda: _forward_candidates(hopper, max_k_len), run, _INTERPRET_CONFIG))
     return out
 
 
