@@ -256,9 +256,9 @@ def main() -> None:
     ap.add_argument("--dims", default="128", help="head dims of the sweep, e.g. '128,64'")
     ap.add_argument("--fwd-configs", default="", help="forward configs of the sweep, e.g. '4,1,1 8,1,1' "
                     "(default: the candidate list)")
-    ap.add_argument("--fp32-rope", action="store_true",
-                    help="forward: rotate bf16 q and k in fp32, not in packed bf16x2 (the backward always "
-                    "rotates in fp32)")
+    ap.add_argument("--packed-rope", action="store_true",
+                    help="forward: rotate bf16 q and k in packed bf16x2 on sm_90+, not in fp32 as the "
+                    "backward does (a benchmark of the two rotations; off by default, see _PACKED_ROPE)")
     ap.add_argument("--bwd-configs", default="", help="backward configs of the sweep (default: the candidate list)")
     ap.add_argument("--out", default="bench_block_attention.json")
     ap.add_argument("--only", nargs="*", help="workload names to run (default: self-1000 self-4000)")
@@ -267,7 +267,7 @@ def main() -> None:
                     "stop (ncu), nothing else")
     add_pin_argument(ap)
     args = ap.parse_args()
-    block_kernels._PACKED_ROPE = not args.fp32_rope
+    block_kernels._PACKED_ROPE = args.packed_rope
     pins = parse_pins(args.pin, bool(args.profile_step))
     if args.profile_step:
         by_name = {w.name: w for w in block_attention_workloads()}
@@ -279,7 +279,7 @@ def main() -> None:
         profile_step(api_pair(lambda q, k, v: ops.block_attention(q, k, v, off, max_len, block_size=64, rope=ROPE_BASE,
                                                                   backend="triton"), q, k, v, grad)[1], pins=pins)
         return
-    rope_math = {"fwd": "fp32" if args.fp32_rope else "bf16x2 on sm_90+, else fp32", "bwd": "fp32"}
+    rope_math = {"fwd": "bf16x2 on sm_90+, else fp32" if args.packed_rope else "fp32", "bwd": "fp32"}
     meta = {**base_meta(dtype="bfloat16", rope_base=ROPE_BASE, rope_math=rope_math), **ceilings()}
     print(meta, flush=True)
     if args.sweep:
@@ -293,10 +293,13 @@ def main() -> None:
         if args.only and w.name not in args.only:
             continue
         rows.append(run_workload(w, meta["copy_tbps"]))
-        print(json.dumps({k: v for k, v in rows[-1].items() if "speedup" in k}), flush=True)
-    meta["configs"] = picked_configs(("block_attention_fwd", "block_attention_bwd"))
+        r = rows[-1]["block"][64]
+        print(json.dumps({"workload": w.name, "fwd_roofline_pct": r["fwd_roofline_pct"], "bwd_roofline_pct": r["bwd_roofline_pct"],
+                          **{k: v for k, v in rows[-1].items() if "speedup" in k}}), flush=True)
+        # written after every workload: a call cut off at its time limit keeps the finished ones
+        meta["configs"] = picked_configs(("block_attention_fwd", "block_attention_bwd"))
+        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
     print_tables(rows, meta)
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -169,9 +169,9 @@ def block_attention(q, k, v, offsets, max_len, *, block_size=64, rope=None, back
     ``rope=(cos, sin)`` tables ``[>= max_len, D // 2]`` rotate q and k by position first (inside
     the kernel with the Triton backend, forward and backward). The Triton backend also takes a
     float base frequency (tables built and cached on the device); the reference takes tables only.
-    cos and sin share one float dtype: the Triton kernels read them in it and rotate in fp32 (the
-    bf16 forward on sm_90+ GPUs in packed bf16x2: two roundings an element, where the reference's
-    bf16 arithmetic has three), the reference casts them to q's dtype. ``rope_table_dtype(q.dtype)``
+    cos and sin share one float dtype: the Triton kernels read them in it and rotate in fp32 in the
+    forward and the backward alike (the backward's recomputed softmax is then the forward's), the
+    reference casts them to q's dtype. ``rope_table_dtype(q.dtype)``
     is the dtype to build them in: fp16 for bf16/fp16 q, with which the Triton backward took 22% less
     time than with fp32 tables (H200, docs/benchmarks.md).
     """

@@ -6,7 +6,8 @@ Math, per sequence (length L) and block c (rows r in [c*BS, min((c+1)*BS, L)), B
 rope (rotate-half convention, as gemctl.ops.apply_rope): with x = [x1, x2] split at D/2 and the
 tables' rows c = cos[r], s = sin[r], rope(x, r) = [x1 c - x2 s, x2 c + x1 s]. The tables are
 ``rope=(cos, sin)``, each ``[>= max_len, D // 2]`` (any float dtype, read in fp32; the rotation runs in
-fp32, or in bf16x2 for the bf16 forward on sm_90+, see _rope_mode), or a
+fp32 in both passes, or, for benchmarks, in bf16x2 for the bf16 forward on sm_90+, see
+_PACKED_ROPE), or a
 float base frequency b, for which the tables cos/sin(r * b ** (-i / (D/2))) are built in float64,
 stored on the device in ``rope_table_dtype(q.dtype)`` (fp16 for 16-bit inputs, fp32 otherwise) and
 cached per (base, D, device, dtype), grown to the next power of two of max_len.
@@ -21,8 +22,8 @@ blocks (a sequence of length L gets ceil(L / BS), an empty one none), built on t
 offsets' host copy (gemctl.ops.host: no device sync) and cached per batch layout
 (common.query_work with a tile of BS rows). The whole block fits one tile, so there is no online
 softmax: the forward loads q, k, v once, rotates the q and k tiles in registers (two halves, cos/sin
-rows by position; the rotated copies never reach HBM; bf16 on sm_90+ GPUs in packed bf16x2
-arithmetic, _rotate_bf16x2), and writes o and the per-row log2-sum-exp2 (fp32, for the backward).
+rows by position, in fp32 as the backward rotates them; the rotated copies never reach HBM), and
+writes o and the per-row log2-sum-exp2 (fp32, for the backward).
 The backward is one kernel too, per (block, head): it recomputes p = exp2(s - lse), dv = p^T do
 (stored at once), dp = do v^T, the softmax backward's row term
 delta = rowsum(p * dp) (the whole row is in the tile: equal to rowsum(do * o), without reading o),
@@ -152,10 +153,15 @@ _BWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (8, 1, 2), (4, 2,
 _FWD_CHECKED: set = {(4, 2, 0, 0, 1)}  # optional-field configs the GPU tier passed, per kernel
 _BWD_CHECKED: set = {(4, 1, 1, 0, 1)}
 _PENDING_AUTOTUNE = False  # True: autotuning times every candidate (benchmarks of unchecked ones)
-# The forward's bf16 q and k rotated in packed bf16x2 arithmetic on sm_90+ GPUs (_rotate_bf16x2,
-# _rope_mode; the backward rotates in fp32); False: in fp32 like every other dtype, older GPUs and
-# the interpreter (which runs no inline PTX), for benchmarks of the two.
-_PACKED_ROPE = True
+# True: the forward's bf16 q and k rotated in packed bf16x2 arithmetic on sm_90+ GPUs (_rotate_bf16x2,
+# _rope_mode), for benchmarks of the two rotations. Off: the forward rotates in fp32, as the
+# backward does when it recomputes p. With the packed rotation the forward's log-sum-exp belonged
+# to other scores than the backward's p: dv's largest element error was 3.1x the bf16 PyTorch
+# path's (the tier's bound is 2x; H100, 2026-12-05, fp32 tables, lengths 0..129, seeds 0-2: 3.12x,
+# 2.56x, 1.30x), against 0.82x, 0.70x, 1.00x with the fp32 rotation, and the Gluon kernels rotate
+# in fp32 too. The packed rotation was 4% faster on the forward (H200, 2026-12-01), 1.2% (H100,
+# 2026-12-05).
+_PACKED_ROPE = False
 _INTERPRET_CONFIG = (1, 1, 0)  # all heads in one program: the CPU tier exercises the head loop
 SUPPORTED_DIMS = (32, 64, 128)
 
