@@ -257,8 +257,8 @@ def main() -> None:
     ap.add_argument("--fwd-configs", default="", help="forward configs of the sweep, e.g. '4,1,1 8,1,1' "
                     "(default: the candidate list)")
     ap.add_argument("--packed-rope", action="store_true",
-                    help="forward: rotate bf16 q and k in packed bf16x2 on sm_90+, not in fp32 as the "
-                    "backward does (a benchmark of the two rotations; off by default, see _PACKED_ROPE)")
+                    help="both passes rotate bf16 q and k in packed bf16x2 on sm_90+, not in fp32 (the "
+                    "Triton kernels only; a benchmark of the two rotations; off by default, see _PACKED_ROPE)")
     ap.add_argument("--bwd-configs", default="", help="backward configs of the sweep (default: the candidate list)")
     ap.add_argument("--out", default="bench_block_attention.json")
     ap.add_argument("--only", nargs="*", help="workload names to run (default: self-1000 self-4000)")
@@ -279,7 +279,7 @@ def main() -> None:
         profile_step(api_pair(lambda q, k, v: ops.block_attention(q, k, v, off, max_len, block_size=64, rope=ROPE_BASE,
                                                                   backend="triton"), q, k, v, grad)[1], pins=pins)
         return
-    rope_math = {"fwd": "bf16x2 on sm_90+, else fp32" if args.packed_rope else "fp32", "bwd": "fp32"}
+    rope_math = "bf16x2 on sm_90+ (both passes), else fp32" if args.packed_rope else "fp32"
     meta = {**base_meta(dtype="bfloat16", rope_base=ROPE_BASE, rope_math=rope_math), **ceilings()}
     print(meta, flush=True)
     if args.sweep:

@@ -178,16 +178,19 @@ def test_tma_candidates_wait_for_the_gpu_tier_cpu():
     assert partial.tolist() == [[0, 2], [3, 0]]
 
 
-def test_hopper_backward_is_pinned_only_and_refused_off_hopper_cpu():
-    """The Gluon backward's configs (sixth field: programs per SM) wait for the GPU tier like the TMA
-    ones, and pinned where it cannot run (here: the interpreter, no GPU) they raise one clear error
-    instead of falling back; its own checks refuse what it was not built for."""
+def test_hopper_configs_wait_for_the_gpu_tier_and_are_refused_off_hopper_cpu():
+    """The Gluon kernels' configs (sixth field: programs per SM) wait for the GPU tier like the TMA
+    ones (the forward's three-per-SM config passed it and won on the H200; the backward's did not
+    win), and pinned where they cannot run (here: the interpreter, no GPU) they raise one clear
+    error instead of falling back; their own checks refuse what they were not built for."""
     for hopper, cands, checked in ((ba_kernels._HOPPER_FWD_CANDIDATES, ba_kernels._FWD_CANDIDATES,
                                     ba_kernels._FWD_CHECKED),
                                    (ba_kernels._HOPPER_BWD_CANDIDATES, ba_kernels._BWD_CANDIDATES,
                                     ba_kernels._BWD_CHECKED)):
         assert hopper and all(common.config_field(c, 5) for c in hopper) and set(hopper) <= set(cands)
-        assert not set(hopper) & set(ba_kernels._tuned(cands, checked))
+        assert set(hopper) & set(ba_kernels._tuned(cands, checked)) == set(hopper) & checked
+    assert (4, 1, 1, 0, 0, 3) in ba_kernels._tuned(ba_kernels._FWD_CANDIDATES, ba_kernels._FWD_CHECKED)
+    assert not set(ba_kernels._HOPPER_BWD_CANDIDATES) & ba_kernels._BWD_CHECKED
     off, q, k, v, grad = _inputs([70, 3], 2, 32, "cpu", torch.float32, 0)
     with common.forced_config({"block_attention_fwd": ba_kernels._HOPPER_FWD_CANDIDATES[0]}):
         with pytest.raises(ValueError, match="Hopper.*sm_90"):
@@ -260,20 +263,51 @@ def test_hopper_configs_only_for_tensors_they_can_read_cpu(monkeypatch, rows, el
 
 
 def test_packed_rotation_only_where_sm90_ptx_runs_cpu(monkeypatch):
-    """The bf16x2 rotation (ROPE == 2) is off by default (the forward rotates as the backward does);
-    turned on for a benchmark, it is asked for by the forward only, for bf16 only, and given only
-    where sm_90 PTX runs: never under the interpreter or on the CPU."""
+    """The bf16x2 rotation (ROPE == 2) is off by default; turned on, both passes take it (the
+    backward recomputes the forward's scores), for bf16 only, and only where sm_90 PTX runs: never
+    under the interpreter or on the CPU."""
     bf16, f16, f32 = (torch.zeros(1, 1, 32, dtype=d) for d in (torch.bfloat16, torch.float16, torch.float32))
     assert ba_kernels._PACKED_ROPE is False
     monkeypatch.setattr(ba_kernels, "_sm90", lambda device: True)  # as on an H200
-    assert ba_kernels._rope_mode(True, bf16, True) == 1
+    assert ba_kernels._rope_mode(True, bf16) == 1
     monkeypatch.setattr(ba_kernels, "_PACKED_ROPE", True)
-    assert ba_kernels._rope_mode(False, bf16, True) == 0
-    assert ba_kernels._rope_mode(True, bf16, True) == 2
-    assert [ba_kernels._rope_mode(True, x, True) for x in (f16, f32)] == [1, 1]
-    assert ba_kernels._rope_mode(True, bf16, False) == 1  # the backward
+    assert ba_kernels._rope_mode(False, bf16) == 0
+    assert ba_kernels._rope_mode(True, bf16) == 2
+    assert [ba_kernels._rope_mode(True, x) for x in (f16, f32)] == [1, 1]
     monkeypatch.setattr(ba_kernels, "_sm90", lambda device: False)  # the CPU: no inline PTX
-    assert ba_kernels._rope_mode(True, bf16, True) == 1
+    assert ba_kernels._rope_mode(True, bf16) == 1
+
+
+def test_packed_rotation_runs_no_gluon_config_cpu(monkeypatch):
+    """Under the packed rotation neither pass offers a Gluon config (they rotate in fp32: the pair
+    would disagree), a pinned one is refused with the reason, and both passes' autotune keys carry
+    the mode."""
+    off, q, k, v, grad = _inputs([130, 7], 3, 64, "cpu", torch.float32, 0)
+    q, k, v = (t.detach() for t in (q, k, v))
+    monkeypatch.setattr(ba_kernels, "_rope_mode", lambda rope, q: 2 if rope else 0)
+    monkeypatch.setattr(ba_kernels, "_hopper_eligible", lambda *a: True)
+    monkeypatch.setattr(ba_kernels, "_PENDING_AUTOTUNE", True)
+    seen = []
+
+    class Picked(Exception):
+        pass
+
+    def pick(key, candidates, run, interpret_config):
+        seen.append((key, candidates()))
+        raise Picked
+
+    monkeypatch.setattr(ba_kernels, "pick_config", pick)
+    lse = torch.zeros(q.shape[0], 3)
+    with pytest.raises(Picked):
+        ba_kernels._forward(q, k, v, None, None, off, 130, 64, BASE, 0.1)
+    with pytest.raises(Picked):
+        ba_kernels._backward(grad, q, k, v, lse, None, None, off, 130, 64, BASE, 0.1)
+    for key, cands in seen:
+        assert key[5] == 2 and key[-1] is False  # (name, dim, dtype, block, tables, mode, ...)
+        assert cands and not any(common.config_field(c, 5) for c in cands)
+    with pytest.raises(ValueError, match="Gluon kernel, which rotates in fp32"):
+        ba_kernels._gluon_rotation(2, ba_kernels._HOPPER_BWD_CANDIDATES[0])
+    ba_kernels._gluon_rotation(1, ba_kernels._HOPPER_BWD_CANDIDATES[0])
 
 
 def test_mixed_dtypes_are_refused_cpu():
@@ -466,22 +500,25 @@ def test_block_attention_hopper_ignores_non_finite_rows_past_the_sequences_gpu(r
 
 @pytest.mark.gpu
 def test_packed_rotation_is_taken_on_sm90_gpu(monkeypatch):
-    """Turned on (benchmarks), the bf16 forward rotates in bf16x2 on an sm_90+ GPU; by default in fp32."""
+    """Turned on (benchmarks), bf16 rotates in bf16x2 on an sm_90+ GPU in both passes; by default in fp32."""
     q = torch.zeros(1, 1, 32, device="cuda", dtype=torch.bfloat16)
-    assert ba_kernels._rope_mode(True, q, True) == 1
+    assert ba_kernels._rope_mode(True, q) == 1
     monkeypatch.setattr(ba_kernels, "_PACKED_ROPE", True)
     want = 2 if torch.cuda.get_device_capability() >= (9, 0) and torch.version.hip is None else 1
-    assert ba_kernels._rope_mode(True, q, True) == want and ba_kernels._rope_mode(True, q, False) == 1
+    assert ba_kernels._rope_mode(True, q) == want
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True], ids=["fp32_rotation", "packed_rotation"])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("rope_kind", [None, "tables", "base"])
-def test_triton_forward_and_backward_agree_elementwise_gpu(rope_kind, seed):
+def test_triton_forward_and_backward_agree_elementwise_gpu(rope_kind, seed, packed, monkeypatch):
     """The Triton forward and backward picks pinned, element-wise against float64 and the bf16
-    PyTorch path: the backward recomputes p from q and k rotated as the forward rotated them (with
-    the forward's packed bf16x2 rotation, dv's worst element was 3.1x the PyTorch path's on these
-    lengths, seed 0, fp32 tables: H100, 2026-12-05)."""
+    PyTorch path, with either rotation in both passes: the backward recomputes p from q and k
+    rotated as the forward rotated them (with the forward's packed bf16x2 rotation and the
+    backward's fp32 one, dv's worst element was 3.1x the PyTorch path's on these lengths, seed 0,
+    fp32 tables: H100, 2026-12-05)."""
+    monkeypatch.setattr(ba_kernels, "_PACKED_ROPE", packed)
     with common.forced_config({"block_attention_fwd": (4, 2, 0, 0, 1), "block_attention_bwd": (4, 1, 1, 0, 1)}):
         _check(LENGTHS_GPU[0], 64, rope_kind, "cuda", torch.bfloat16, heads=4, dim=128, seed=seed, factor=2.0,
                elementwise=True)

@@ -6,8 +6,7 @@ Math, per sequence (length L) and block c (rows r in [c*BS, min((c+1)*BS, L)), B
 rope (rotate-half convention, as gemctl.ops.apply_rope): with x = [x1, x2] split at D/2 and the
 tables' rows c = cos[r], s = sin[r], rope(x, r) = [x1 c - x2 s, x2 c + x1 s]. The tables are
 ``rope=(cos, sin)``, each ``[>= max_len, D // 2]`` (any float dtype, read in fp32; the rotation runs in
-fp32 in both passes, or, for benchmarks, in bf16x2 for the bf16 forward on sm_90+, see
-_PACKED_ROPE), or a
+fp32 in both passes, or, with _PACKED_ROPE, in bf16x2 in both passes for bf16 on sm_90+), or a
 float base frequency b, for which the tables cos/sin(r * b ** (-i / (D/2))) are built in float64,
 stored on the device in ``rope_table_dtype(q.dtype)`` (fp16 for 16-bit inputs, fp32 otherwise) and
 cached per (base, D, device, dtype), grown to the next power of two of max_len.
@@ -101,7 +100,10 @@ LOG2E = 1.4426950408889634
 # its backward (below); o staged in v's tiles once o's MMAs have read them. sm_90 ptxas (Triton 3.6),
 # D=128, rope with fp16 tables: 136 registers, no spills, 65,560 B: three programs per SM (without
 # rope 113 and 49,176 B: four fit, three asked). Passed the GPU tier (H100, 2026-12-05) and measured
-# 142.0 / 141.0 us at self-1000 against 135.9 us for (4, 2, 0, 0, 1) (fp32 rotation): pinned-only.
+# 142.0 / 141.0 us at self-1000 against 135.9 us for (4, 2, 0, 0, 1) (fp32 rotation) on the H100, but
+# on the H200 (same day, docs/runs/2026-12-05_sweep_block_*_h200.json) 105.1 / 88.9 us at self-1000 /
+# self-4000 (82.3% / 84.4% of the memory roofline) against 111.3 / 95.2 us (77.8% / 78.8%): three
+# programs per SM, as it was built for. (4, 1, 1, 0, 0, 3) joins autotuning, which picks per GPU.
 _HOPPER_FWD_CANDIDATES = [(4, 1, 1, 0, 0, 3), (4, 1, 1, 0, 0, 2)]
 _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2, 2), (2, 1, 1),
                    (4, 1, 1, 1), (4, 2, 0, 1), (4, 3, 0, 1), (8, 2, 0, 1), (4, 2, 0, 0, 1), (4, 2, 0, 1, 1),
@@ -153,17 +155,18 @@ _BWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (8, 1, 2), (4, 2,
                    (4, 1, 1, 1), (4, 2, 0, 1), (8, 1, 1, 1),
                    (4, 1, 1, 0, 1), (8, 1, 1, 0, 1), (4, 2, 0, 0, 1), (8, 2, 0, 0, 1), (4, 1, 0, 0, 1),
                    *_HOPPER_BWD_CANDIDATES]
-_FWD_CHECKED: set = {(4, 2, 0, 0, 1)}  # optional-field configs the GPU tier passed, per kernel
+_FWD_CHECKED: set = {(4, 2, 0, 0, 1), (4, 1, 1, 0, 0, 3)}  # optional-field configs the GPU tier passed, per kernel
 _BWD_CHECKED: set = {(4, 1, 1, 0, 1)}
 _PENDING_AUTOTUNE = False  # True: autotuning times every candidate (benchmarks of unchecked ones)
-# True: the forward's bf16 q and k rotated in packed bf16x2 arithmetic on sm_90+ GPUs (_rotate_bf16x2,
-# _rope_mode), for benchmarks of the two rotations. Off: the forward rotates in fp32, as the
-# backward does when it recomputes p. With the packed rotation the forward's log-sum-exp belonged
-# to other scores than the backward's p: dv's largest element error was 3.1x the bf16 PyTorch
-# path's (the tier's bound is 2x; H100, 2026-12-05, fp32 tables, lengths 0..129, seeds 0-2: 3.12x,
-# 2.56x, 1.30x), against 0.82x, 0.70x, 1.00x with the fp32 rotation, and the Gluon kernels rotate
-# in fp32 too. The packed rotation was 4% faster on the forward (H200, 2026-12-01), 1.2% (H100,
-# 2026-12-05).
+# True: both passes rotate bf16 q and k in packed bf16x2 arithmetic on sm_90+ GPUs (_rotate_bf16x2,
+# _rope_mode), the backward recomputing p from q and k rotated exactly as the forward rotated them,
+# and the Gluon kernels (which rotate in fp32) are left out. Off: both rotate in fp32. The two
+# passes must agree: with the packed forward and the fp32 backward the forward's log-sum-exp
+# belonged to other scores than the backward's p, and dv's largest element error was 3.1x the bf16
+# PyTorch path's (the tier's bound is 2x; H100, 2026-12-05, fp32 tables, lengths 0..129, seeds 0-2:
+# 3.12x, 2.56x, 1.30x), against 0.82x, 0.70x, 1.00x with fp32 in both. The packed forward was 4%
+# faster (H200, 2026-12-01), 1.2% (H100, 2026-12-05); the packed backward 1-2% slower (H200,
+# 2026-12-01).
 _PACKED_ROPE = False
 _INTERPRET_CONFIG = (1, 1, 0)  # all heads in one program: the CPU tier exercises the head loop
 SUPPORTED_DIMS = (32, 64, 128)
@@ -456,14 +459,24 @@ def _descriptors(cfg, block_size, halves, wholes) -> tuple:
     return off if a is None or b is None else (*a, *b)
 
 
-def _rope_mode(rope: bool, q: torch.Tensor, packed: bool) -> int:
-    """The kernels' ROPE constexpr: 0 without rope, 1 rotation in fp32, 2 in packed bf16x2
-    (_rotate_bf16x2): bf16 inputs on an NVIDIA GPU of compute capability 9.0 or newer (mul.bf16x2
-    needs sm_90), compiled (not under the interpreter), where the kernel asks for it (``packed``)
-    and _PACKED_ROPE allows it."""
+def _rope_mode(rope: bool, q: torch.Tensor) -> int:
+    """The kernels' ROPE constexpr, the same for both passes (the backward recomputes the forward's
+    scores): 0 without rope, 1 rotation in fp32, 2 in packed bf16x2 (_rotate_bf16x2) where
+    _PACKED_ROPE asks for it: bf16 inputs on an NVIDIA GPU of compute capability 9.0 or newer
+    (mul.bf16x2 needs sm_90), compiled (not under the interpreter). Mode 2 runs the Triton kernels
+    only (_gluon_rotation)."""
     if not rope:
         return 0
-    return 2 if packed and _PACKED_ROPE and q.dtype == torch.bfloat16 and _sm90(q.device) else 1
+    return 2 if _PACKED_ROPE and q.dtype == torch.bfloat16 and _sm90(q.device) else 1
+
+
+def _gluon_rotation(mode: int, cfg) -> None:
+    """The Gluon kernels rotate in fp32: a Gluon config under the packed rotation (mode 2) would
+    pair with a pass that rotates otherwise. ValueError: autotuning takes the next candidate (the
+    candidates leave them out already), a pinned config raises."""
+    if mode == 2:
+        raise ValueError(f"block_attention: config {tuple(cfg)} is a Gluon kernel, which rotates in fp32; the packed "
+                         "bf16x2 rotation (_PACKED_ROPE) runs the Triton kernels only")
 
 
 @functools.cache
@@ -500,10 +513,11 @@ def _forward(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
                cos.stride(0), scale * LOG2E)
 
-    mode = _rope_mode(rope, q, True)
+    mode = _rope_mode(rope, q)
 
     def run(cfg):
         if config_field(cfg, 5):  # the Gluon kernel for Hopper (fp32 rotation)
+            _gluon_rotation(mode, cfg)
             work = query_work(offsets, offsets, block_size, False, q.device)
             _hopper(q.device).forward(q, k, v, out, lse, cos, sin, offsets, work, block_size, rope, scale * LOG2E,
                                       config_field(cfg, 5))
@@ -515,7 +529,7 @@ def _forward(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
 
     # the rotation's arithmetic (mode) too: configs timed with one are not the other's; and whether
     # the Gluon configs can run on these inputs
-    hopper = (_hopper_tunable(_HOPPER_FWD_CANDIDATES, _FWD_CHECKED)
+    hopper = (mode != 2 and _hopper_tunable(_HOPPER_FWD_CANDIDATES, _FWD_CHECKED)
               and _hopper_eligible(block_size, rope, cos, sin, q, k, v, out))
     key = ("block_attention_fwd", dim, q.dtype, block_size, _table_key(cos, rope), mode, heads, bucket_len(n), hopper)
     run(pick_config(key, lambda: _tuned(_eligible(_FWD_CANDIDATES, hopper), _FWD_CHECKED), run, _INTERPRET_CONFIG))
@@ -530,22 +544,23 @@ def _backward(do, q, k, v, lse, cos, sin, offsets, max_len, block_size, rope_bas
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
                do.stride(1), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
                cos.stride(0), scale * LOG2E, scale)
+    mode = _rope_mode(rope, q)  # the forward's
 
     def run(cfg):
         if config_field(cfg, 5):  # the Gluon kernel for Hopper
+            _gluon_rotation(mode, cfg)
             work = query_work(offsets, offsets, block_size, False, q.device)
             _hopper(q.device).backward(q, k, v, do, lse, dq, dk, dv, cos, sin, offsets, work, block_size, rope,
                                        scale * LOG2E, scale, config_field(cfg, 5))
             return
         args = (q, k, v, do, lse, dq, dk, dv, cos, sin, strides)
         descs = _descriptors(cfg, block_size, (q, k), (v, do))
-        # fp32 rotation: bf16x2 made the backward 1-2% slower (H200, 2026-12-01, tree de5bc75)
-        _launch(_block_attn_bwd, offsets, heads, block_size, cfg, args, descs, dim, _rope_mode(rope, q, False),
-                q.device, HALVES=bool(config_field(cfg, 4)))
+        _launch(_block_attn_bwd, offsets, heads, block_size, cfg, args, descs, dim, mode, q.device,
+                HALVES=bool(config_field(cfg, 4)))
 
-    hopper = (_hopper_tunable(_HOPPER_BWD_CANDIDATES, _BWD_CHECKED)
+    hopper = (mode != 2 and _hopper_tunable(_HOPPER_BWD_CANDIDATES, _BWD_CHECKED)
               and _hopper_eligible(block_size, rope, cos, sin, q, k, v, do, dq, dk, dv))
-    key = ("block_attention_bwd", dim, q.dtype, block_size, _table_key(cos, rope), heads, bucket_len(n), hopper)
+    key = ("block_attention_bwd", dim, q.dtype, block_size, _table_key(cos, rope), mode, heads, bucket_len(n), hopper)
     run(pick_config(key, lambda: _tuned(_eligible(_BWD_CANDIDATES, hopper), _BWD_CHECKED), run, _INTERPRET_CONFIG))
     return dq, dk, dv
 
