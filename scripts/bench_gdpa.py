@@ -149,8 +149,8 @@ def with_probes(configs: list[tuple]) -> list[tuple]:
         out.append(cfg)
         # the resident Gluon kernel's (the warp-specialized one has none); a probe is not probed again
         if common.config_field(cfg, 8) == 1 and not common.config_field(cfg, 10):
-            base = (tuple(cfg) + (0,) * 11)[:10]
-            out += [base + (1,), base + (2,)]
+            fields = (tuple(cfg) + (0,) * 11)[:max(len(cfg), 11)]  # the probe at index 10, later fields kept
+            out += [fields[:10] + (probe,) + fields[11:] for probe in (1, 2)]
     return out
 
 

@@ -189,6 +189,11 @@ def gluon_kernels():
     for probe in (1, 2):
         yield gh._gdpa_fwd_resident, io, dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=128, CHUNK=16, ACT=0, Q_STAGES=2,
                                                LOOKAHEAD=1, FOLD=True, num_warps=4, PROBE=probe)
+    # the split tile (key halves: the activation of one overlaps the MMAs of the other), and its math
+    # probe
+    for probe in (0, 2):
+        yield gh._gdpa_fwd_resident, io, dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=128, CHUNK=16, ACT=0, Q_STAGES=2,
+                                               LOOKAHEAD=1, FOLD=True, num_warps=4, PROBE=probe, SPLIT=1)
 
 
 def _source(fn, types: dict, consts: dict, attrs=None):
@@ -368,8 +373,12 @@ def ptxas_stats(target, warps: int, stages: int, head_loop: bool = False) -> lis
         with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
             ptx.write(compiled.asm["ptx"])
             ptx.flush()
-            out = subprocess.run([knobs.nvidia.ptxas.path, "-v", f"--gpu-name=sm_{target.arch}a", ptx.name, "-o",
-                                  os.devnull], capture_output=True, text=True).stderr
+            for ptxas in (knobs.nvidia.ptxas.path, knobs.nvidia.ptxas.path + "-blackwell"):
+                # Triton 3.9 writes PTX 9.x, which only its second (CUDA 13) ptxas reads
+                out = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{target.arch}a", ptx.name, "-o", os.devnull],
+                                     capture_output=True, text=True).stderr
+                if "Unsupported .version" not in out or not os.path.exists(ptxas + "-blackwell"):
+                    break
         regs = re.search(r"Used (\d+) registers", out)
         spill = re.search(r"(\d+) bytes spill stores", out)
         occupancy = ""

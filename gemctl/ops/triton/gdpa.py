@@ -121,7 +121,14 @@ _HOPPER_STREAM_CANDIDATES = [
     (64, 64, 4, 4, 1, 0, 0, 0, 3), (64, 64, 4, 3, 1, 0, 0, 0, 3), (64, 128, 4, 2, 1, 0, 0, 0, 3),
     (64, 32, 4, 6, 1, 0, 0, 0, 3),
 ]
-_FWD_CANDIDATES += _HOPPER_FWD_CANDIDATES + _HOPPER_WS_CANDIDATES + _HOPPER_STREAM_CANDIDATES
+# The resident form with each tile's keys in two halves (twelfth field 1; gdpa_hopper SPLIT): the
+# activation of one half overlaps the MMAs of the other inside the warpgroup. Its reason (H200,
+# 2026-12-05, bench_gdpa.py --probes on cross-128): the pick's math alone, HBM left out, took 1.25x
+# the roofline's time (79.5-79.9% of it), its memory pipeline alone 1.16x (84.5-86%), together
+# 70.6%. sm_90 ptxas (Triton 3.9): 189 registers, no spills; two programs per SM as the pick.
+_HOPPER_SPLIT_CANDIDATES = [(64, 128, 4, 2, 2, 16, 0, 0, 1, 1, 0, 1), (64, 64, 4, 2, 2, 16, 0, 0, 1, 1, 0, 1)]
+_FWD_CANDIDATES += (_HOPPER_FWD_CANDIDATES + _HOPPER_SPLIT_CANDIDATES + _HOPPER_WS_CANDIDATES
+                    + _HOPPER_STREAM_CANDIDATES)
 # configs with optional fields the GPU tier has passed; the Hopper ones: test_gdpa_hopper_forward_gpu,
 # 28 passed (H200, 2026-12-03: 320 items over 2-3 programs per SM, bf16 D=128 and fp16 D=64, GELU and SiLU)
 # The warp-specialized winners join them after their GPU tier (H100, 2026-12-05, tree 1fae7ed:
