@@ -125,8 +125,10 @@ _HOPPER_STREAM_CANDIDATES = [
 # activation of one half overlaps the MMAs of the other inside the warpgroup. Its reason (H200,
 # 2026-12-05, bench_gdpa.py --probes on cross-128): the pick's math alone, HBM left out, took 1.25x
 # the roofline's time (79.5-79.9% of it), its memory pipeline alone 1.16x (84.5-86%), together
-# 70.6%. sm_90 ptxas (Triton 3.9): 189 registers, no spills; two programs per SM as the pick.
-_HOPPER_SPLIT_CANDIDATES = [(64, 128, 4, 2, 2, 16, 0, 0, 1, 1, 0, 1), (64, 64, 4, 2, 2, 16, 0, 0, 1, 1, 0, 1)]
+# 70.6%. sm_90 ptxas (Triton 3.9): 189 registers, no spills; two programs per SM as the pick. The
+# warp-specialized form takes the same split in each consumer (last config).
+_HOPPER_SPLIT_CANDIDATES = [(64, 128, 4, 2, 2, 16, 0, 0, 1, 1, 0, 1), (64, 64, 4, 2, 2, 16, 0, 0, 1, 1, 0, 1),
+                            (64, 128, 4, 4, 1, 16, 0, 0, 2, 2, 0, 1)]
 _FWD_CANDIDATES += (_HOPPER_FWD_CANDIDATES + _HOPPER_SPLIT_CANDIDATES + _HOPPER_WS_CANDIDATES
                     + _HOPPER_STREAM_CANDIDATES)
 # configs with optional fields the GPU tier has passed; the Hopper ones: test_gdpa_hopper_forward_gpu,

@@ -407,7 +407,7 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
 def _ws_consumer(me: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, O, Q_OFFSETS,
                  K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, ACT: gl.constexpr,
-                 FOLD: gl.constexpr, Q_STAGES: gl.constexpr, KV_STAGES: gl.constexpr):
+                 FOLD: gl.constexpr, Q_STAGES: gl.constexpr, KV_STAGES: gl.constexpr, SPLIT: gl.constexpr):
     """Consumer warpgroup ``me`` (0 or 1): the tiles g with g % 2 == me of the program's stream.
     Q_STAGES is even, so a slot only ever holds one consumer's tiles: a consumer waiting on a slot
     is never more than one phase behind it (with an odd count it could pass on the other
@@ -434,12 +434,29 @@ def _ws_consumer(me: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
             for t in range((g + me) % 2, n_tiles, 2):  # my tiles: (g + t) % 2 == me
                 slot = (g + t) % Q_STAGES
                 mbarrier.wait(q_ready.index(slot), ((g + t) // Q_STAGES) & 1)
-                s = warpgroup_mma(q_smem.index(slot), k_t, s_zero, use_acc=False, is_async=True)
-                s = warpgroup_mma_wait(0, deps=(s, ))
-                mbarrier.arrive(q_empty.index(slot), count=1)  # the S MMA has read the slot
-                p = _scores(s, k_len, ac, s_layout, BLOCK_N, ACT, FOLD, dtype, p_layout)
-                o = warpgroup_mma(p, v_buf, o_zero, use_acc=False, is_async=True)
-                o = warpgroup_mma_wait(0, deps=(o, ))
+                if SPLIT:  # the key halves as in _gdpa_fwd_resident (SPLIT)
+                    HALF_N: gl.constexpr = BLOCK_N // 2
+                    h_layout: gl.constexpr = _acc_layout(4, HALF_N)
+                    h_zero = gl.zeros([BLOCK_M, HALF_N], gl.float32, h_layout)
+                    s_a = warpgroup_mma(q_smem.index(slot), k_smem.index(buf).slice(0, HALF_N).permute((1, 0)), h_zero,
+                                        use_acc=False, is_async=True)
+                    s_b = warpgroup_mma(q_smem.index(slot), k_smem.index(buf).slice(HALF_N, HALF_N).permute((1, 0)),
+                                        h_zero, use_acc=False, is_async=True)
+                    s_a = warpgroup_mma_wait(1, deps=(s_a, ))
+                    p_a = _scores(s_a, k_len, ac, h_layout, HALF_N, ACT, FOLD, dtype, p_layout)
+                    o = warpgroup_mma(p_a, v_buf.slice(0, HALF_N), o_zero, use_acc=False, is_async=True)
+                    s_b = warpgroup_mma_wait(1, deps=(s_b, ))
+                    mbarrier.arrive(q_empty.index(slot), count=1)  # both S MMAs have read the slot
+                    p_b = _scores(s_b, k_len - HALF_N, ac, h_layout, HALF_N, ACT, FOLD, dtype, p_layout)
+                    o = warpgroup_mma(p_b, v_buf.slice(HALF_N, HALF_N), o, is_async=True)
+                    o = warpgroup_mma_wait(0, deps=(o, ))
+                else:
+                    s = warpgroup_mma(q_smem.index(slot), k_t, s_zero, use_acc=False, is_async=True)
+                    s = warpgroup_mma_wait(0, deps=(s, ))
+                    mbarrier.arrive(q_empty.index(slot), count=1)  # the S MMA has read the slot
+                    p = _scores(s, k_len, ac, s_layout, BLOCK_N, ACT, FOLD, dtype, p_layout)
+                    o = warpgroup_mma(p, v_buf, o_zero, use_acc=False, is_async=True)
+                    o = warpgroup_mma_wait(0, deps=(o, ))
                 _store_o(_fwd_out(o, ac, ACT), o_desc, o_smem, O, q_start, m0 + t * BLOCK_M, q_len, col, stride_on,
                          o_layout, BLOCK_M, HEAD_DIM)
             mbarrier.arrive(kv_empty.index(buf), count=1)  # after my last MMA on this buffer (or its fill)
@@ -454,7 +471,7 @@ def _gdpa_fwd_ws(
     q_desc, k_desc, v_desc, o_desc, O, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, ACT: gl.constexpr,
     Q_STAGES: gl.constexpr, KV_STAGES: gl.constexpr, FOLD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    LOADER_REGS: gl.constexpr, num_warps: gl.constexpr, SPLIT: gl.constexpr = 0,
 ):
     # descriptors and WORK as _gdpa_fwd_resident's; num_warps = 4 (the default partition is the
     # first consumer)
@@ -470,10 +487,10 @@ def _gdpa_fwd_ws(
     gl.warp_specialize([
         (_ws_consumer, (0, q_smem, k_smem, v_smem, o_smem.index(0), q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
                         Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                        CHUNK, ACT, FOLD, Q_STAGES, KV_STAGES)),
+                        CHUNK, ACT, FOLD, Q_STAGES, KV_STAGES, SPLIT)),
         (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem.index(1), q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
                         Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                        CHUNK, ACT, FOLD, Q_STAGES, KV_STAGES)),
+                        CHUNK, ACT, FOLD, Q_STAGES, KV_STAGES, SPLIT)),
         (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, Q_OFFSETS,
                       K_OFFSETS, WORK, n_items, num_heads, CHUNK, BLOCK_M, HEAD_DIM, Q_STAGES, KV_STAGES)),
     ],
@@ -656,7 +673,8 @@ def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cf
     if kind == 3:
         _gdpa_fwd_ws_stream[grid](*args, **tiles, KV_STAGES=stages, **ws)
     elif kind == 2:
-        _gdpa_fwd_ws[grid](*args, **tiles, CHUNK=chunk, Q_STAGES=stages, KV_STAGES=kv_stages, **ws)
+        _gdpa_fwd_ws[grid](*args, **tiles, CHUNK=chunk, Q_STAGES=stages, KV_STAGES=kv_stages,
+                           SPLIT=config_field(cfg, 11), **ws)
     else:
         _gdpa_fwd_resident[grid](*args, **tiles, CHUNK=chunk, Q_STAGES=stages, LOOKAHEAD=kv_stages, num_warps=warps,
                                  PROBE=probe, SPLIT=config_field(cfg, 11))
@@ -684,9 +702,9 @@ def _not_built(cfg: tuple, dim: int, size: int) -> str | None:
     # previous phase (the warp-specialized kernel's second warpgroup is a partition of its own)
     if chunk < 1:
         return f"head_dim {dim} with config {cfg} is not built"
-    if config_field(cfg, 11) and (kind != 1 or block_n not in (64, 128)):
-        return (f"config {cfg}: the split tile (twelfth field) is built for the resident kernel (ninth field 1) with "
-                "64 or 128 keys a tile")
+    if config_field(cfg, 11) and (kind not in (1, 2) or block_n not in (64, 128)):
+        return (f"config {cfg}: the split tile (twelfth field) is built for the resident kernels (ninth field 1 or 2) "
+                "with 64 or 128 keys a tile")
     if kind == 2:
         need = ws_shared_bytes(block_m, block_n, dim, stages, kv_stages, size)
         if per_sm != 1 or kv_stages not in (1, 2) or stages < 2 or stages % 2 or need > _SMEM_PER_BLOCK:
