@@ -100,7 +100,12 @@ _HOPPER_FWD_CANDIDATES = [
 # Measured and removed (H200, 2026-12-04, docs/benchmarks.md): the resident form storing its output
 # from registers with a third query slot (cross-128 119 us against 85 us), and a streaming Gluon
 # form for long key sides (3% slower than the tile loop on self-1000, and it hung the GPU on the
-# every-candidate test's shapes).
+# every-candidate test's shapes). Also measured and removed (2026-12-05, docs/benchmarks.md): the
+# work list dealt to the persistent programs by load instead of zigzag (cross-128, H200: 70.7 against
+# 70.5% of the roofline, within noise, though the most loaded program's share fell from 1.12x to
+# 1.06x of the mean), and each tile's keys in two halves so that one half's activation runs under
+# the other's MMAs (H100: 82.7 against 82.5% for the resident form, 81.2 against 83.8% for the
+# warp-specialized one; the math probe alone 294 against 308 TF/s). Both passed their GPU tier.
 # The warp-specialized Gluon forward (ninth field 2; gdpa_hopper._gdpa_fwd_ws): one program per SM
 # of a loader warp and two consumer warpgroups sharing each item's K and V. Fields as above, but
 # the tenth is the number of K/V buffers (2: the next item's K and V load during this item). Built
@@ -121,16 +126,7 @@ _HOPPER_STREAM_CANDIDATES = [
     (64, 64, 4, 4, 1, 0, 0, 0, 3), (64, 64, 4, 3, 1, 0, 0, 0, 3), (64, 128, 4, 2, 1, 0, 0, 0, 3),
     (64, 32, 4, 6, 1, 0, 0, 0, 3),
 ]
-# The resident form with each tile's keys in two halves (twelfth field 1; gdpa_hopper SPLIT): the
-# activation of one half overlaps the MMAs of the other inside the warpgroup. Its reason (H200,
-# 2026-12-05, bench_gdpa.py --probes on cross-128): the pick's math alone, HBM left out, took 1.25x
-# the roofline's time (79.5-79.9% of it), its memory pipeline alone 1.16x (84.5-86%), together
-# 70.6%. sm_90 ptxas (Triton 3.9): 189 registers, no spills; two programs per SM as the pick. The
-# warp-specialized form takes the same split in each consumer (last config).
-_HOPPER_SPLIT_CANDIDATES = [(64, 128, 4, 2, 2, 16, 0, 0, 1, 1, 0, 1), (64, 64, 4, 2, 2, 16, 0, 0, 1, 1, 0, 1),
-                            (64, 128, 4, 4, 1, 16, 0, 0, 2, 2, 0, 1)]
-_FWD_CANDIDATES += (_HOPPER_FWD_CANDIDATES + _HOPPER_SPLIT_CANDIDATES + _HOPPER_WS_CANDIDATES
-                    + _HOPPER_STREAM_CANDIDATES)
+_FWD_CANDIDATES += _HOPPER_FWD_CANDIDATES + _HOPPER_WS_CANDIDATES + _HOPPER_STREAM_CANDIDATES
 # configs with optional fields the GPU tier has passed; the Hopper ones: test_gdpa_hopper_forward_gpu,
 # 28 passed (H200, 2026-12-03: 320 items over 2-3 programs per SM, bf16 D=128 and fp16 D=64, GELU and SiLU)
 # The warp-specialized winners join them after their GPU tier (H100, 2026-12-05, tree 1fae7ed:

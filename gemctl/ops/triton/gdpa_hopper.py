@@ -168,7 +168,7 @@ def _gdpa_fwd_resident(
     q_desc, k_desc, v_desc, o_desc, O, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, ACT: gl.constexpr,
     Q_STAGES: gl.constexpr, LOOKAHEAD: gl.constexpr, FOLD: gl.constexpr, num_warps: gl.constexpr,
-    PROBE: gl.constexpr = 0, SPLIT: gl.constexpr = 0,
+    PROBE: gl.constexpr = 0,
 ):
     # PROBE (benchmarks only, wrong outputs by design; forward() refuses it unless PROBES is set):
     # 1 = the memory pipeline alone (every load, wait and store, no MMA or activation: zeros
@@ -185,13 +185,6 @@ def _gdpa_fwd_resident(
     # item's or else the next item's (so the next item's first tiles are in flight while this one
     # finishes). LOOKAHEAD = 1 also starts the next item's K as soon as this item's last S MMA has
     # read K, and its V after the last O MMA; 0 loads them after the item.
-    #
-    # SPLIT = 1: each tile's keys in two halves, so that the tensor cores and the activation overlap
-    # inside the warpgroup: S_a = Q K_a^T and S_b = Q K_b^T issued together, act(S_a) while S_b
-    # runs, O = act(S_a) V_a issued, act(S_b) while it runs, O += act(S_b) V_b; the Q slot is
-    # refilled once S_b is done. Without it each tile
-    # runs S, act(S), O in sequence, and the math alone (PROBE 2) took 1.25x the roofline's time on
-    # cross-128 (H200, 2026-12-05): the tensor cores wait for the activation and it for them.
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = _acc_layout(num_warps, BLOCK_N)  # S = Q K^T
     o_layout: gl.constexpr = _acc_layout(num_warps, HEAD_DIM)  # O = P V
@@ -209,13 +202,6 @@ def _gdpa_fwd_resident(
     mbarrier.init(k_bar, count=1)
     mbarrier.init(v_bar, count=1)
     k_t = k_smem.permute((1, 0))  # (D, BLOCK_N): the B operand of S = Q K^T
-    HALF_N: gl.constexpr = BLOCK_N // 2
-    h_layout: gl.constexpr = _acc_layout(num_warps, HALF_N)  # S_a, S_b with SPLIT
-    k_a = k_smem.slice(0, HALF_N).permute((1, 0))
-    k_b = k_smem.slice(HALF_N, HALF_N).permute((1, 0))
-    v_a = v_smem.slice(0, HALF_N)
-    v_b = v_smem.slice(HALF_N, HALF_N)
-    h_zero = gl.zeros([BLOCK_M, HALF_N], gl.float32, h_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     o_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
 
@@ -244,20 +230,8 @@ def _gdpa_fwd_resident(
                 slot = consumed % Q_STAGES
                 mbarrier.wait(q_bars.index(slot), (consumed // Q_STAGES) & 1)
                 if PROBE != 1:
-                    if SPLIT:
-                        # S_b is waited for only after O_a's issue: act(S_b) reads the result of a
-                        # wait that follows that issue, so no scheduler can hoist it above (ptxas
-                        # moves arithmetic above an MMA issue it does not depend on)
-                        s_a = warpgroup_mma(q_smem.index(slot), k_a, h_zero, use_acc=False, is_async=True)
-                        s_b = warpgroup_mma(q_smem.index(slot), k_b, h_zero, use_acc=False, is_async=True)
-                        s_a = warpgroup_mma_wait(1, deps=(s_a, ))
-                        p_a = _scores(s_a, k_len, ac, h_layout, HALF_N, ACT, FOLD, dtype, p_layout)
-                        mbarrier.wait(v_bar, kv_phase, pred=t == 0)
-                        o = warpgroup_mma(p_a, v_a, o_zero, use_acc=False, is_async=True)
-                        s_b = warpgroup_mma_wait(1, deps=(s_b, ))  # S_b done, O_a may run on
-                    else:
-                        s = warpgroup_mma(q_smem.index(slot), k_t, s_zero, use_acc=False, is_async=True)
-                        s = warpgroup_mma_wait(0, deps=(s, ))
+                    s = warpgroup_mma(q_smem.index(slot), k_t, s_zero, use_acc=False, is_async=True)
+                    s = warpgroup_mma_wait(0, deps=(s, ))
                 consumed += 1
                 # start the stream's next load (the current item's next tile, else the next item's)
                 # in slot issued % Q_STAGES, which the ring's invariant keeps free here (it is the
@@ -276,10 +250,6 @@ def _gdpa_fwd_resident(
                 if PROBE == 1:
                     mbarrier.wait(v_bar, kv_phase, pred=t == 0)
                     o = o_zero
-                elif SPLIT:
-                    p_b = _scores(s_b, k_len - HALF_N, ac, h_layout, HALF_N, ACT, FOLD, dtype, p_layout)
-                    o = warpgroup_mma(p_b, v_b, o, is_async=True)
-                    o = warpgroup_mma_wait(0, deps=(o, ))
                 else:
                     p = _scores(s, k_len, ac, s_layout, BLOCK_N, ACT, FOLD, dtype, p_layout)
                     mbarrier.wait(v_bar, kv_phase, pred=t == 0)
@@ -407,7 +377,7 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
 def _ws_consumer(me: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, O, Q_OFFSETS,
                  K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, ACT: gl.constexpr,
-                 FOLD: gl.constexpr, Q_STAGES: gl.constexpr, KV_STAGES: gl.constexpr, SPLIT: gl.constexpr):
+                 FOLD: gl.constexpr, Q_STAGES: gl.constexpr, KV_STAGES: gl.constexpr):
     """Consumer warpgroup ``me`` (0 or 1): the tiles g with g % 2 == me of the program's stream.
     Q_STAGES is even, so a slot only ever holds one consumer's tiles: a consumer waiting on a slot
     is never more than one phase behind it (with an odd count it could pass on the other
@@ -434,29 +404,12 @@ def _ws_consumer(me: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
             for t in range((g + me) % 2, n_tiles, 2):  # my tiles: (g + t) % 2 == me
                 slot = (g + t) % Q_STAGES
                 mbarrier.wait(q_ready.index(slot), ((g + t) // Q_STAGES) & 1)
-                if SPLIT:  # the key halves as in _gdpa_fwd_resident (SPLIT)
-                    HALF_N: gl.constexpr = BLOCK_N // 2
-                    h_layout: gl.constexpr = _acc_layout(4, HALF_N)
-                    h_zero = gl.zeros([BLOCK_M, HALF_N], gl.float32, h_layout)
-                    s_a = warpgroup_mma(q_smem.index(slot), k_smem.index(buf).slice(0, HALF_N).permute((1, 0)), h_zero,
-                                        use_acc=False, is_async=True)
-                    s_b = warpgroup_mma(q_smem.index(slot), k_smem.index(buf).slice(HALF_N, HALF_N).permute((1, 0)),
-                                        h_zero, use_acc=False, is_async=True)
-                    s_a = warpgroup_mma_wait(1, deps=(s_a, ))
-                    p_a = _scores(s_a, k_len, ac, h_layout, HALF_N, ACT, FOLD, dtype, p_layout)
-                    o = warpgroup_mma(p_a, v_buf.slice(0, HALF_N), o_zero, use_acc=False, is_async=True)
-                    s_b = warpgroup_mma_wait(1, deps=(s_b, ))
-                    mbarrier.arrive(q_empty.index(slot), count=1)  # both S MMAs have read the slot
-                    p_b = _scores(s_b, k_len - HALF_N, ac, h_layout, HALF_N, ACT, FOLD, dtype, p_layout)
-                    o = warpgroup_mma(p_b, v_buf.slice(HALF_N, HALF_N), o, is_async=True)
-                    o = warpgroup_mma_wait(0, deps=(o, ))
-                else:
-                    s = warpgroup_mma(q_smem.index(slot), k_t, s_zero, use_acc=False, is_async=True)
-                    s = warpgroup_mma_wait(0, deps=(s, ))
-                    mbarrier.arrive(q_empty.index(slot), count=1)  # the S MMA has read the slot
-                    p = _scores(s, k_len, ac, s_layout, BLOCK_N, ACT, FOLD, dtype, p_layout)
-                    o = warpgroup_mma(p, v_buf, o_zero, use_acc=False, is_async=True)
-                    o = warpgroup_mma_wait(0, deps=(o, ))
+                s = warpgroup_mma(q_smem.index(slot), k_t, s_zero, use_acc=False, is_async=True)
+                s = warpgroup_mma_wait(0, deps=(s, ))
+                mbarrier.arrive(q_empty.index(slot), count=1)  # the S MMA has read the slot
+                p = _scores(s, k_len, ac, s_layout, BLOCK_N, ACT, FOLD, dtype, p_layout)
+                o = warpgroup_mma(p, v_buf, o_zero, use_acc=False, is_async=True)
+                o = warpgroup_mma_wait(0, deps=(o, ))
                 _store_o(_fwd_out(o, ac, ACT), o_desc, o_smem, O, q_start, m0 + t * BLOCK_M, q_len, col, stride_on,
                          o_layout, BLOCK_M, HEAD_DIM)
             mbarrier.arrive(kv_empty.index(buf), count=1)  # after my last MMA on this buffer (or its fill)
@@ -471,7 +424,7 @@ def _gdpa_fwd_ws(
     q_desc, k_desc, v_desc, o_desc, O, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, ACT: gl.constexpr,
     Q_STAGES: gl.constexpr, KV_STAGES: gl.constexpr, FOLD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    LOADER_REGS: gl.constexpr, num_warps: gl.constexpr, SPLIT: gl.constexpr = 0,
+    LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     # descriptors and WORK as _gdpa_fwd_resident's; num_warps = 4 (the default partition is the
     # first consumer)
@@ -487,10 +440,10 @@ def _gdpa_fwd_ws(
     gl.warp_specialize([
         (_ws_consumer, (0, q_smem, k_smem, v_smem, o_smem.index(0), q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
                         Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                        CHUNK, ACT, FOLD, Q_STAGES, KV_STAGES, SPLIT)),
+                        CHUNK, ACT, FOLD, Q_STAGES, KV_STAGES)),
         (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem.index(1), q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
                         Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                        CHUNK, ACT, FOLD, Q_STAGES, KV_STAGES, SPLIT)),
+                        CHUNK, ACT, FOLD, Q_STAGES, KV_STAGES)),
         (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, Q_OFFSETS,
                       K_OFFSETS, WORK, n_items, num_heads, CHUNK, BLOCK_M, HEAD_DIM, Q_STAGES, KV_STAGES)),
     ],
@@ -647,8 +600,8 @@ def descriptors(block_m: int, block_n: int, q, k, v, out):
 def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cfg: tuple, *, fold: bool) -> None:
     """Launch the Gluon forward: ``cfg`` = (block_m, block_n, warps, query-ring stages, programs per
     SM, chunk, 0, 0, kernel at index 8 (1: resident, 2: warp-specialized resident, 3: warp-specialized
-    streaming), then for the resident kernel the look-ahead at index 9, a timing probe at index
-    10 and the split tile (SPLIT) at index 11, for the warp-specialized resident one the K/V buffers at index 9; the streaming one's (K, V)
+    streaming), then for the resident kernel the look-ahead at index 9 and a timing probe at index
+    10, for the warp-specialized resident one the K/V buffers at index 9; the streaming one's (K, V)
     ring stages are index 3) as gdpa's configs carry it; ``work`` is common.query_work with
     gdpa.item_rows(cfg) rows per item; ``fold`` the caller's gdpa.fold_scale decision, made once per
     call for every kernel it launches. Raises ValueError where the inputs do not allow the kernel (no
@@ -673,11 +626,10 @@ def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cf
     if kind == 3:
         _gdpa_fwd_ws_stream[grid](*args, **tiles, KV_STAGES=stages, **ws)
     elif kind == 2:
-        _gdpa_fwd_ws[grid](*args, **tiles, CHUNK=chunk, Q_STAGES=stages, KV_STAGES=kv_stages,
-                           SPLIT=config_field(cfg, 11), **ws)
+        _gdpa_fwd_ws[grid](*args, **tiles, CHUNK=chunk, Q_STAGES=stages, KV_STAGES=kv_stages, **ws)
     else:
         _gdpa_fwd_resident[grid](*args, **tiles, CHUNK=chunk, Q_STAGES=stages, LOOKAHEAD=kv_stages, num_warps=warps,
-                                 PROBE=probe, SPLIT=config_field(cfg, 11))
+                                 PROBE=probe)
 
 
 def _not_built(cfg: tuple, dim: int, size: int) -> str | None:
@@ -702,9 +654,6 @@ def _not_built(cfg: tuple, dim: int, size: int) -> str | None:
     # previous phase (the warp-specialized kernel's second warpgroup is a partition of its own)
     if chunk < 1:
         return f"head_dim {dim} with config {cfg} is not built"
-    if config_field(cfg, 11) and (kind not in (1, 2) or block_n not in (64, 128)):
-        return (f"config {cfg}: the split tile (twelfth field) is built for the resident kernels (ninth field 1 or 2) "
-                "with 64 or 128 keys a tile")
     if kind == 2:
         need = ws_shared_bytes(block_m, block_n, dim, stages, kv_stages, size)
         if per_sm != 1 or kv_stages not in (1, 2) or stages < 2 or stages % 2 or need > _SMEM_PER_BLOCK:
