@@ -269,6 +269,49 @@ def test_tuning_time_is_counted_once_per_key(monkeypatch):
         common.set_autotune(None)
 
 
+@pytest.mark.gpu
+def test_autotuning_ranks_by_gpu_time_not_host_time_gpu():
+    """_time measures a candidate's kernels, not its launch: a call that spends 3 ms on the host
+    around a short kernel times below one whose kernel runs 0.5 ms (timing the plain call would
+    rank them the other way), and a kernel's time is measured within 20% of a CUDA-graph replay."""
+    import time
+
+    import triton.testing
+
+    from gemctl.ops.triton import common
+
+    x = torch.randn(1 << 20, device="cuda")
+
+    def host_heavy():
+        time.sleep(0.003)
+        x.mul_(1.0)
+
+    def gpu_heavy():
+        torch.cuda._sleep(1_000_000)  # ~0.5 ms at ~2 GHz
+
+    assert common._time(host_heavy) < 0.2 < common._time(gpu_heavy)
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    mm = lambda: a @ a  # noqa: E731
+    graph = triton.testing.do_bench_cudagraph(mm, rep=50, return_mode="median")
+    assert abs(common._time(mm) - graph) < 0.2 * graph
+
+
+def test_tuned_configs_name_how_they_were_timed(monkeypatch):
+    """The disk cache's file name changes with the timing method (_TIMING): picks timed by the
+    plain call (host cost included) are not read back as GPU-time picks."""
+    pytest.importorskip("triton")
+    from gemctl.ops.triton import common
+
+    common._source_digest.cache_clear()
+    first = common._source_digest(common.__file__)
+    monkeypatch.setattr(common, "_TIMING", "another method")
+    common._source_digest.cache_clear()
+    try:
+        assert common._source_digest(common.__file__) != first
+    finally:
+        common._source_digest.cache_clear()
+
+
 def test_tuned_configs_persist_on_disk(monkeypatch, tmp_path):
     """A tuned pick is written to the on-disk cache and a later process (its in-memory cache empty)
     takes it without timing (one launch checks that it still runs); another candidate list is
