@@ -233,11 +233,9 @@ def test_hopper_configs_wait_for_the_gpu_tier_and_are_refused_off_hopper_cpu():
     assert bh.resident_programs(128, 2, 2, backward=False) == 3 == bh.resident_programs(128, 2, 0, backward=False)
 
 
-@pytest.mark.parametrize("rows,eligible", [(200, True), (40, False)])
-def test_hopper_configs_only_for_tensors_they_can_read_cpu(monkeypatch, rows, eligible):
-    """Both passes' autotune keys say whether the Gluon configs can run on the call's tensors (TMA
-    boxes of 64 rows): a key tuned with them is never handed a batch they cannot read (here 40
-    rows), and without that the candidates hold none of them."""
+def _offered(monkeypatch, lengths, heads, dim, dtype):
+    """(autotune key, candidate list) of the forward and the backward on these inputs (rope by base
+    frequency), every candidate admitted (_PENDING_AUTOTUNE), none run: what autotuning would time."""
     seen = []
 
     class Picked(Exception):
@@ -247,17 +245,25 @@ def test_hopper_configs_only_for_tensors_they_can_read_cpu(monkeypatch, rows, el
         seen.append((key, candidates()))
         raise Picked
 
-    monkeypatch.setattr(ba_kernels, "_hopper_runs", lambda device: True)  # as on an sm_90 GPU
-    monkeypatch.setattr(ba_kernels, "_PENDING_AUTOTUNE", True)  # every candidate, checked or not
+    monkeypatch.setattr(ba_kernels, "_PENDING_AUTOTUNE", True)
     monkeypatch.setattr(ba_kernels, "pick_config", spy)
-    off, q, k, v, grad = _inputs([rows - 30, 30], 2, 128, "cpu", torch.bfloat16, 0)
+    off, q, k, v, grad = _inputs(lengths, heads, dim, "cpu", dtype, 0)
     q, k, v = (t.detach() for t in (q, k, v))
     with pytest.raises(Picked):
-        ba_kernels._forward(q, k, v, None, None, off, rows - 30, 64, BASE, 0.1)
-    lse = torch.zeros(rows, 2)
+        ba_kernels._forward(q, k, v, None, None, off, max(lengths), 64, BASE, 0.1)
     with pytest.raises(Picked):
-        ba_kernels._backward(grad, q, k, v, lse, None, None, off, rows - 30, 64, BASE, 0.1)
-    for key, cands in seen:
+        ba_kernels._backward(grad, q, k, v, torch.zeros(q.shape[0], heads), None, None, off, max(lengths), 64, BASE,
+                             0.1)
+    return seen
+
+
+@pytest.mark.parametrize("rows,eligible", [(200, True), (40, False)])
+def test_hopper_configs_only_for_tensors_they_can_read_cpu(monkeypatch, rows, eligible):
+    """Both passes' autotune keys say whether the Gluon configs can run on the call's tensors (TMA
+    boxes of 64 rows): a key tuned with them is never handed a batch they cannot read (here 40
+    rows), and without that the candidates hold none of them."""
+    monkeypatch.setattr(ba_kernels, "_hopper_runs", lambda device: True)  # as on an sm_90 GPU
+    for key, cands in _offered(monkeypatch, [rows - 30, 30], 2, 128, torch.bfloat16):
         assert key[-1] is eligible
         assert any(common.config_field(c, 5) for c in cands) is eligible
 
@@ -282,27 +288,9 @@ def test_packed_rotation_runs_no_gluon_config_cpu(monkeypatch):
     """Under the packed rotation neither pass offers a Gluon config (they rotate in fp32: the pair
     would disagree), a pinned one is refused with the reason, and both passes' autotune keys carry
     the mode."""
-    off, q, k, v, grad = _inputs([130, 7], 3, 64, "cpu", torch.float32, 0)
-    q, k, v = (t.detach() for t in (q, k, v))
     monkeypatch.setattr(ba_kernels, "_rope_mode", lambda rope, q: 2 if rope else 0)
     monkeypatch.setattr(ba_kernels, "_hopper_eligible", lambda *a: True)
-    monkeypatch.setattr(ba_kernels, "_PENDING_AUTOTUNE", True)
-    seen = []
-
-    class Picked(Exception):
-        pass
-
-    def pick(key, candidates, run, interpret_config):
-        seen.append((key, candidates()))
-        raise Picked
-
-    monkeypatch.setattr(ba_kernels, "pick_config", pick)
-    lse = torch.zeros(q.shape[0], 3)
-    with pytest.raises(Picked):
-        ba_kernels._forward(q, k, v, None, None, off, 130, 64, BASE, 0.1)
-    with pytest.raises(Picked):
-        ba_kernels._backward(grad, q, k, v, lse, None, None, off, 130, 64, BASE, 0.1)
-    for key, cands in seen:
+    for key, cands in _offered(monkeypatch, [130, 7], 3, 64, torch.float32):
         assert key[5] == 2 and key[-1] is False  # (name, dim, dtype, block, tables, mode, ...)
         assert cands and not any(common.config_field(c, 5) for c in cands)
     with pytest.raises(ValueError, match="Gluon kernel, which rotates in fp32"):
