@@ -371,12 +371,14 @@ def ptxas_stats(target, warps: int, stages: int, head_loop: bool = False) -> lis
         with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
             ptx.write(compiled.asm["ptx"])
             ptx.flush()
-            for ptxas in (knobs.nvidia.ptxas.path, knobs.nvidia.ptxas.path + "-blackwell"):
-                # Triton 3.9 writes PTX 9.x, which only its second (CUDA 13) ptxas reads
-                out = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{target.arch}a", ptx.name, "-o", os.devnull],
-                                     capture_output=True, text=True).stderr
-                if "Unsupported .version" not in out or not os.path.exists(ptxas + "-blackwell"):
-                    break
+            def ptxas(path):
+                return subprocess.run([path, "-v", f"--gpu-name=sm_{target.arch}a", ptx.name, "-o", os.devnull],
+                                      capture_output=True, text=True).stderr
+
+            out = ptxas(knobs.nvidia.ptxas.path)
+            newer = knobs.nvidia.ptxas.path + "-blackwell"  # Triton 3.9's PTX 9.x: only its CUDA 13 ptxas reads it
+            if "Unsupported .version" in out and os.path.exists(newer):
+                out = ptxas(newer)
         regs = re.search(r"Used (\d+) registers", out)
         spill = re.search(r"(\d+) bytes spill stores", out)
         occupancy = ""

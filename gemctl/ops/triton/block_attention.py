@@ -52,8 +52,9 @@ HALVES: configs with a fifth field 1 hold v and o (forward), do, v and dv (backw
 halves.
 HOPPER: configs with a sixth field (programs per SM) run the forward or the backward as the persistent
 Gluon kernels of block_attention_hopper.py (block 64, 16-bit inputs, sm_90+), whose next block loads
-while this one computes; they passed the GPU tier but were slower than the Triton picks (H100,
-2026-12-05), so they are pinned-only.
+while this one computes; they passed the GPU tier. The forward at three programs per SM is autotuned
+(the fastest forward on the H200, slower than the Triton one on the H100); the backward's are
+pinned-only (slower on both).
 Known limits: no warp specialization, no persistent grid in the Triton kernels (Triton 3.x); the
 tables get no gradient.
 """

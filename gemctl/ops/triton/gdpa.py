@@ -525,9 +525,9 @@ def _check_resident(cfg, length: int, block: int, side: str):
 def _forward_candidates(hopper: bool, max_k_len: int) -> list:
     """The forward configs autotuning times: the Gluon ones only where ``hopper``; resident ones
     where the keys fit their tile, and then not the streaming Gluon form, which is for key sides
-    no resident tile holds. On cross-128 the autotuner's timing (Python calls: host cost included)
-    picked the streaming form at 114 us of GPU time against 100 us for the resident forms (H100,
-    2026-12-05)."""
+    no resident tile holds (on cross-128 it ran 114 us against 100 us for the resident forms, H100,
+    2026-12-05: timing it there only costs tuning time). The rule came first, when autotuning still
+    ranked Python calls and picked it there; it now ranks GPU time (common._time)."""
     cands = _FWD_CANDIDATES if hopper else [c for c in _FWD_CANDIDATES if not config_field(c, 8)]
     cands = _candidates(cands, max_k_len, 1)
     if any(c[5] and config_field(c, 8) for c in cands):

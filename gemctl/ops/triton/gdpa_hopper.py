@@ -631,8 +631,8 @@ def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cf
     """Launch the Gluon forward: ``cfg`` = (block_m, block_n, warps, query-ring stages, programs per
     SM, chunk, 0, 0, kernel at index 8 (1: resident, 2: warp-specialized resident, 3: warp-specialized
     streaming), then for the resident kernel the look-ahead at index 9, a timing probe at index
-    10 and ZERO_PAST at index 11, for the warp-specialized resident one the K/V buffers at index 9; the streaming one's (K, V)
-    ring stages are index 3) as gdpa's configs carry it; ``work`` is common.query_work with
+    10 and ZERO_PAST at index 11, for the warp-specialized resident one the K/V buffers at index 9;
+    the streaming one's (K, V) ring stages are index 3) as gdpa's configs carry it; ``work`` is common.query_work with
     gdpa.item_rows(cfg) rows per item; ``fold`` the caller's gdpa.fold_scale decision, made once per
     call for every kernel it launches. Raises ValueError where the inputs do not allow the kernel (no
     TMA layout, a head_dim, dtype or config it was not built for, buffers beyond an SM's shared
