@@ -189,9 +189,6 @@ def gluon_kernels():
     for probe in (1, 2):
         yield gh._gdpa_fwd_resident, io, dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=128, CHUNK=16, ACT=0, Q_STAGES=2,
                                                LOOKAHEAD=1, FOLD=True, num_warps=4, PROBE=probe)
-    # the rows past the keys zeroed in shared memory instead of a select on every score
-    yield gh._gdpa_fwd_resident, io, dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=128, CHUNK=16, ACT=0, Q_STAGES=2,
-                                           LOOKAHEAD=1, FOLD=True, num_warps=4, ZERO_PAST=1)
 
 
 def _source(fn, types: dict, consts: dict, attrs=None):

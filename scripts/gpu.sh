@@ -23,9 +23,6 @@
 #             self-4000)
 #   gdpa-probes  bench_gdpa.py's timing probes of the Gluon cross-128 forward (memory alone, math
 #             alone, against the pick) and the self-1000 forward against the softmax one, 10 A/B rounds
-#   gdpa-zero-past  the resident GDPA forward that zeroes the rows past an item's keys instead of a
-#             select per score (twelfth field 1): its GPU tier, then, only if that passed, cross-128's
-#             grid of it against the pick with both configs' probes (memory alone, math alone)
 #   gdpa-ws   the warp-specialized GDPA forwards (gdpa_hopper._gdpa_fwd_ws, _gdpa_fwd_ws_stream): their
 #             GPU tier under a 90 s limit per test, then, only if that passed, cross-128 and cross-32
 #             (resident) and self-1000 (streaming) against the picks
@@ -106,14 +103,6 @@ for stage in "$@"; do
         --out "$OUT/gdpa_probes.json" 2>&1 | quiet | tee "$OUT/gdpa_probes.log"
       python3 scripts/bench_gdpa.py --only self-1000 --ab 10 --out "$OUT/gdpa_self1000_ab.json" 2>&1 | quiet \
         | tee "$OUT/gdpa_self1000_ab.log" ;;
-    gdpa-zero-past)
-      GEMCTL_GPU_TEST_TIMEOUT=90 python3 -m pytest -q -m gpu -n 8 tests/test_gdpa_triton.py \
-        -k "(hopper_forward_gpu or every_candidate) and _1_1_0_1" -p no:cacheprovider -rf 2>&1 \
-        | grep -v '^ *$\|Warning\|warner' | tail -15 | tee "$OUT/gpu_tests_gdpa_zero_past.log" \
-        && grep -q passed "$OUT/gpu_tests_gdpa_zero_past.log" && ! grep -q failed "$OUT/gpu_tests_gdpa_zero_past.log" \
-        && python3 scripts/bench_gdpa.py --grid-only --only cross-128 --probes --grid-configs \
-          64,128,4,2,2,16,0,0,1,1 64,128,4,2,2,16,0,0,1,1,0,1 --out "$OUT/gdpa_zero_past_grid.json" 2>&1 | quiet \
-          | tee "$OUT/gdpa_zero_past_grid.log" ;;
     gdpa-ws)
       # the warp-specialized GDPA forwards: their GPU tier first (each test stopped after 90 s: a
       # hung kernel must not take the call), then, only if that passed, cross-128 and cross-32 timed

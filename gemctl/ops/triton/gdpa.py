@@ -126,13 +126,7 @@ _HOPPER_STREAM_CANDIDATES = [
     (64, 64, 4, 4, 1, 0, 0, 0, 3), (64, 64, 4, 3, 1, 0, 0, 0, 3), (64, 128, 4, 2, 1, 0, 0, 0, 3),
     (64, 32, 4, 6, 1, 0, 0, 0, 3),
 ]
-# The resident form with the rows past an item's keys zeroed in shared memory once per item instead
-# of a select on every score (twelfth field 1; gdpa_hopper ZERO_PAST): one of the ~12.4 FP32
-# instructions per score of cross-128's pick (sm_90 SASS), whose math path alone took 1.25x the
-# roofline's time on the H200 (2026-12-05). Pinned-only until its GPU tier and a timing pass.
-_HOPPER_ZERO_PAST_CANDIDATES = [(64, 128, 4, 2, 2, 16, 0, 0, 1, 1, 0, 1)]
-_FWD_CANDIDATES += (_HOPPER_FWD_CANDIDATES + _HOPPER_ZERO_PAST_CANDIDATES + _HOPPER_WS_CANDIDATES
-                    + _HOPPER_STREAM_CANDIDATES)
+_FWD_CANDIDATES += _HOPPER_FWD_CANDIDATES + _HOPPER_WS_CANDIDATES + _HOPPER_STREAM_CANDIDATES
 # configs with optional fields the GPU tier has passed; the Hopper ones: test_gdpa_hopper_forward_gpu,
 # 28 passed (H200, 2026-12-03: 320 items over 2-3 programs per SM, bf16 D=128 and fp16 D=64, GELU and SiLU)
 # The warp-specialized winners join them after their GPU tier (H100, 2026-12-05, tree 1fae7ed:

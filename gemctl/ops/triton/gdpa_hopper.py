@@ -88,28 +88,11 @@ def _acc_layout(num_warps, cols):
 
 @gluon.jit
 def _scores(s, k_len, ac, s_layout: gl.constexpr, BLOCK_N: gl.constexpr, ACT: gl.constexpr, FOLD: gl.constexpr,
-            dtype: gl.constexpr, p_layout: gl.constexpr, MASK: gl.constexpr = True):
-    """_fwd_act(s) with keys >= k_len masked to s = 0 (act(0) = 0), as the second MMA's A operand;
-    MASK False: the caller zeroed those keys' K and V rows in shared memory (_zero_rows_past), so s
-    is 0 there already and the select is left out (one of ~12 instructions per score)."""
-    if MASK:
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        s = gl.where((cols < k_len)[None, :], s, 0.0)
+            dtype: gl.constexpr, p_layout: gl.constexpr):
+    """_fwd_act(s) with keys >= k_len masked to s = 0 (act(0) = 0), as the second MMA's A operand."""
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    s = gl.where((cols < k_len)[None, :], s, 0.0)
     return gl.convert_layout(_fwd_act(s, ac, ACT, FOLD).to(dtype), p_layout)
-
-
-@gluon.jit
-def _zero_rows_past(smem, k_len, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, num_warps: gl.constexpr):
-    """Rows k_len .. BLOCK_N of a (BLOCK_N, HEAD_DIM) K or V tile set to 0 in shared memory (the TMA
-    box holds the next sequence's rows, or the zero fill at the tensor's end, there), 16 rows at a
-    time in 16-byte vectors. The caller fences and syncs before an MMA reads the tile."""
-    ROWS: gl.constexpr = 16
-    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[256 // HEAD_DIM, HEAD_DIM // 8],
-                                            warps_per_cta=[num_warps, 1], order=[1, 0])
-    for r in gl.static_range(0, BLOCK_N, ROWS):
-        ok = (r + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout)) < k_len)[:, None]
-        x = smem.slice(r, ROWS).load(layout)
-        smem.slice(r, ROWS).store(gl.where(ok, x, gl.zeros_like(x)))
 
 
 @gluon.jit
@@ -185,7 +168,7 @@ def _gdpa_fwd_resident(
     q_desc, k_desc, v_desc, o_desc, O, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, ACT: gl.constexpr,
     Q_STAGES: gl.constexpr, LOOKAHEAD: gl.constexpr, FOLD: gl.constexpr, num_warps: gl.constexpr,
-    PROBE: gl.constexpr = 0, ZERO_PAST: gl.constexpr = 0,
+    PROBE: gl.constexpr = 0,
 ):
     # PROBE (benchmarks only, wrong outputs by design; forward() refuses it unless PROBES is set):
     # 1 = the memory pipeline alone (every load, wait and store, no MMA or activation: zeros
@@ -202,12 +185,6 @@ def _gdpa_fwd_resident(
     # item's or else the next item's (so the next item's first tiles are in flight while this one
     # finishes). LOOKAHEAD = 1 also starts the next item's K as soon as this item's last S MMA has
     # read K, and its V after the last O MMA; 0 loads them after the item.
-    #
-    # ZERO_PAST = 1: an item with fewer keys than BLOCK_N has its K and V rows past its keys zeroed
-    # in shared memory once (s = 0 there, act(0) = 0, and 0 rows of V), instead of a select on every
-    # score of every tile: one of the ~12.4 instructions per score of cross-128's math path, which
-    # alone took 1.25x the roofline's time (H200, 2026-12-05). Nothing to do where every item has
-    # BLOCK_N keys.
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = _acc_layout(num_warps, BLOCK_N)  # S = Q K^T
     o_layout: gl.constexpr = _acc_layout(num_warps, HEAD_DIM)  # O = P V
@@ -249,13 +226,6 @@ def _gdpa_fwd_resident(
         theirs = 0  # the next item's tiles among the loads started
         if n_tiles > 0:
             mbarrier.wait(k_bar, kv_phase)
-            if ZERO_PAST:
-                if k_len < BLOCK_N:
-                    mbarrier.wait(v_bar, kv_phase)
-                    _zero_rows_past(k_smem, k_len, BLOCK_N, HEAD_DIM, num_warps)
-                    _zero_rows_past(v_smem, k_len, BLOCK_N, HEAD_DIM, num_warps)
-                    fence_async_shared()
-                    _cta_barrier()  # every warp's zeros are in before an MMA reads the tiles
             for t in range(0, n_tiles):
                 slot = consumed % Q_STAGES
                 mbarrier.wait(q_bars.index(slot), (consumed // Q_STAGES) & 1)
@@ -281,7 +251,7 @@ def _gdpa_fwd_resident(
                     mbarrier.wait(v_bar, kv_phase, pred=t == 0)
                     o = o_zero
                 else:
-                    p = _scores(s, k_len, ac, s_layout, BLOCK_N, ACT, FOLD, dtype, p_layout, not ZERO_PAST)
+                    p = _scores(s, k_len, ac, s_layout, BLOCK_N, ACT, FOLD, dtype, p_layout)
                     mbarrier.wait(v_bar, kv_phase, pred=t == 0)
                     o = warpgroup_mma(p, v_smem, o_zero, use_acc=False, is_async=True)
                     o = warpgroup_mma_wait(0, deps=(o, ))
@@ -630,9 +600,9 @@ def descriptors(block_m: int, block_n: int, q, k, v, out):
 def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cfg: tuple, *, fold: bool) -> None:
     """Launch the Gluon forward: ``cfg`` = (block_m, block_n, warps, query-ring stages, programs per
     SM, chunk, 0, 0, kernel at index 8 (1: resident, 2: warp-specialized resident, 3: warp-specialized
-    streaming), then for the resident kernel the look-ahead at index 9, a timing probe at index
-    10 and ZERO_PAST at index 11, for the warp-specialized resident one the K/V buffers at index 9;
-    the streaming one's (K, V) ring stages are index 3) as gdpa's configs carry it; ``work`` is common.query_work with
+    streaming), then for the resident kernel the look-ahead at index 9 and a timing probe at index
+    10, for the warp-specialized resident one the K/V buffers at index 9; the streaming one's (K, V)
+    ring stages are index 3) as gdpa's configs carry it; ``work`` is common.query_work with
     gdpa.item_rows(cfg) rows per item; ``fold`` the caller's gdpa.fold_scale decision, made once per
     call for every kernel it launches. Raises ValueError where the inputs do not allow the kernel (no
     TMA layout, a head_dim, dtype or config it was not built for, buffers beyond an SM's shared
@@ -659,7 +629,7 @@ def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cf
         _gdpa_fwd_ws[grid](*args, **tiles, CHUNK=chunk, Q_STAGES=stages, KV_STAGES=kv_stages, **ws)
     else:
         _gdpa_fwd_resident[grid](*args, **tiles, CHUNK=chunk, Q_STAGES=stages, LOOKAHEAD=kv_stages, num_warps=warps,
-                                 PROBE=probe, ZERO_PAST=config_field(cfg, 11))
+                                 PROBE=probe)
 
 
 def _not_built(cfg: tuple, dim: int, size: int) -> str | None:
@@ -684,8 +654,6 @@ def _not_built(cfg: tuple, dim: int, size: int) -> str | None:
     # previous phase (the warp-specialized kernel's second warpgroup is a partition of its own)
     if chunk < 1:
         return f"head_dim {dim} with config {cfg} is not built"
-    if config_field(cfg, 11) and kind != 1:
-        return f"config {cfg}: zeroing the rows past the keys (twelfth field) is built for the resident kernel only"
     if kind == 2:
         need = ws_shared_bytes(block_m, block_n, dim, stages, kv_stages, size)
         if per_sm != 1 or kv_stages not in (1, 2) or stages < 2 or stages % 2 or need > _SMEM_PER_BLOCK:
