@@ -153,16 +153,16 @@ def gluon_kernels():
             table = f"tensordesc<{table_dtype}[{bh.BLOCK}, {dim // 2}],{layout!r}>"
         rope = table_dtype is not None
         io = dict(q_desc=tile, k_desc=tile, v_desc=tile, do_desc=tile, dq_desc=tile, dk_desc=tile, dv_desc=tile,
-                  cos_desc=table, sin_desc=table, DQ="*bf16", DK="*bf16", DV="*bf16", LSE="*fp32", OFFSETS="*i64",
-                  WORK="*i32", qk_scale="fp32", scale="fp32")
+                  cos_desc=table, sin_desc=table, DQ="*bf16", DK="*bf16", DV="*bf16", LSE="*fp32", RECORDS="*i32",
+                  qk_scale="fp32", scale="fp32")
         yield bh._block_attn_bwd_hopper, io, dict(HEAD_DIM=dim, BLOCK=bh.BLOCK, ROPE=rope, num_warps=4)
         io = dict(q_desc=tile, k_desc=tile, v_desc=tile, o_desc=tile, cos_desc=table, sin_desc=table, O="*bf16",
-                  LSE="*fp32", OFFSETS="*i64", WORK="*i32", qk_scale="fp32")
+                  LSE="*fp32", RECORDS="*i32", qk_scale="fp32")
         yield bh._block_attn_fwd_hopper, io, dict(HEAD_DIM=dim, BLOCK=bh.BLOCK, ROPE=rope, num_warps=4)
 
     for block_n, dim, pipeline, act in ((128, 128, 0, 0), (128, 128, 1, 0), (32, 64, 1, 1)):
         io = dict(q_desc=desc(64, dim), o_desc=desc(64, dim), k_desc=desc(block_n, dim), v_desc=desc(block_n, dim),
-                  O="*bf16", Q_OFFSETS="*i64", K_OFFSETS="*i64", WORK="*i32", scale="fp32")
+                  O="*bf16", RECORDS="*i32", scale="fp32")
         yield gh._gdpa_fwd_resident, io, dict(HEAD_DIM=dim, BLOCK_M=64, BLOCK_N=block_n, CHUNK=4, ACT=act, Q_STAGES=2,
                                                LOOKAHEAD=pipeline, FOLD=act == 0, num_warps=4)
     # GELU with the scale applied first (a scale outside the fold range, or fp16): 32 keys at D = 64
@@ -172,7 +172,7 @@ def gluon_kernels():
     # plans at D = 128, and cross-32's at D = 64 with SiLU
     for block_n, dim, q_stages, kv_stages, act in ((128, 128, 4, 2, 0), (128, 128, 6, 1, 0), (32, 64, 8, 2, 1)):
         io = dict(q_desc=desc(64, dim), o_desc=desc(64, dim), k_desc=desc(block_n, dim), v_desc=desc(block_n, dim),
-                  O="*bf16", Q_OFFSETS="*i64", K_OFFSETS="*i64", WORK="*i32", scale="fp32")
+                  O="*bf16", RECORDS="*i32", scale="fp32")
         yield gh._gdpa_fwd_ws, io, dict(HEAD_DIM=dim, BLOCK_M=64, BLOCK_N=block_n, CHUNK=16, ACT=act, Q_STAGES=q_stages,
                                         KV_STAGES=kv_stages, FOLD=act == 0, CONSUMER_REGS=gh.WS_REGS[0],
                                         LOADER_REGS=gh.WS_REGS[1], num_warps=4)
@@ -180,7 +180,7 @@ def gluon_kernels():
     # tiles in 4 stages and 128-key tiles in 2 at D = 128, 32-key tiles in 6 at D = 64 with SiLU
     for block_n, dim, kv_stages, act in ((64, 128, 4, 0), (128, 128, 2, 0), (32, 64, 6, 1)):
         io = dict(q_desc=desc(64, dim), o_desc=desc(64, dim), k_desc=desc(block_n, dim), v_desc=desc(block_n, dim),
-                  O="*bf16", Q_OFFSETS="*i64", K_OFFSETS="*i64", WORK="*i32", scale="fp32")
+                  O="*bf16", RECORDS="*i32", scale="fp32")
         yield gh._gdpa_fwd_ws_stream, io, dict(HEAD_DIM=dim, BLOCK_M=64, BLOCK_N=block_n, ACT=act, KV_STAGES=kv_stages,
                                                FOLD=act == 0, CONSUMER_REGS=gh.WS_REGS[0], LOADER_REGS=gh.WS_REGS[1],
                                                num_warps=4)

@@ -202,8 +202,8 @@ def test_hopper_configs_wait_for_the_gpu_tier_and_are_refused_off_hopper_cpu():
     from gemctl.ops.triton import block_attention_hopper as bh  # imports without a GPU (CI compiles it)
 
     x = torch.zeros(128, 2, 64, dtype=torch.bfloat16)
-    work = torch.zeros(1, 2, dtype=torch.int32)
-    args = (x, x, x, x, None, x, x, x, None, None, None, work)
+    records = torch.zeros(1, common.RECORD, dtype=torch.int32)
+    args = (x, x, x, x, None, x, x, x, None, None, records)
     with pytest.raises(ValueError, match="block 32"):
         bh.backward(*args, 32, False, 1.0, 1.0, 2)
     with pytest.raises(ValueError, match="TMA descriptors"):
@@ -211,7 +211,7 @@ def test_hopper_configs_wait_for_the_gpu_tier_and_are_refused_off_hopper_cpu():
         bh.backward(*((y,) + args[1:]), 64, False, 1.0, 1.0, 2)
     with pytest.raises(ValueError, match="rope tables of torch.float64"):
         tables64 = torch.zeros(64, 32, dtype=torch.float64)
-        bh.forward(x, x, x, x, None, tables64, tables64, None, work, 64, True, 1.0, 3)
+        bh.forward(x, x, x, x, None, tables64, tables64, records, 64, True, 1.0, 3)
     tables = torch.zeros(64, 32, dtype=torch.float64)
     assert bh.table_descriptors(tables, tables) is None  # fp64 tables: the Triton kernels take them
     assert bh.table_descriptors(tables.float(), tables.float())[0].block_shape == [64, 32]

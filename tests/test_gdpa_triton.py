@@ -342,10 +342,28 @@ def test_hopper_forward_refuses_configs_without_a_kernel(monkeypatch, cfg, why, 
             pytest.skip("bench_gdpa.py --probes lets the resident kernel's probes through")
         monkeypatch.setattr(gdpa_hopper, "PROBES", True)
     q = torch.zeros(4, 2, 128, dtype=torch.bfloat16)
-    offs = torch.tensor([0, 4])
-    work = torch.zeros(1, 2, dtype=torch.int32)
+    records = torch.zeros(1, 8, dtype=torch.int32)
     with pytest.raises(ValueError, match=why):
-        gdpa_hopper.forward(q, q, q, torch.empty_like(q), offs, offs, work, 0, 0.1, cfg, fold=False)
+        gdpa_hopper.forward(q, q, q, torch.empty_like(q), records, 0, 0.1, cfg, fold=False)
+
+
+def test_query_records_carry_each_items_spans_resolved_on_the_host():
+    """The Gluon kernels read an item's spans from its record, so no load there waits on another's
+    result: the records hold query_work's (sequence, tile) pairs in its order, then the sequence's
+    query and key spans as the offsets give them, and are built once per batch layout."""
+    from gemctl.ops.triton import common
+
+    q_lengths, k_lengths = [70, 0, 1, 129, 64], [3, 5, 0, 128, 64]
+    qo, ko = offsets(q_lengths), offsets(k_lengths)
+    work = common.query_work(qo, ko, 64, False, "cpu")
+    records = common.query_records(qo, ko, 64, False, "cpu")
+    assert records.dtype == torch.int32 and tuple(records.shape) == (work.shape[0], common.RECORD)
+    assert torch.equal(records[:, :2], work) and not records[:, 6:].any()
+    for seq, tile, q_start, q_len, k_start, k_len in records[:, :6].tolist():
+        assert (q_start, q_len) == (int(qo[seq]), q_lengths[seq]) and 0 <= tile * 64 < q_len
+        assert (k_start, k_len) == (int(ko[seq]), k_lengths[seq])
+    assert common.query_records(qo, ko, 64, False, "cpu") is records
+    assert not torch.equal(common.query_records(qo, ko, 32, False, "cpu")[:, :2], records[:, :2])
 
 
 def test_streaming_forward_is_offered_only_where_no_resident_tile_holds_the_keys():

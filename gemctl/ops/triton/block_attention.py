@@ -71,7 +71,7 @@ import triton.language as tl
 from gemctl.ops.reference.block import rope_cos_sin, rope_table_dtype
 from gemctl.ops.triton.common import (
     INTERPRET, bucket_len, cdiv, config_field, gluon_module, gluon_runs, gpu_checked, load_tile, pick_config,
-    query_work, row_descriptors, store_rows, whole_tile_work, work_item,
+    query_records, query_work, row_descriptors, store_rows, whole_tile_work, work_item,
 )
 
 LOG2E = 1.4426950408889634
@@ -519,8 +519,8 @@ def _forward(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
     def run(cfg):
         if config_field(cfg, 5):  # the Gluon kernel for Hopper (fp32 rotation)
             _gluon_rotation(mode, cfg)
-            work = query_work(offsets, offsets, block_size, False, q.device)
-            _hopper(q.device).forward(q, k, v, out, lse, cos, sin, offsets, work, block_size, rope, scale * LOG2E,
+            records = query_records(offsets, offsets, block_size, False, q.device)
+            _hopper(q.device).forward(q, k, v, out, lse, cos, sin, records, block_size, rope, scale * LOG2E,
                                       config_field(cfg, 5))
             return
         halves = bool(config_field(cfg, 4))  # v by (BS, D/2) blocks too
@@ -550,8 +550,8 @@ def _backward(do, q, k, v, lse, cos, sin, offsets, max_len, block_size, rope_bas
     def run(cfg):
         if config_field(cfg, 5):  # the Gluon kernel for Hopper
             _gluon_rotation(mode, cfg)
-            work = query_work(offsets, offsets, block_size, False, q.device)
-            _hopper(q.device).backward(q, k, v, do, lse, dq, dk, dv, cos, sin, offsets, work, block_size, rope,
+            records = query_records(offsets, offsets, block_size, False, q.device)
+            _hopper(q.device).backward(q, k, v, do, lse, dq, dk, dv, cos, sin, records, block_size, rope,
                                        scale * LOG2E, scale, config_field(cfg, 5))
             return
         args = (q, k, v, do, lse, dq, dk, dv, cos, sin, strides)

@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from gemctl.ops.triton.common import num_programs, rows_viewable, work_item
+from gemctl.ops.triton.common import num_programs, rows_viewable, work_record
 from gemctl.ops.triton.gdpa_hopper import (
     SMEM_PER_SM as _SMEM_PER_SM, SMEM_RESERVED as _SMEM_RESERVED,
     _GL_DTYPES, ELEMENT_TYPES, _acc_layout, _cta_barrier, _tma_load, _tma_store, shared_layout,
@@ -59,12 +59,13 @@ BLOCK = 64  # rows of a block: one warpgroup's wgmma M
 
 
 @gluon.jit
-def _item(e, n_items, WORK, OFFSETS, num_heads, BLOCK: gl.constexpr, HALF: gl.constexpr):
+def _item(e, n_items, RECORDS, num_heads, BLOCK: gl.constexpr, HALF: gl.constexpr):
     """Item e's sequence start, length, the block's first position in it and its head's column
     (of half 0) in the [N, H * D] views; valid = e < n_items (clamped to the last item if not)."""
     valid = e < n_items
     e = gl.minimum(e, n_items - 1)
-    first, start, length, _, _, _ = work_item(WORK, OFFSETS, OFFSETS, e // num_heads, BLOCK)
+    tile, start, length, _, _ = work_record(RECORDS, e // num_heads)
+    first = tile * BLOCK
     return valid, start, length, first, (e % num_heads) * (2 * HALF)
 
 
@@ -182,9 +183,9 @@ def _store_rotated_back(g1, g2, c, s, desc, stage, DST, start, first, length, co
 
 @gluon.jit
 def _first_item(q_desc, k_desc, v_desc, cos_desc, sin_desc, q_smem, k_smem, v_smem, cs_smem, qk_bar, v_bar, n_items,
-                WORK, OFFSETS, num_heads, BLOCK: gl.constexpr, HALF: gl.constexpr, ROPE: gl.constexpr):
+                RECORDS, num_heads, BLOCK: gl.constexpr, HALF: gl.constexpr, ROPE: gl.constexpr):
     """The program's first item (_item's fields), its q, k, rope rows and v loads started."""
-    valid, start, length, first, col = _item(gl.program_id(0), n_items, WORK, OFFSETS, num_heads, BLOCK, HALF)
+    valid, start, length, first, col = _item(gl.program_id(0), n_items, RECORDS, num_heads, BLOCK, HALF)
     _load_qk(q_desc, k_desc, cos_desc, sin_desc, q_smem, k_smem, cs_smem, qk_bar, start + first, first, col, valid,
              HALF, ROPE)
     _load_pair(v_desc, v_smem, v_bar, start + first, col, valid, HALF)
@@ -215,14 +216,15 @@ def _scores_of(q_smem, k_smem, cs_smem, qk_bar, phase, first, length, s_zero, BL
 
 @gluon.jit(do_not_specialize=["n_items"])
 def _block_attn_bwd_hopper(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, cos_desc, sin_desc, DQ, DK, DV, LSE, OFFSETS, WORK,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, cos_desc, sin_desc, DQ, DK, DV, LSE, RECORDS,
     n_items, num_heads, stride_dqn, stride_dkn, stride_dvn, qk_scale, scale,
     HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, ROPE: gl.constexpr, num_warps: gl.constexpr,
 ):
     # *_desc: [N, H * D] views in (BLOCK, D/2) boxes (host: descriptors); DQ/DK/DV the same tensors
     # for the partial blocks' masked stores; LSE fp32 [N, H] (log2 units); cos_desc/sin_desc: the
-    # rope tables [>= max_len, D/2] in (BLOCK, D/2) boxes (unused unless ROPE); WORK int32 [n, 2]
-    # (sequence, block) as block_attention's launches build it; item e = work index * num_heads + head.
+    # rope tables [>= max_len, D/2] in (BLOCK, D/2) boxes (unused unless ROPE); RECORDS int32 [n, 8]
+    # (common.query_records: sequence, block, the sequence's span) over every block; item e = record
+    # index * num_heads + head.
     HALF: gl.constexpr = HEAD_DIM // 2
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = _acc_layout(num_warps, BLOCK)  # s, dp: (queries, keys)
@@ -249,12 +251,12 @@ def _block_attn_bwd_hopper(
     pid = gl.program_id(0)
     n_programs = gl.num_programs(0)
     valid, start, length, first, col = _first_item(q_desc, k_desc, v_desc, cos_desc, sin_desc, q_smem, k_smem, v_smem,
-                                                   cs_smem, qk_bar, v_bar, n_items, WORK, OFFSETS, num_heads, BLOCK,
+                                                   cs_smem, qk_bar, v_bar, n_items, RECORDS, num_heads, BLOCK,
                                                    HALF, ROPE)
     _load_pair(do_desc, do_smem, do_bar, start + first, col, valid, HALF)
     for r in range(0, gl.cdiv(n_items, n_programs)):
         phase = r & 1
-        n_valid, n_start, n_length, n_first, n_col = _item(pid + (r + 1) * n_programs, n_items, WORK, OFFSETS,
+        n_valid, n_start, n_length, n_first, n_col = _item(pid + (r + 1) * n_programs, n_items, RECORDS,
                                                            num_heads, BLOCK, HALF)
         if valid:
             head = col // HEAD_DIM
@@ -324,7 +326,7 @@ def _block_attn_bwd_hopper(
 
 @gluon.jit(do_not_specialize=["n_items"])
 def _block_attn_fwd_hopper(
-    q_desc, k_desc, v_desc, o_desc, cos_desc, sin_desc, O, LSE, OFFSETS, WORK, n_items, num_heads, stride_on, qk_scale,
+    q_desc, k_desc, v_desc, o_desc, cos_desc, sin_desc, O, LSE, RECORDS, n_items, num_heads, stride_on, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, ROPE: gl.constexpr, num_warps: gl.constexpr,
 ):
     # The forward on the backward's plan: per item q, k (and the rope rows) on one mbarrier, v on
@@ -352,11 +354,11 @@ def _block_attn_fwd_hopper(
     pid = gl.program_id(0)
     n_programs = gl.num_programs(0)
     valid, start, length, first, col = _first_item(q_desc, k_desc, v_desc, cos_desc, sin_desc, q_smem, k_smem, v_smem,
-                                                   cs_smem, qk_bar, v_bar, n_items, WORK, OFFSETS, num_heads, BLOCK,
+                                                   cs_smem, qk_bar, v_bar, n_items, RECORDS, num_heads, BLOCK,
                                                    HALF, ROPE)
     for r in range(0, gl.cdiv(n_items, n_programs)):
         phase = r & 1
-        n_valid, n_start, n_length, n_first, n_col = _item(pid + (r + 1) * n_programs, n_items, WORK, OFFSETS,
+        n_valid, n_start, n_length, n_first, n_col = _item(pid + (r + 1) * n_programs, n_items, RECORDS,
                                                            num_heads, BLOCK, HALF)
         if valid:
             partial = first + BLOCK > length
@@ -475,31 +477,31 @@ def _checked(block_size: int, rope: bool, cos, sin, *tensors):
     return descs, tables
 
 
-def _grid(work, q, cos, rope: bool, per_sm: int, backward: bool):
-    n_items = work.shape[0] * q.shape[1]
+def _grid(records, q, cos, rope: bool, per_sm: int, backward: bool):
+    n_items = records.shape[0] * q.shape[1]
     per_sm = min(per_sm, resident_programs(q.shape[2], q.element_size(), cos.element_size() if rope else 0, backward))
     return n_items, (num_programs(n_items, per_sm, q.device),)
 
 
-def forward(q, k, v, out, lse, cos, sin, offsets, work, block_size: int, rope: bool, qk_scale: float,
+def forward(q, k, v, out, lse, cos, sin, records, block_size: int, rope: bool, qk_scale: float,
             per_sm: int) -> None:
-    """Launch the Gluon forward over ``work`` (every block: common.query_work with a tile of
+    """Launch the Gluon forward over ``records`` (every block: common.query_records with a tile of
     block_size rows), ``per_sm`` programs per SM (at most what fits); writes ``out`` and ``lse``
     (log2 units, as the Triton forward)."""
     descs, tables = _checked(block_size, rope, cos, sin, q, k, v, out)
-    n_items, grid = _grid(work, q, cos, rope, per_sm, False)
+    n_items, grid = _grid(records, q, cos, rope, per_sm, False)
     if n_items:
-        _block_attn_fwd_hopper[grid](*descs, *tables, out, lse, offsets, work, n_items, q.shape[1], out.stride(0),
+        _block_attn_fwd_hopper[grid](*descs, *tables, out, lse, records, n_items, q.shape[1], out.stride(0),
                                      qk_scale, HEAD_DIM=q.shape[2], BLOCK=BLOCK, ROPE=bool(rope), num_warps=4)
 
 
-def backward(q, k, v, do, lse, dq, dk, dv, cos, sin, offsets, work, block_size: int, rope: bool, qk_scale: float,
+def backward(q, k, v, do, lse, dq, dk, dv, cos, sin, records, block_size: int, rope: bool, qk_scale: float,
              scale: float, per_sm: int) -> None:
-    """Launch the Gluon backward over ``work`` (every block, as forward), ``per_sm`` programs per SM
+    """Launch the Gluon backward over ``records`` (every block, as forward), ``per_sm`` programs per SM
     (at most what fits); ``cos``/``sin`` the rope tables (ignored without ``rope``)."""
     descs, tables = _checked(block_size, rope, cos, sin, q, k, v, do, dq, dk, dv)
-    n_items, grid = _grid(work, q, cos, rope, per_sm, True)
+    n_items, grid = _grid(records, q, cos, rope, per_sm, True)
     if n_items:
-        _block_attn_bwd_hopper[grid](*descs, *tables, dq, dk, dv, lse, offsets, work, n_items, q.shape[1],
+        _block_attn_bwd_hopper[grid](*descs, *tables, dq, dk, dv, lse, records, n_items, q.shape[1],
                                      dq.stride(0), dk.stride(0), dv.stride(0), qk_scale, scale, HEAD_DIM=q.shape[2],
                                      BLOCK=BLOCK, ROPE=bool(rope), num_warps=4)

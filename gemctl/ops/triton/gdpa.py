@@ -34,7 +34,7 @@ import triton.language as tl
 
 from gemctl.ops.triton.common import (
     bucket_len, config_field, gluon_module, gluon_runs, gpu_checked, key_work, load_rows, num_programs, pick_config,
-    query_work, row_descriptors, rows_viewable, store_rows, work_item, zigzag_item,
+    query_records, query_work, row_descriptors, rows_viewable, store_rows, work_item, zigzag_item,
 )
 
 ACTIVATIONS = {"gelu": 0, "silu": 1}
@@ -106,6 +106,10 @@ _HOPPER_FWD_CANDIDATES = [
 # 1.06x of the mean), and each tile's keys in two halves so that one half's activation runs under
 # the other's MMAs (H100: 82.7 against 82.5% for the resident form, 81.2 against 83.8% for the
 # warp-specialized one; the math probe alone 294 against 308 TF/s). Both passed their GPU tier.
+# And the rows past an item's keys zeroed in K and V in shared memory once per item instead of a
+# select on every score (718 instead of 793 sm_90 instructions between a tile's MMAs): its GPU tier
+# passed (5 tests), but on cross-128 (H100, 2026-12-05, tree 688d682) it ran 100.3 against 100.7 us
+# and its math probe alone 297 against 311 TF/s: fewer instructions, no faster.
 # The warp-specialized Gluon forward (ninth field 2; gdpa_hopper._gdpa_fwd_ws): one program per SM
 # of a loader warp and two consumer warpgroups sharing each item's K and V. Fields as above, but
 # the tenth is the number of K/V buffers (2: the next item's K and V load during this item). Built
@@ -549,10 +553,11 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scale):
 
     def run(cfg):
         _check_resident(cfg, max_k_len, 1, "key")
-        work = query_work(q_offsets, k_offsets, item_rows(cfg), False, q.device)
-        if config_field(cfg, 8):  # the Gluon kernel for Hopper
-            _hopper().forward(q, k, v, out, q_offsets, k_offsets, work, act, scale, cfg, fold=fold)
+        if config_field(cfg, 8):  # the Gluon kernel for Hopper: its items as resolved records
+            records = query_records(q_offsets, k_offsets, item_rows(cfg), False, q.device)
+            _hopper().forward(q, k, v, out, records, act, scale, cfg, fold=fold)
             return
+        work = query_work(q_offsets, k_offsets, item_rows(cfg), False, q.device)
         # TMA field set (tile-loop configs): K/V descriptors, or masked loads where the layout has none
         descs = row_descriptors(cfg[1], k, v) if config_field(cfg, 6) and not cfg[5] else None
         _launch(_gdpa_fwd, work, heads, cfg, (q, k, v, out, q_offsets, k_offsets, strides), dim, act,

@@ -68,7 +68,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from gemctl.ops.triton.common import config_field, num_programs, rows_viewable
+from gemctl.ops.triton.common import config_field, num_programs, rows_viewable, work_record
 
 # Triton 3.6 names the TMA copies async_copy_global_to_shared / async_copy_shared_to_global; later
 # releases renamed them async_load / async_store (the old names raise there).
@@ -96,21 +96,17 @@ def _scores(s, k_len, ac, s_layout: gl.constexpr, BLOCK_N: gl.constexpr, ACT: gl
 
 
 @gluon.jit
-def _item(r, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads, CHUNK: gl.constexpr,
+def _item(r, pid, n_programs, n_items, RECORDS, num_heads, CHUNK: gl.constexpr,
           BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """Round r's item of program pid (zigzag, common.zigzag_item): its first query row (a value
-    row), the sequence's start, length and first row of the chunk, the key span, the column of its
-    head in the [N, H * D] views, and how many query tiles it has (0 past the last item)."""
+    """Round r's item of program pid (zigzag, common.zigzag_item): the sequence's query span, the
+    first row of the chunk (m0), the key span, the column of its head in the [N, H * D] views, and
+    how many query tiles it has (0 past the last item). From its record (common.query_records): no
+    load waits on another's result."""
     e = r * n_programs + gl.where(r % 2 == 0, pid, n_programs - 1 - pid)
     valid = e < n_items
     e = gl.minimum(e, n_items - 1)  # no read past the work list for rounds beyond it
-    w = e // num_heads
-    b = gl.load(WORK + 2 * w)
-    m0 = gl.load(WORK + 2 * w + 1) * (CHUNK * BLOCK_M)
-    q_start = gl.load(Q_OFFSETS + b).to(gl.int32)
-    q_len = gl.load(Q_OFFSETS + b + 1).to(gl.int32) - q_start
-    k_start = gl.load(K_OFFSETS + b).to(gl.int32)
-    k_len = gl.load(K_OFFSETS + b + 1).to(gl.int32) - k_start
+    chunk, q_start, q_len, k_start, k_len = work_record(RECORDS, e // num_heads)
+    m0 = chunk * (CHUNK * BLOCK_M)
     n_tiles = gl.where(valid, gl.minimum(gl.cdiv(q_len - m0, BLOCK_M), CHUNK), 0)
     return q_start, q_len, m0, k_start, k_len, (e % num_heads) * HEAD_DIM, n_tiles
 
@@ -165,7 +161,7 @@ def _store_o(o, o_desc, o_smem, O, q_start, row0, q_len, col, stride_on, o_layou
 
 @gluon.jit(do_not_specialize=["n_items"])
 def _gdpa_fwd_resident(
-    q_desc, k_desc, v_desc, o_desc, O, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale,
+    q_desc, k_desc, v_desc, o_desc, O, RECORDS, n_items, num_heads, stride_on, scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, ACT: gl.constexpr,
     Q_STAGES: gl.constexpr, LOOKAHEAD: gl.constexpr, FOLD: gl.constexpr, num_warps: gl.constexpr,
     PROBE: gl.constexpr = 0,
@@ -176,8 +172,9 @@ def _gdpa_fwd_resident(
     # tile's rows, which stay in L2, so HBM moves K and V only).
     #
     # q_desc / o_desc: [Nq, H * D] in (BLOCK_M, D) boxes; k_desc / v_desc: [Nk, H * D] in
-    # (BLOCK_N, D) boxes (host: gdpa_hopper.descriptors). WORK: int32 [n, 2] (sequence, chunk of
-    # CHUNK query tiles); item e = work index * num_heads + head, dealt in zigzag rounds (_item).
+    # (BLOCK_N, D) boxes (host: gdpa_hopper.descriptors). RECORDS: common.query_records, int32 [n, 8]
+    # (sequence, chunk of CHUNK query tiles, query span, key span); item e = record index * num_heads
+    # + head, dealt in zigzag rounds (_item).
     #
     # The query tiles of a program's items form one stream through the Q_STAGES-slot ring:
     # `issued` loads have been started into slots issued % Q_STAGES, `consumed` tiles read by their
@@ -208,7 +205,7 @@ def _gdpa_fwd_resident(
     pid = gl.program_id(0)
     ac = _act_consts(scale, FOLD)
     n_programs = gl.num_programs(0)
-    q_start, q_len, m0, k_start, k_len, col, n_tiles = _item(0, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS,
+    q_start, q_len, m0, k_start, k_len, col, n_tiles = _item(0, pid, n_programs, n_items, RECORDS,
                                                              num_heads, CHUNK, BLOCK_M, HEAD_DIM)
     _load_kv(k_desc, k_smem, k_bar, k_start, col, n_tiles > 0)
     _load_kv(v_desc, v_smem, v_bar, k_start, col, n_tiles > 0)
@@ -222,7 +219,7 @@ def _gdpa_fwd_resident(
     kv_phase = 0
     for r in range(0, gl.cdiv(n_items, n_programs)):
         nq_start, nq_len, nm0, nk_start, nk_len, ncol, nn_tiles = _item(
-            r + 1, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads, CHUNK, BLOCK_M, HEAD_DIM)
+            r + 1, pid, n_programs, n_items, RECORDS, num_heads, CHUNK, BLOCK_M, HEAD_DIM)
         theirs = 0  # the next item's tiles among the loads started
         if n_tiles > 0:
             mbarrier.wait(k_bar, kv_phase)
@@ -341,16 +338,16 @@ def _ws_load_q(q_desc, q_smem, q_ready, q_empty, g, row, col, Q_STAGES: gl.const
 
 
 @gluon.jit
-def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, Q_OFFSETS,
-               K_OFFSETS, WORK, n_items, num_heads, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr,
+def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, RECORDS,
+               n_items, num_heads, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr,
                HEAD_DIM: gl.constexpr, Q_STAGES: gl.constexpr, KV_STAGES: gl.constexpr):
     pid = gl.program_id(0)
     n_programs = gl.num_programs(0)
     g = 0  # query tiles loaded
     j = 0  # items (with tiles) whose K and V are loaded
     for r in range(0, gl.cdiv(n_items, n_programs)):
-        q_start, q_len, m0, k_start, k_len, col, n_tiles = _item(r, pid, n_programs, n_items, WORK, Q_OFFSETS,
-                                                                 K_OFFSETS, num_heads, CHUNK, BLOCK_M, HEAD_DIM)
+        q_start, q_len, m0, k_start, k_len, col, n_tiles = _item(r, pid, n_programs, n_items, RECORDS, num_heads,
+                                                                 CHUNK, BLOCK_M, HEAD_DIM)
         if n_tiles > 0:
             # With one K/V buffer, the item's first tiles go before its K and V, whose buffer frees
             # only when this program's previous item is done: a slot those tiles wait for holds a
@@ -374,8 +371,8 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
 
 
 @gluon.jit
-def _ws_consumer(me: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, O, Q_OFFSETS,
-                 K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM: gl.constexpr,
+def _ws_consumer(me: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
+                 RECORDS, n_items, num_heads, stride_on, scale, HEAD_DIM: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, ACT: gl.constexpr,
                  FOLD: gl.constexpr, Q_STAGES: gl.constexpr, KV_STAGES: gl.constexpr):
     """Consumer warpgroup ``me`` (0 or 1): the tiles g with g % 2 == me of the program's stream.
@@ -390,12 +387,12 @@ def _ws_consumer(me: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
     s_zero, o_zero, ac, pid, n_programs = _consumer_start(scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, FOLD)
     g = 0  # the stream position of the current item's first tile
     j = 0
-    q_start, q_len, m0, k_start, k_len, col, n_tiles = _item(0, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS,
+    q_start, q_len, m0, k_start, k_len, col, n_tiles = _item(0, pid, n_programs, n_items, RECORDS,
                                                              num_heads, CHUNK, BLOCK_M, HEAD_DIM)
     for r in range(0, gl.cdiv(n_items, n_programs)):
         # the next round's item, read now: its loads' latency passes during this item's tiles
         nq_start, nq_len, nm0, nk_start, nk_len, ncol, nn_tiles = _item(
-            r + 1, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads, CHUNK, BLOCK_M, HEAD_DIM)
+            r + 1, pid, n_programs, n_items, RECORDS, num_heads, CHUNK, BLOCK_M, HEAD_DIM)
         if n_tiles > 0:
             buf = j % KV_STAGES
             mbarrier.wait(kv_ready.index(buf), (j // KV_STAGES) & 1)
@@ -421,12 +418,12 @@ def _ws_consumer(me: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
 
 @gluon.jit(do_not_specialize=["n_items"])
 def _gdpa_fwd_ws(
-    q_desc, k_desc, v_desc, o_desc, O, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale,
+    q_desc, k_desc, v_desc, o_desc, O, RECORDS, n_items, num_heads, stride_on, scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, ACT: gl.constexpr,
     Q_STAGES: gl.constexpr, KV_STAGES: gl.constexpr, FOLD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
-    # descriptors and WORK as _gdpa_fwd_resident's; num_warps = 4 (the default partition is the
+    # descriptors and RECORDS as _gdpa_fwd_resident's; num_warps = 4 (the default partition is the
     # first consumer)
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [Q_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -439,13 +436,13 @@ def _gdpa_fwd_ws(
     # which takes no tensors: each is handed its own staging tile)
     gl.warp_specialize([
         (_ws_consumer, (0, q_smem, k_smem, v_smem, o_smem.index(0), q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
-                        Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                        RECORDS, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M, BLOCK_N,
                         CHUNK, ACT, FOLD, Q_STAGES, KV_STAGES)),
         (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem.index(1), q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
-                        Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                        RECORDS, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M, BLOCK_N,
                         CHUNK, ACT, FOLD, Q_STAGES, KV_STAGES)),
-        (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, Q_OFFSETS,
-                      K_OFFSETS, WORK, n_items, num_heads, CHUNK, BLOCK_M, HEAD_DIM, Q_STAGES, KV_STAGES)),
+        (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, RECORDS,
+                      n_items, num_heads, CHUNK, BLOCK_M, HEAD_DIM, Q_STAGES, KV_STAGES)),
     ],
                        [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -461,16 +458,16 @@ def _gdpa_fwd_ws(
 # load), so the two agree on every slot and phase without talking.
 
 @gluon.jit
-def _ws_stream_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, Q_OFFSETS,
-                      K_OFFSETS, WORK, n_items, num_heads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _ws_stream_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, RECORDS,
+                      n_items, num_heads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr):
     pid = gl.program_id(0)
     n_programs = gl.num_programs(0)
     j = 0  # items with tiles
     n = 0  # (K, V) tiles loaded
     for r in range(0, gl.cdiv(n_items, n_programs)):
-        q_start, q_len, m0, k_start, k_len, col, n_tiles = _item(r, pid, n_programs, n_items, WORK, Q_OFFSETS,
-                                                                 K_OFFSETS, num_heads, 1, 2 * BLOCK_M, HEAD_DIM)
+        q_start, q_len, m0, k_start, k_len, col, n_tiles = _item(r, pid, n_programs, n_items, RECORDS, num_heads,
+                                                                 1, 2 * BLOCK_M, HEAD_DIM)
         if n_tiles > 0:
             for c in gl.static_range(2):  # both consumers' tiles
                 qb = 2 * c + j % 2
@@ -493,7 +490,7 @@ def _ws_stream_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q
 
 @gluon.jit
 def _ws_stream_consumer(me: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
-                        Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM: gl.constexpr,
+                        RECORDS, n_items, num_heads, stride_on, scale, HEAD_DIM: gl.constexpr,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ACT: gl.constexpr, FOLD: gl.constexpr,
                         KV_STAGES: gl.constexpr):
     """Consumer ``me``: rows [m0 + 64 me, m0 + 64 me + 64) of every item, over all its keys."""
@@ -504,11 +501,11 @@ def _ws_stream_consumer(me: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_read
     s_zero, o_zero, ac, pid, n_programs = _consumer_start(scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, FOLD)
     j = 0
     n = 0
-    q_start, q_len, m0, k_start, k_len, col, n_tiles = _item(0, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS,
+    q_start, q_len, m0, k_start, k_len, col, n_tiles = _item(0, pid, n_programs, n_items, RECORDS,
                                                              num_heads, 1, 2 * BLOCK_M, HEAD_DIM)
     for r in range(0, gl.cdiv(n_items, n_programs)):
         nq_start, nq_len, nm0, nk_start, nk_len, ncol, nn_tiles = _item(
-            r + 1, pid, n_programs, n_items, WORK, Q_OFFSETS, K_OFFSETS, num_heads, 1, 2 * BLOCK_M, HEAD_DIM)
+            r + 1, pid, n_programs, n_items, RECORDS, num_heads, 1, 2 * BLOCK_M, HEAD_DIM)
         if n_tiles > 0:
             qb = 2 * me + j % 2
             row0 = m0 + me * BLOCK_M
@@ -543,12 +540,12 @@ def _ws_stream_consumer(me: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_read
 
 @gluon.jit(do_not_specialize=["n_items"])
 def _gdpa_fwd_ws_stream(
-    q_desc, k_desc, v_desc, o_desc, O, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale,
+    q_desc, k_desc, v_desc, o_desc, O, RECORDS, n_items, num_heads, stride_on, scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ACT: gl.constexpr,
     KV_STAGES: gl.constexpr, FOLD: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    # WORK: query_work over 2 * BLOCK_M rows (one item: a pair of query tiles); q_desc / o_desc in
+    # RECORDS: query_records over 2 * BLOCK_M rows (one item: a pair of query tiles); q_desc / o_desc in
     # (BLOCK_M, D) boxes, k_desc / v_desc in (BLOCK_N, D) boxes
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_M, HEAD_DIM], q_desc.layout)  # consumer x item parity
@@ -558,13 +555,13 @@ def _gdpa_fwd_ws_stream(
     q_ready, q_empty, kv_ready, kv_empty = _ws_barriers(4, KV_STAGES)
     gl.warp_specialize([
         (_ws_stream_consumer, (0, q_smem, k_smem, v_smem, o_smem.index(0), q_ready, q_empty, kv_ready, kv_empty,
-                               o_desc, O, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM,
+                               o_desc, O, RECORDS, n_items, num_heads, stride_on, scale, HEAD_DIM,
                                BLOCK_M, BLOCK_N, ACT, FOLD, KV_STAGES)),
         (_ws_stream_consumer, (1, q_smem, k_smem, v_smem, o_smem.index(1), q_ready, q_empty, kv_ready, kv_empty,
-                               o_desc, O, Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, stride_on, scale, HEAD_DIM,
+                               o_desc, O, RECORDS, n_items, num_heads, stride_on, scale, HEAD_DIM,
                                BLOCK_M, BLOCK_N, ACT, FOLD, KV_STAGES)),
         (_ws_stream_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                             Q_OFFSETS, K_OFFSETS, WORK, n_items, num_heads, BLOCK_M, BLOCK_N, HEAD_DIM, KV_STAGES)),
+                             RECORDS, n_items, num_heads, BLOCK_M, BLOCK_N, HEAD_DIM, KV_STAGES)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -597,12 +594,12 @@ def descriptors(block_m: int, block_n: int, q, k, v, out):
                              shared_layout(rows, t.shape[2], t.dtype)) for t, rows in pairs]
 
 
-def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cfg: tuple, *, fold: bool) -> None:
+def forward(q, k, v, out, records, act: int, scale: float, cfg: tuple, *, fold: bool) -> None:
     """Launch the Gluon forward: ``cfg`` = (block_m, block_n, warps, query-ring stages, programs per
     SM, chunk, 0, 0, kernel at index 8 (1: resident, 2: warp-specialized resident, 3: warp-specialized
     streaming), then for the resident kernel the look-ahead at index 9 and a timing probe at index
     10, for the warp-specialized resident one the K/V buffers at index 9; the streaming one's (K, V)
-    ring stages are index 3) as gdpa's configs carry it; ``work`` is common.query_work with
+    ring stages are index 3) as gdpa's configs carry it; ``records`` is common.query_records with
     gdpa.item_rows(cfg) rows per item; ``fold`` the caller's gdpa.fold_scale decision, made once per
     call for every kernel it launches. Raises ValueError where the inputs do not allow the kernel (no
     TMA layout, a head_dim, dtype or config it was not built for, buffers beyond an SM's shared
@@ -616,11 +613,11 @@ def forward(q, k, v, out, q_offsets, k_offsets, work, act: int, scale: float, cf
     descs = descriptors(block_m, block_n, q, k, v, out)
     if descs is None:
         raise ValueError("gdpa (Hopper): q/k/v/out do not allow TMA descriptors (heads adjacent, 16-byte aligned rows)")
-    n_items = work.shape[0] * heads
+    n_items = records.shape[0] * heads
     if n_items == 0:
         return
     grid = (num_programs(n_items, per_sm, q.device),)
-    args = (*descs, out, q_offsets, k_offsets, work, n_items, heads, out.stride(0), scale)
+    args = (*descs, out, records, n_items, heads, out.stride(0), scale)
     tiles = dict(HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, ACT=act, FOLD=fold)
     ws = dict(CONSUMER_REGS=WS_REGS[0], LOADER_REGS=WS_REGS[1], num_warps=4, maxnreg=WS_MAXNREG)
     if kind == 3:
