@@ -185,7 +185,8 @@ def main() -> None:
     ap.add_argument("--ab", type=int, default=0, metavar="N",
                     help="also time our forward and the softmax jagged forward in N alternating rounds (CUDA graphs)")
     ap.add_argument("--probes", action="store_true",
-                    help="with --grid-only: also time each Gluon config's probes (memory alone, math alone; wrong outputs)")
+                    help="with --grid-only: also time each Gluon config's probes (memory alone, math alone; wrong outputs); "
+                    "with --profile-step: let a pinned probe config run (ncu of a probe)")
     ap.add_argument("--pending", action="store_true",
                     help="autotune the forward configs the GPU tier has not passed yet too (gdpa._GPU_CHECKED): "
                     "the benchmark of a new kernel before its configs join autotuning")
@@ -198,12 +199,17 @@ def main() -> None:
         ap.error(f"--grid-configs {' '.join(args.grid_configs)}: each config is comma-separated integers, "
                  "e.g. 64,32,4,2,0,0,0,128")  # one line, exit code 2
     pins = parse_pins(args.pin, bool(args.profile_step))
-    if args.probes and not (args.grid_only and grid_configs):
-        ap.error("--probes: give it with --grid-only and --grid-configs (the Gluon configs to probe)")
+    if args.probes and not ((args.grid_only and grid_configs) or args.profile_step):
+        ap.error("--probes: give it with --grid-only and --grid-configs (the Gluon configs to probe), or with "
+                 "--profile-step and a pinned probe config")
     if not torch.cuda.is_available():
         print("bench_gdpa: needs a CUDA GPU (the CPU tier is tests/test_gdpa_triton.py)", file=sys.stderr)
         raise SystemExit(2)
-    if args.probes:
+    if args.probes and args.profile_step:
+        from gemctl.ops.triton import gdpa_hopper
+
+        gdpa_hopper.PROBES = True  # the pinned config may be a probe
+    elif args.probes:
         grid_configs = with_probes(grid_configs)
     workloads = [pma_workload(256, 32), cross_workload(256, 32), cross_workload(256, 128), self_workload(256, 1000)]
     if args.profile_step:

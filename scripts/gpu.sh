@@ -37,6 +37,9 @@
 #             GDPA cross-128, block attention (64, RoPE) self-1000. Autotuning under ncu can pick other
 #             configs than the benchmark (the GDPA forward did, 2026-11-30): the log names the configs it
 #             profiled, and NCU_PIN_JAGGED / NCU_PIN_GDPA / NCU_PIN_BLOCK ("--pin KERNEL=CFG ...") pin them
+#   ncu-sass  where GDPA cross-128's forward warps wait, per SASS instruction (Nsight Compute warp-state
+#             sampling; scripts/sass_stalls.py summarizes the source page), for each config of NCU_SASS_CONFIGS
+#             (default: the resident Gluon pick and its math-alone probe)
 #   tests-multi-gpu  the two-GPU checks (2+ GPUs): FSDP, HSDP and EP+MoE over NCCL against one
 #             process (pytest -m gpu -k two_gpus)
 #   profile-multi-gpu  gemctl profile of small_h200 with FSDP over every GPU (where the step goes
@@ -156,6 +159,18 @@ for stage in "$@"; do
           python3 scripts/$cmd ${!pins_var} > "$OUT/ncu_$name.txt" 2>&1
         grep -E "^profiled configs|^  $regex|Duration|Throughput|Registers Per|Achieved Occupancy|Issue Slots|Executed Ipc|Stall" \
           "$OUT/ncu_$name.txt" | head -40
+      done ;;
+    ncu-sass)
+      for cfg in ${NCU_SASS_CONFIGS:-64,128,4,2,2,16,0,0,1,1 64,128,4,2,2,16,0,0,1,1,2}; do
+        tag=$(echo "$cfg" | tr , _)
+        ncu --clock-control none --profile-from-start off --kernel-name regex:_gdpa_fwd --section SpeedOfLight \
+          --section WarpStateStats --section SchedulerStats --section SourceCounters -o "$OUT/ncu_sass_$tag" -f \
+          python3 scripts/bench_gdpa.py --profile-step cross-128 --probes --pin "gdpa_fwd=$cfg" > "$OUT/ncu_sass_$tag.log" 2>&1
+        { grep -E "^profiled configs" "$OUT/ncu_sass_$tag.log"
+          ncu -i "$OUT/ncu_sass_$tag.ncu-rep" | grep -E "Duration|No Eligible|Eligible Warps|Warp Cycles Per Issued"
+          ncu -i "$OUT/ncu_sass_$tag.ncu-rep" --page source --csv --print-source sass | python3 scripts/sass_stalls.py -
+        } 2>&1 | tee "$OUT/sass_stalls_$tag.txt"
+        rm -f "$OUT/ncu_sass_$tag.ncu-rep"
       done ;;
     precision-speed)
       # 40 untimed steps: at 30 steps (10 untimed) fp8_tower measured 431 ms against 381 at steady

@@ -166,3 +166,57 @@ def test_block_attention_bench_times_the_rope_variants(monkeypatch, capsys):
                                "gemm_tflops": 1.0})
     out = capsys.readouterr().out
     assert "64, fp32 tables" in out and "64, no rope" in out
+
+
+def _source_page(rows, sampling=True) -> str:
+    """An ncu --page source --csv --print-source sass page: a kernel row, the header, instructions."""
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+              "stall_long_sb", "stall_barrier", "stall_long_sb (Not Issued)"]
+    if not sampling:
+        header.remove("Warp Stall Sampling (All Samples)")
+    lines = ['"Kernel Name","_gdpa_fwd_resident",', ",".join(f'"{h}"' for h in header)]
+    for addr, sass, long_sb, barrier, executed in rows:
+        fields = [addr, sass] + ([str(long_sb + barrier)] if sampling else []) + [str(executed), str(long_sb),
+                                                                                   str(barrier), "0"]
+        lines.append(",".join(f'"{f}"' for f in fields))
+    return "\n".join(lines) + "\n"
+
+
+def test_sass_stalls_ranks_instructions_and_reasons(tmp_path):
+    """scripts/sass_stalls.py: each reason's share of all stall samples (the not-issued columns left
+    out), the instructions with the most samples first, each with its leading reasons; gzip input
+    too; a page without warp-state sampling is one line naming the column, exit code 2."""
+    import gzip
+
+    import sass_stalls
+
+    rows = [("0x7f00ad00", "IMAD.WIDE R26, R35, 0x8, R26", 60, 0, 4224),
+            ("0x7f00ad10", "WARPGROUP.DEPBAR.LE gsb0, 0x0", 5, 25, 24672),
+            ("0x7f00ad20", "HGMMA.64x128x16.F32.BF16", 0, 0, 24672)]
+    page = _source_page(rows)
+    out = sass_stalls.summarize(page.splitlines(), top=2)
+    assert out["kernel"] == "_gdpa_fwd_resident" and out["samples"] == 90 and out["instructions"] == 3
+    assert out["reasons"] == [("long_sb", 65 / 90), ("barrier", 25 / 90)]
+    assert [t["sass"] for t in out["top"]] == ["IMAD.WIDE R26, R35, 0x8, R26", "WARPGROUP.DEPBAR.LE gsb0, 0x0"]
+    assert out["top"][0]["executed"] == 4224 and out["top"][1]["reasons"] == [("barrier", 25), ("long_sb", 5)]
+    gz = tmp_path / "sass.csv.gz"
+    gz.write_bytes(gzip.compress(page.encode()))
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_stalls.py"), str(gz), "--top", "1"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "66.7% 0ad00 x4224" in proc.stdout and "DEPBAR" not in proc.stdout
+    bad = tmp_path / "no_sampling.csv"
+    bad.write_text(_source_page(rows, sampling=False))
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_stalls.py"), str(bad)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "Warp Stall Sampling (All Samples)" in proc.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_gdpa_bench_lets_a_pinned_probe_be_profiled():
+    """--probes with --profile-step is accepted (ncu of a probe config: gpu.sh ncu-sass); without a
+    GPU the script then stops at its GPU check, not at the option check."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gdpa.py"), "--profile-step", "cross-128",
+                           "--probes", "--pin", "gdpa_fwd=64,128,4,2,2,16,0,0,1,1,2"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("bench_gdpa: needs a CUDA GPU")
