@@ -26,6 +26,9 @@
 #   gdpa-ws   the warp-specialized GDPA forwards (gdpa_hopper._gdpa_fwd_ws, _gdpa_fwd_ws_stream): their
 #             GPU tier under a 90 s limit per test, then, only if that passed, cross-128 and cross-32
 #             (resident) and self-1000 (streaming) against the picks
+#   gdpa-pingpong  the warp-specialized GDPA forward with its consumers taking turns at the tensor
+#             cores (twelfth field 1): its GPU tier (90 s a test), then, only if that passed, cross-128's
+#             grid of it against the same config without turns and the resident pick, twice in turn
 #   bench-mx  scripts/bench_mx.py: MX quantize kernels, Python call and CUDA-graph time, vs copy
 #   tests-precision  the GPU tier of the FP8, MX and MX-attention tests alone (~1-2 minutes)
 #   bench-fp8 scripts/bench_fp8.py --only cast,mlp --pending: the FP8 casts vs copy, the MLP block vs
@@ -160,6 +163,16 @@ for stage in "$@"; do
         grep -E "^profiled configs|^  $regex|Duration|Throughput|Registers Per|Achieved Occupancy|Issue Slots|Executed Ipc|Stall" \
           "$OUT/ncu_$name.txt" | head -40
       done ;;
+    gdpa-pingpong)
+      GEMCTL_GPU_TEST_TIMEOUT=90 python3 -m pytest -q -m gpu -n 8 tests/test_gdpa_triton.py \
+        -k "hopper_forward_gpu and 2_2_0_1" -p no:cacheprovider -rf 2>&1 \
+        | grep -v '^ *$\|Warning\|warner' | tail -15 | tee "$OUT/gpu_tests_gdpa_pingpong.log" \
+        && grep -q passed "$OUT/gpu_tests_gdpa_pingpong.log" && ! grep -q "failed\|error" "$OUT/gpu_tests_gdpa_pingpong.log" \
+        && for round in 1 2; do
+          python3 scripts/bench_gdpa.py --grid-only --only cross-128 --grid-configs 64,128,4,4,1,16,0,0,2,2,0,1 \
+            64,128,4,4,1,16,0,0,2,2 64,128,4,2,2,16,0,0,1,1 --out "$OUT/gdpa_pingpong_grid_$round.json" 2>&1 | quiet \
+            | tee "$OUT/gdpa_pingpong_grid_$round.log"
+        done ;;
     ncu-sass)
       for cfg in ${NCU_SASS_CONFIGS:-64,128,4,2,2,16,0,0,1,1 64,128,4,2,2,16,0,0,1,1,2}; do
         tag=$(echo "$cfg" | tr , _)

@@ -130,7 +130,14 @@ _HOPPER_STREAM_CANDIDATES = [
     (64, 64, 4, 4, 1, 0, 0, 0, 3), (64, 64, 4, 3, 1, 0, 0, 0, 3), (64, 128, 4, 2, 1, 0, 0, 0, 3),
     (64, 32, 4, 6, 1, 0, 0, 0, 3),
 ]
-_FWD_CANDIDATES += _HOPPER_FWD_CANDIDATES + _HOPPER_WS_CANDIDATES + _HOPPER_STREAM_CANDIDATES
+# The warp-specialized resident forward with its consumers taking turns at the tensor cores in the
+# stream's tile order (twelfth field 1; gdpa_hopper._ws_consumer's PINGPONG, FlashAttention 3's
+# ping-pong): built (2026-12-05) because cross-128's warps wait on wgmma results for a third of
+# their stall samples while the schedulers idle two cycles in three (Nsight Compute, H100,
+# docs/benchmarks.md). Pinned-only until its GPU tier passes; `bash scripts/gpu.sh gdpa-pingpong`.
+_HOPPER_PINGPONG_CANDIDATES = [(64, 128, 4, 4, 1, 16, 0, 0, 2, 2, 0, 1)]
+_FWD_CANDIDATES += (_HOPPER_FWD_CANDIDATES + _HOPPER_WS_CANDIDATES + _HOPPER_STREAM_CANDIDATES
+                    + _HOPPER_PINGPONG_CANDIDATES)
 # configs with optional fields the GPU tier has passed; the Hopper ones: test_gdpa_hopper_forward_gpu,
 # 28 passed (H200, 2026-12-03: 320 items over 2-3 programs per SM, bf16 D=128 and fp16 D=64, GELU and SiLU)
 # The warp-specialized winners join them after their GPU tier (H100, 2026-12-05, tree 1fae7ed:
