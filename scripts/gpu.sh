@@ -165,7 +165,7 @@ for stage in "$@"; do
       done ;;
     gdpa-pingpong)
       GEMCTL_GPU_TEST_TIMEOUT=90 python3 -m pytest -q -m gpu -n 8 tests/test_gdpa_triton.py \
-        -k "hopper_forward_gpu and 2_2_0_1" -p no:cacheprovider -rf 2>&1 \
+        -k "(hopper_forward_gpu or every_candidate) and 64_128_4_4_1_16_0_0_2_2_0_1" -p no:cacheprovider -rf 2>&1 \
         | grep -v '^ *$\|Warning\|warner' | tail -15 | tee "$OUT/gpu_tests_gdpa_pingpong.log" \
         && grep -q passed "$OUT/gpu_tests_gdpa_pingpong.log" && ! grep -q "failed\|error" "$OUT/gpu_tests_gdpa_pingpong.log" \
         && for round in 1 2; do
@@ -176,9 +176,11 @@ for stage in "$@"; do
     ncu-sass)
       for cfg in ${NCU_SASS_CONFIGS:-64,128,4,2,2,16,0,0,1,1 64,128,4,2,2,16,0,0,1,1,2}; do
         tag=$(echo "$cfg" | tr , _)
-        ncu --clock-control none --profile-from-start off --kernel-name regex:_gdpa_fwd --section SpeedOfLight \
-          --section WarpStateStats --section SchedulerStats --section SourceCounters -o "$OUT/ncu_sass_$tag" -f \
-          python3 scripts/bench_gdpa.py --profile-step cross-128 --probes --pin "gdpa_fwd=$cfg" > "$OUT/ncu_sass_$tag.log" 2>&1
+        if ! ncu --clock-control none --profile-from-start off --kernel-name regex:_gdpa_fwd --section SpeedOfLight \
+            --section WarpStateStats --section SchedulerStats --section SourceCounters -o "$OUT/ncu_sass_$tag" -f \
+            python3 scripts/bench_gdpa.py --profile-step cross-128 --probes --pin "gdpa_fwd=$cfg" > "$OUT/ncu_sass_$tag.log" 2>&1; then
+          echo "gpu.sh ncu-sass: ncu failed for $cfg (see ncu_sass_$tag.log)" >&2; tail -5 "$OUT/ncu_sass_$tag.log" >&2; continue
+        fi
         { grep -E "^profiled configs" "$OUT/ncu_sass_$tag.log"
           ncu -i "$OUT/ncu_sass_$tag.ncu-rep" | grep -E "Duration|No Eligible|Eligible Warps|Warp Cycles Per Issued"
           ncu -i "$OUT/ncu_sass_$tag.ncu-rep" --page source --csv --print-source sass | python3 scripts/sass_stalls.py -
@@ -207,6 +209,6 @@ for stage in "$@"; do
         parallel.topology.gpus_per_node=$ngpu run.name=small_h200-fsdp$ngpu 2>&1 | quiet | tee "$OUT/profile_fsdp$ngpu.log"
       d=$(ls -d runs/small_h200-fsdp$ngpu-profile/* | tail -1)
       cp "$d/profile.json" "$OUT/profile_fsdp$ngpu.json"; cp "$d/breakdown.png" "$OUT/breakdown_fsdp$ngpu.png" ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, sweep-block, bench-mx, tests-precision, bench-fp8, bench-fp8-model, ncu, precision-speed, profile, tests-multi-gpu, scaling, profile-multi-gpu)" >&2; exit 2 ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, sweep-block, block-hopper, gdpa-probes, gdpa-ws, gdpa-pingpong, bench-mx, tests-precision, bench-fp8, bench-fp8-model, ncu, ncu-sass, precision-speed, profile, tests-multi-gpu, scaling, profile-multi-gpu)" >&2; exit 2 ;;
   esac
 done

@@ -31,8 +31,13 @@ def _open(path: str):
     return gzip.open(path, "rt") if gz else open(path, encoding="utf-8")
 
 
-def _int(text: str) -> int:
-    return int(text.replace(",", "")) if text.strip() not in ("", "-") else 0
+def _int(row: list, header: dict, column: str) -> int:
+    text = row[header[column]].strip()
+    try:
+        return int(text.replace(",", "")) if text not in ("", "-") else 0
+    except ValueError:
+        raise ValueError(f"sass_stalls: column {column!r} at address {row[header['Address']]} holds {text!r}, "
+                         "not a count") from None
 
 
 def summarize(lines, top: int = 12) -> dict:
@@ -55,17 +60,17 @@ def summarize(lines, top: int = 12) -> dict:
             reasons = [c for c in header if c.startswith("stall_") and "Not Issued" not in c]
             total, per, n = collections.Counter(), [], 0
         elif header is not None and len(row) >= len(header):
-            samples = _int(row[header[SAMPLES]])
+            samples = _int(row, header, SAMPLES)
             n += samples
-            mine = {c[6:]: _int(row[header[c]]) for c in reasons if _int(row[header[c]])}
+            mine = {c[6:]: _int(row, header, c) for c in reasons if _int(row, header, c)}
             total.update(mine)
-            per.append((samples, row[header["Address"]], _int(row[header["Instructions Executed"]]),
+            per.append((samples, row[header["Address"]], _int(row, header, "Instructions Executed"),
                         row[header["Source"]].strip(), mine))
     if header is None:
         raise ValueError("sass_stalls: no source-page table in the input (expected a row starting with 'Address')")
     n = max(n, 1)
     return {
-        "kernel": kernel, "samples": sum(p[0] for p in per), "instructions": len(per),
+        "kernel": kernel or "(kernel not named)", "samples": sum(p[0] for p in per), "instructions": len(per),
         "reasons": [(r, v / n) for r, v in total.most_common()],
         "top": [{"share": s / n, "address": a, "executed": e, "sass": src,
                  "reasons": sorted(m.items(), key=lambda kv: -kv[1])[:2]}
@@ -78,11 +83,14 @@ def main(argv=None) -> None:
     ap.add_argument("csv", help="ncu --page source --csv --print-source sass output (.gz too; '-': stdin)")
     ap.add_argument("--top", type=int, default=12, help="instructions to list (default 12)")
     args = ap.parse_args(argv)
+    if args.top < 1:
+        ap.error(f"--top: at least 1, got {args.top}")  # one line, exit code 2
     try:
         with _open(args.csv) as f:
             out = summarize(f, args.top)
-    except (OSError, ValueError) as exc:
-        print(f"sass_stalls: {exc}" if isinstance(exc, OSError) else exc, file=sys.stderr)
+    except (OSError, ValueError, EOFError, csv.Error) as exc:  # UnicodeDecodeError is a ValueError
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(text if text.startswith("sass_stalls:") else f"sass_stalls: {args.csv}: {text}", file=sys.stderr)
         raise SystemExit(2)
     print(f"{out['kernel']}: {out['samples']} stall samples over {out['instructions']} SASS instructions")
     for reason, share in out["reasons"][:10]:

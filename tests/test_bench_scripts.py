@@ -210,6 +210,16 @@ def test_sass_stalls_ranks_instructions_and_reasons(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert "Warp Stall Sampling (All Samples)" in proc.stderr
+    bad.write_text(page.replace('"60"', '"sixty"'))  # a count that is not a number: named, one line
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_stalls.py"), str(bad)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "column 'Warp Stall Sampling (All Samples)' at address 0x7f00ad00 holds 'sixty'" in proc.stderr
+    truncated = tmp_path / "truncated.csv.gz"
+    truncated.write_bytes(gz.read_bytes()[:40])
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_stalls.py"), str(truncated)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith("sass_stalls: ") and "Traceback" not in proc.stderr
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without a GPU")

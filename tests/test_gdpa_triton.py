@@ -358,12 +358,16 @@ def test_query_records_carry_each_items_spans_resolved_on_the_host():
     qo, ko = offsets(q_lengths), offsets(k_lengths)
     work = common.query_work(qo, ko, 64, False, "cpu")
     records = common.query_records(qo, ko, 64, False, "cpu")
+    assert common.RECORD == 8  # work_record's row stride in the kernels
     assert records.dtype == torch.int32 and tuple(records.shape) == (work.shape[0], common.RECORD)
     assert torch.equal(records[:, :2], work) and not records[:, 6:].any()
     for seq, tile, q_start, q_len, k_start, k_len in records[:, :6].tolist():
         assert (q_start, q_len) == (int(qo[seq]), q_lengths[seq]) and 0 <= tile * 64 < q_len
         assert (k_start, k_len) == (int(ko[seq]), k_lengths[seq])
     assert common.query_records(qo, ko, 64, False, "cpu") is records
+    work[0, 0] = 99  # the list handed out is a copy: the records built from the cached host list keep theirs
+    assert torch.equal(common.query_records(qo, ko, 64, False, "cpu")[:, :2], records[:, :2])
+    assert int(common.query_records(qo, ko, 16, False, "cpu")[0, 0]) != 99
     assert not torch.equal(common.query_records(qo, ko, 32, False, "cpu")[:, :2], records[:, :2])
 
 

@@ -415,7 +415,7 @@ def _lengths(offsets: torch.Tensor) -> np.ndarray:
     return (host_offsets[1:] - host_offsets[:-1]).astype(np.int64)
 
 
-RECORD = 8  # int32 fields of a work record (query_records): 32 bytes, two 16-byte loads
+RECORD = 8  # int32 fields of a work record (query_records): 32 bytes (work_record's row stride)
 
 
 def work_records(work: np.ndarray, q_offsets, k_offsets) -> np.ndarray:
@@ -429,6 +429,9 @@ def work_records(work: np.ndarray, q_offsets, k_offsets) -> np.ndarray:
     independent loads from one 32-byte row.
     """
     qo, ko = host.host_of(q_offsets).numpy(), host.host_of(k_offsets).numpy()
+    if max(int(qo[-1]), int(ko[-1])) >= 2**31:
+        raise ValueError(f"work records: {max(int(qo[-1]), int(ko[-1]))} rows; the kernels index rows in int32 "
+                         f"(at most {2**31 - 1})")
     seq = work[:, 0].astype(np.int64)
     out = np.zeros((work.shape[0], RECORD), np.int32)
     out[:, :2] = work
@@ -440,7 +443,7 @@ def work_records(work: np.ndarray, q_offsets, k_offsets) -> np.ndarray:
 @triton.jit
 def work_record(RECORDS, w):
     """Record ``w`` of a query_records list: (tile, q_start, q_len, k_start, k_len), by loads that
-    do not wait on each other."""
+    do not wait on each other (one 4-byte load each; the row stride 8 is RECORD)."""
     row = RECORDS + w * 8
     return tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4), tl.load(row + 5)
 
@@ -448,8 +451,9 @@ def work_record(RECORDS, w):
 def query_work(q_offsets, k_offsets, block_m: int, causal: bool, device) -> torch.Tensor:
     """int32 [n, 2] (sequence, query tile) list of every query tile of ``block_m`` rows, most
     expensive first, on ``device``; cached per batch layout (no device sync: the host copies)."""
+    # a copy: on the CPU the tensor would share memory with the cached host list the records are built from
     return host.cached_plan(q_offsets, ("q", _identity(k_offsets), block_m, causal),
-                            lambda: _to_device(_query_work_host(q_offsets, k_offsets, block_m, causal), device))
+                            lambda: _to_device(_query_work_host(q_offsets, k_offsets, block_m, causal).copy(), device))
 
 
 def query_records(q_offsets, k_offsets, block_m: int, causal: bool, device) -> torch.Tensor:

@@ -132,9 +132,9 @@ _HOPPER_STREAM_CANDIDATES = [
 ]
 # The warp-specialized resident forward with its consumers taking turns at the tensor cores in the
 # stream's tile order (twelfth field 1; gdpa_hopper._ws_consumer's PINGPONG, FlashAttention 3's
-# ping-pong): built (2026-12-05) because cross-128's warps wait on wgmma results for a third of
-# their stall samples while the schedulers idle two cycles in three (Nsight Compute, H100,
-# docs/benchmarks.md). Pinned-only until its GPU tier passes; `bash scripts/gpu.sh gdpa-pingpong`.
+# ping-pong): built (2026-12-05) because in the resident form's profile of cross-128 the schedulers
+# idle two cycles in three and 15% of the warps' stall samples (21% in the math probe) wait on
+# wgmma results (Nsight Compute, H100, docs/benchmarks.md). Pinned-only until its GPU tier passes; `bash scripts/gpu.sh gdpa-pingpong`.
 _HOPPER_PINGPONG_CANDIDATES = [(64, 128, 4, 4, 1, 16, 0, 0, 2, 2, 0, 1)]
 _FWD_CANDIDATES += (_HOPPER_FWD_CANDIDATES + _HOPPER_WS_CANDIDATES + _HOPPER_STREAM_CANDIDATES
                     + _HOPPER_PINGPONG_CANDIDATES)

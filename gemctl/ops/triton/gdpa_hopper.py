@@ -11,7 +11,7 @@ math. Gluon (Triton's tile-level language with explicit shared memory, TMA, mbar
 asynchronous wgmma) states the schedule directly:
 
 - persistent programs, items (sequence, chunk of CHUNK query tiles, head) dealt in zigzag order
-  from the host-built work list (no device sync);
+  from the host-built work records (common.query_records; no device sync);
 - the item's K and V (BLOCK_N x D each) land in shared memory once by TMA and serve every query
   tile of the chunk; LOOKAHEAD = 1 starts the next item's K as soon as the last S MMA has read K,
   and its V after the last O MMA;
@@ -50,7 +50,7 @@ was built on 2026-12-04 for cross-128's missing 10 points, with a streaming twin
 any length (_gdpa_fwd_ws_stream: a pair of query tiles per item, the keys through a ring of (K, V)
 tiles both consumers read) for self-1000. Both passed the GPU tier (H100, 2026-12-05) and are
 autotuned: the H200 picks the first for cross-128 (72% of its roofline) and the second for
-self-1000 (15% faster than the softmax forward). The first has a ping-pong option (PINGPONG: its
+self-1000 (15% less time than the softmax forward). The first has a ping-pong option (PINGPONG: its
 consumers take turns at the tensor cores), pinned-only until its GPU tier.
 
 Every item is read from a host-resolved record (common.query_records: tile, query span, key
@@ -388,8 +388,9 @@ def _ws_consumer(me: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
 
     PINGPONG: the two consumers take turns at the tensor cores, in the stream's tile order. Tile
     g's S MMA is issued only after tile g - 1's (the other consumer's), and its O MMA only after
-    tile g - 1's O MMA, so one consumer's activation runs while the other's MMAs do (FlashAttention
-    3's ping-pong schedule) instead of both drifting into the same phase. ``turns`` holds four
+    tile g - 1's O MMA, so the consumers' MMAs alternate and one's activation tends to run while the
+    other's MMAs do (FlashAttention 3's ping-pong schedule). Not enforced: with separate S and O
+    turns, S(g) may follow S(g - 1) at once, and the two activations can still overlap. ``turns`` holds four
     mbarriers: S and O turn, per consumer. A consumer waits on its own, for the completion
     (g - 1) // 2 (the other consumer's tiles before g), and arrives on the other's right after its
     MMA is issued. The other consumer cannot arrive twice before this one has waited: its next
