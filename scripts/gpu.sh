@@ -40,9 +40,11 @@
 #             GDPA cross-128, block attention (64, RoPE) self-1000. Autotuning under ncu can pick other
 #             configs than the benchmark (the GDPA forward did, 2026-11-30): the log names the configs it
 #             profiled, and NCU_PIN_JAGGED / NCU_PIN_GDPA / NCU_PIN_BLOCK ("--pin KERNEL=CFG ...") pin them
-#   ncu-sass  where GDPA cross-128's forward warps wait, per SASS instruction (Nsight Compute warp-state
-#             sampling; scripts/sass_stalls.py summarizes the source page), for each config of NCU_SASS_CONFIGS
-#             (default: the resident Gluon pick and its math-alone probe)
+#   ncu-sass  where a kernel's warps wait, per SASS instruction (Nsight Compute warp-state sampling;
+#             scripts/sass_stalls.py summarizes the source page), for each config of NCU_SASS_CONFIGS.
+#             NCU_SASS_TARGET=gdpa (default): GDPA cross-128's forward, the resident Gluon pick and its
+#             math-alone probe; =block: block attention's self-1000 backward (block 64, RoPE), the
+#             Triton pick and the Gluon backward
 #   tests-multi-gpu  the two-GPU checks (2+ GPUs): FSDP, HSDP and EP+MoE over NCCL against one
 #             process (pytest -m gpu -k two_gpus)
 #   profile-multi-gpu  gemctl profile of small_h200 with FSDP over every GPU (where the step goes
@@ -174,11 +176,18 @@ for stage in "$@"; do
             | tee "$OUT/gdpa_pingpong_grid_$round.log"
         done ;;
     ncu-sass)
-      for cfg in ${NCU_SASS_CONFIGS:-64,128,4,2,2,16,0,0,1,1 64,128,4,2,2,16,0,0,1,1,2}; do
-        tag=$(echo "$cfg" | tr , _)
-        if ! ncu --clock-control none --profile-from-start off --kernel-name regex:_gdpa_fwd --section SpeedOfLight \
+      case "${NCU_SASS_TARGET:-gdpa}" in
+        gdpa) regex=_gdpa_fwd; pin=gdpa_fwd; configs="64,128,4,2,2,16,0,0,1,1 64,128,4,2,2,16,0,0,1,1,2"
+              target=(scripts/bench_gdpa.py --profile-step cross-128 --probes) ;;
+        block) regex=_block_attn_bwd; pin=block_attention_bwd; configs="4,1,1,0,1 4,1,1,0,0,2"
+               target=(scripts/bench_block_attention.py --profile-step self-1000) ;;
+        *) echo "gpu.sh ncu-sass: NCU_SASS_TARGET is gdpa or block, got '$NCU_SASS_TARGET'" >&2; exit 2 ;;
+      esac
+      for cfg in ${NCU_SASS_CONFIGS:-$configs}; do
+        tag=${NCU_SASS_TARGET:-gdpa}_$(echo "$cfg" | tr , _)
+        if ! ncu --clock-control none --profile-from-start off --kernel-name "regex:$regex" --section SpeedOfLight \
             --section WarpStateStats --section SchedulerStats --section SourceCounters -o "$OUT/ncu_sass_$tag" -f \
-            python3 scripts/bench_gdpa.py --profile-step cross-128 --probes --pin "gdpa_fwd=$cfg" > "$OUT/ncu_sass_$tag.log" 2>&1; then
+            python3 "${target[@]}" --pin "$pin=$cfg" > "$OUT/ncu_sass_$tag.log" 2>&1; then
           echo "gpu.sh ncu-sass: ncu failed for $cfg (see ncu_sass_$tag.log)" >&2; tail -5 "$OUT/ncu_sass_$tag.log" >&2; continue
         fi
         { grep -E "^profiled configs" "$OUT/ncu_sass_$tag.log"
