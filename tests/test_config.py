@@ -270,6 +270,19 @@ def test_good_attention_kinds():
     validate(compose(["model.attention=[window:256,block:64]", "model.rope_base=10000"]))
 
 
+def test_forced_block_kernel_refuses_shapes_it_does_not_take():
+    """model.kernels.block_attention=triton with a block size or head dim the kernel lacks is refused
+    before anything runs, naming the field; "auto" (the reference takes over, said once) and "torch"
+    accept them."""
+    err = _error(["model.attention=[full,block:48]", "model.kernels.block_attention=triton"])
+    assert err.field == "model.attention[1]" and "takes block sizes 16, 32, 64, 128" in str(err)
+    err = _error(["model.attention=[block:64]", "model.kernels.block_attention=triton", "model.head_dim=24"])
+    assert err.field == "model.head_dim" and "takes head dims 32, 64, 128, got 24" in str(err)
+    validate(compose(["model.attention=[block:48]"]))
+    validate(compose(["model.attention=[block:48]", "model.kernels.block_attention=torch"]))
+    validate(compose(["model.attention=[block:64]", "model.kernels.block_attention=triton", "model.head_dim=64"]))
+
+
 @pytest.mark.parametrize("kind", ["window:0", "window:", "window:-4", "window:2.5", "window:x", "Window:8"])
 def test_bad_window_kind(kind):
     err = _error([f"model.attention=[full,{kind}]"])

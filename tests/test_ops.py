@@ -209,6 +209,32 @@ def test_block_attention(device, dtype, tol, block_size, use_rope):
     compare(run, lambda *a: run(*a, loop=True), [q, k, v], tol, gen)
 
 
+def test_auto_block_attention_takes_the_reference_where_the_kernel_cannot_and_says_so_once(monkeypatch, capsys):
+    """backend="auto" on a GPU: a block size or head dim the Triton block attention does not take
+    (a layer of model.attention=[block:48]) runs on the PyTorch reference, with one line on stderr
+    per shape, instead of the kernel raising mid-run; a shape it takes goes to the kernel."""
+    calls = []
+
+    def kernel(q, *args, **kwargs):
+        calls.append(kwargs["block_size"])
+        return q
+
+    monkeypatch.setattr(ops, "_pick", lambda op, backend, device: None if backend == "torch" else kernel)
+    monkeypatch.setattr(ops, "_warned", set())
+    gen = torch.Generator().manual_seed(0)
+    off = offsets([50, 3])
+    q, k, v = (torch.randn(53, 2, 64, generator=gen) for _ in range(3))
+    ref = ops.block_attention(q, k, v, off, 50, block_size=48, backend="torch")
+    for _ in range(2):
+        out = ops.block_attention(q, k, v, off, 50, block_size=48, backend="auto")
+        assert torch.equal(out, ref)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "block_size 48 with head_dim 64 runs on the PyTorch reference" in err[0]
+    assert not calls
+    assert ops.block_attention(q, k, v, off, 50, block_size=64, backend="auto") is q and calls == [64]
+    assert not ops.block_kernel_takes(64, 16) and ops.block_kernel_takes(128, 128)
+
+
 def test_relative_position_bucket():
     d = torch.arange(0, 300)
     b = ops.relative_position_bucket(d, 16, 128)

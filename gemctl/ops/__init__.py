@@ -163,6 +163,16 @@ def gdpa(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, activation="gel
         return fn(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, activation=activation, scale=scale)
 
 
+BLOCK_KERNEL_SIZES = (16, 32, 64, 128)  # block sizes the Triton block_attention takes (GEM uses 64)
+BLOCK_KERNEL_DIMS = (32, 64, 128)  # and head dims
+
+
+def block_kernel_takes(block_size: int, head_dim: int) -> bool:
+    """Whether the Triton block_attention runs this block size and head dim (``backend="auto"`` takes
+    the reference, said once, where it does not; ``"triton"`` raises)."""
+    return block_size in BLOCK_KERNEL_SIZES and head_dim in BLOCK_KERNEL_DIMS
+
+
 def block_attention(q, k, v, offsets, max_len, *, block_size=64, rope=None, backend="auto"):
     """Softmax attention inside consecutive ``block_size`` chunks of each sequence.
 
@@ -176,6 +186,14 @@ def block_attention(q, k, v, offsets, max_len, *, block_size=64, rope=None, back
     time than with fp32 tables (H200, docs/benchmarks.md).
     """
     kernel = _pick("block_attention", backend, q.device)
+    if kernel is not None and backend == "auto" and not block_kernel_takes(block_size, q.shape[-1]):
+        key = ("block_attention", block_size, q.shape[-1])
+        if key not in _warned:
+            _warned.add(key)
+            print(f"gemctl.ops: the Triton block_attention takes block sizes {BLOCK_KERNEL_SIZES} and head dims "
+                  f"{BLOCK_KERNEL_DIMS}; block_size {block_size} with head_dim {q.shape[-1]} runs on the PyTorch "
+                  "reference", file=sys.stderr)
+        kernel = None
     if kernel is None and rope is not None and not isinstance(rope, (tuple, list)):
         raise TypeError("block_attention: the PyTorch reference takes rope=(cos, sin) tables, not a base frequency")
     fn = kernel or block_attention_reference

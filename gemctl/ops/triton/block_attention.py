@@ -68,6 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gemctl.ops import BLOCK_KERNEL_DIMS, BLOCK_KERNEL_SIZES
 from gemctl.ops.reference.block import rope_cos_sin, rope_table_dtype
 from gemctl.ops.triton.common import (
     INTERPRET, bucket_len, cdiv, config_field, gluon_module, gluon_runs, gpu_checked, load_tile, pick_config,
@@ -170,7 +171,7 @@ _PENDING_AUTOTUNE = False  # True: autotuning times every candidate (benchmarks 
 # 2026-12-01).
 _PACKED_ROPE = False
 _INTERPRET_CONFIG = (1, 1, 0)  # all heads in one program: the CPU tier exercises the head loop
-SUPPORTED_DIMS = (32, 64, 128)
+SUPPORTED_DIMS = BLOCK_KERNEL_DIMS  # gemctl.ops.block_kernel_takes: what backend='auto' sends here
 
 
 def _tuned(candidates: list, checked: set) -> list:
@@ -673,8 +674,8 @@ def block_attention_triton(q, k, v, offsets, max_len, *, block_size=64, rope=Non
     dim = q.shape[-1]
     if dim not in SUPPORTED_DIMS:
         raise ValueError(f"block_attention (triton): head_dim must be one of {SUPPORTED_DIMS}; got {dim}")
-    if not (16 <= block_size <= 128 and block_size & (block_size - 1) == 0):
-        raise ValueError(f"block_attention (triton): block_size must be a power of two in [16, 128]; got {block_size}")
+    if block_size not in BLOCK_KERNEL_SIZES:
+        raise ValueError(f"block_attention (triton): block_size must be one of {BLOCK_KERNEL_SIZES}; got {block_size}")
     cos = sin = None
     rope_base = 0.0
     if isinstance(rope, (int, float)) and not isinstance(rope, bool):
