@@ -126,6 +126,9 @@ def kernels():
     for halves in (False, True):  # the bf16x2 rotation (inline sm_90 PTX: mul.bf16x2, fma.bf16x2)
         yield ba._block_attn_fwd, io, dict(HEAD_DIM=128, BLOCK=64, ROPE=2, HALVES=halves)
     yield ba._block_attn_bwd, io, dict(HEAD_DIM=128, BLOCK=64, ROPE=True, HALVES=True)
+    # the picks reading their block from a work record (WORK is then common.query_records)
+    yield ba._block_attn_fwd, io, dict(HEAD_DIM=128, BLOCK=64, ROPE=True, HALVES=True, RECORDS=True)
+    yield ba._block_attn_bwd, io, dict(HEAD_DIM=128, BLOCK=64, ROPE=True, HALVES=True, RECORDS=True)
     halves, whole = "tensordesc<bf16[64, 64]>", "tensordesc<bf16[64, 128]>"  # whole blocks by TMA
     ba_tiles = dict(io, Q_DESC=halves, K_DESC=halves, V_DESC=whole, O_DESC=whole, DO_DESC=whole)
     yield ba._block_attn_fwd, ba_tiles, dict(HEAD_DIM=128, BLOCK=64, ROPE=True, TMA=True)

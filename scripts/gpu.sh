@@ -21,6 +21,9 @@
 #             checks, the every-candidate and determinism tests) and then, only if that passed, the
 #             forward and backward sweep of the Triton picks against the Hopper configs (self-1000,
 #             self-4000)
+#   block-records  the block-attention picks reading their block from a work record (seventh field 1):
+#             their GPU tier (the every-candidate test), then, only if that passed, the forward and
+#             backward sweep of them against the picks (self-1000, self-4000), twice in turn
 #   gdpa-probes  bench_gdpa.py's timing probes of the Gluon cross-128 forward (memory alone, math
 #             alone, against the pick) and the self-1000 forward against the softmax one, 10 A/B rounds
 #   gdpa-ws   the warp-specialized GDPA forwards (gdpa_hopper._gdpa_fwd_ws, _gdpa_fwd_ws_stream): their
@@ -165,6 +168,15 @@ for stage in "$@"; do
         grep -E "^profiled configs|^  $regex|Duration|Throughput|Registers Per|Achieved Occupancy|Issue Slots|Executed Ipc|Stall" \
           "$OUT/ncu_$name.txt" | head -40
       done ;;
+    block-records)
+      python3 -m pytest -q -m gpu -n 4 tests/test_block_attention_triton.py -k "every_candidate and 0_1_0_1" \
+        -p no:cacheprovider -rf 2>&1 | grep -v '^ *$\|Warning\|warner' | tail -15 | tee "$OUT/gpu_tests_block_records.log" \
+        && grep -q passed "$OUT/gpu_tests_block_records.log" && ! grep -q "failed\|error" "$OUT/gpu_tests_block_records.log" \
+        && for round in 1 2; do
+          python3 scripts/bench_block_attention.py --sweep --only self-1000 self-4000 --fwd-configs "4,2,0,0,1 4,2,0,0,1,0,1" \
+            --bwd-configs "4,1,1,0,1 4,1,1,0,1,0,1" --out "$OUT/sweep_block_records_$round.json" 2>&1 | quiet \
+            | tee "$OUT/sweep_block_records_$round.log"
+        done ;;
     gdpa-pingpong)
       GEMCTL_GPU_TEST_TIMEOUT=90 python3 -m pytest -q -m gpu -n 8 tests/test_gdpa_triton.py \
         -k "(hopper_forward_gpu or every_candidate) and 64_128_4_4_1_16_0_0_2_2_0_1" -p no:cacheprovider -rf 2>&1 \
@@ -218,6 +230,6 @@ for stage in "$@"; do
         parallel.topology.gpus_per_node=$ngpu run.name=small_h200-fsdp$ngpu 2>&1 | quiet | tee "$OUT/profile_fsdp$ngpu.log"
       d=$(ls -d runs/small_h200-fsdp$ngpu-profile/* | tail -1)
       cp "$d/profile.json" "$OUT/profile_fsdp$ngpu.json"; cp "$d/breakdown.png" "$OUT/breakdown_fsdp$ngpu.png" ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, sweep-block, block-hopper, gdpa-probes, gdpa-ws, gdpa-pingpong, bench-mx, tests-precision, bench-fp8, bench-fp8-model, ncu, ncu-sass, precision-speed, profile, tests-multi-gpu, scaling, profile-multi-gpu)" >&2; exit 2 ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, sweep-block, block-hopper, block-records, gdpa-probes, gdpa-ws, gdpa-pingpong, bench-mx, tests-precision, bench-fp8, bench-fp8-model, ncu, ncu-sass, precision-speed, profile, tests-multi-gpu, scaling, profile-multi-gpu)" >&2; exit 2 ;;
   esac
 done

@@ -101,6 +101,29 @@ def test_half_width_configs_cpu(which, rope_kind, monkeypatch):
     assert [flags["HALVES"] for k, flags in launched if k is kernel] == [True, True]
 
 
+@pytest.mark.parametrize("which", ["block_attention_fwd", "block_attention_bwd"])
+def test_record_configs_cpu(which, monkeypatch):
+    """The picks reading their block from a work record (seventh field) against float64: partial
+    and empty blocks, with rope; the kernel is launched with RECORDS over common.query_records;
+    records with TMA are refused in one line; the configs wait for the GPU tier."""
+    launched = []
+    real = ba_kernels._launch
+    monkeypatch.setattr(ba_kernels, "_launch", lambda kernel, *a, **flags: launched.append((kernel, flags))
+                        or real(kernel, *a, **flags))
+    kernel = ba_kernels._block_attn_fwd if which == "block_attention_fwd" else ba_kernels._block_attn_bwd
+    cands = ba_kernels._RECORDS_FWD_CANDIDATES if which == "block_attention_fwd" else ba_kernels._RECORDS_BWD_CANDIDATES
+    assert all(common.config_field(c, 6) for c in cands)
+    for per_program in (0, 1):
+        with common.forced_config({which: (1, 1, per_program, 0, 1, 0, 1)}):
+            _check(LENGTHS_CPU[0], 32, "tables", "cpu", torch.float32, heads=2, dim=32, tol=2e-5)
+    assert [flags["RECORDS"] for k, flags in launched if k is kernel] == [True, True]
+    with pytest.raises(ValueError, match="work records with TMA"):
+        ba_kernels._launch(kernel, offsets([40], "cpu"), 2, 32, (1, 1, 1, 1, 0, 0, 1), (), (object(),), 32, 1, "cpu",
+                           RECORDS=True)
+    all_cands = ba_kernels._FWD_CANDIDATES if which == "block_attention_fwd" else ba_kernels._BWD_CANDIDATES
+    assert set(cands) <= set(all_cands) and not set(cands) & set(ba_kernels._tuned(all_cands, set()))
+
+
 def test_reference_takes_tables_of_max_len_rows_cpu():
     """The PyTorch reference with tables of exactly max_len rows (max_len not a multiple of the block
     size; it used to slice them to the padded length and fail), fwd and bwd, against the loop."""

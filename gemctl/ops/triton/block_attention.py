@@ -72,7 +72,7 @@ from gemctl.ops import BLOCK_KERNEL_DIMS, BLOCK_KERNEL_SIZES
 from gemctl.ops.reference.block import rope_cos_sin, rope_table_dtype
 from gemctl.ops.triton.common import (
     INTERPRET, bucket_len, cdiv, config_field, gluon_module, gluon_runs, gpu_checked, load_tile, pick_config,
-    query_records, query_work, row_descriptors, store_rows, whole_tile_work, work_item,
+    query_records, query_work, row_descriptors, store_rows, whole_tile_work, work_item, work_record,
 )
 
 LOG2E = 1.4426950408889634
@@ -153,10 +153,22 @@ _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2,
 # test_block_attention_hopper_gpu) and measured 286.1 / 357.1 us at self-1000 against 272.6 us for
 # (4, 1, 1, 0, 1): pinned-only.
 _HOPPER_BWD_CANDIDATES = [(4, 1, 1, 0, 0, 2), (4, 1, 1, 0, 0, 1)]
+# RECORDS (seventh field): the picks reading their block from a host-resolved record
+# (common.query_records) instead of the work list and then the offsets: one load round trip before
+# the tiles' loads instead of two, in every program (each program is one block and head here).
+# Built 2026-12-05, after that dependent load held 14% of the warp-stall samples of GDPA's
+# persistent Gluon forward (Nsight Compute, H100) and records moved those kernels 0.2-1.3 points
+# (docs/benchmarks.md). sm_90 ptxas of Triton 3.6 (the GPU machine's), one head per program: the
+# backward (4, 1, 1, 0, 1, 0, 1) keeps the pick's 168 registers and 64 KB (three programs per SM),
+# the forward's 196 registers with or without (Triton 3.9: backward 164 against 170). Pinned-only
+# until its GPU tier and a timing pass: `bash scripts/gpu.sh block-records`.
+_RECORDS_FWD_CANDIDATES = [(4, 2, 0, 0, 1, 0, 1)]
+_RECORDS_BWD_CANDIDATES = [(4, 1, 1, 0, 1, 0, 1)]
+_FWD_CANDIDATES += _RECORDS_FWD_CANDIDATES
 _BWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (8, 1, 2), (4, 2, 2),
                    (4, 1, 1, 1), (4, 2, 0, 1), (8, 1, 1, 1),
                    (4, 1, 1, 0, 1), (8, 1, 1, 0, 1), (4, 2, 0, 0, 1), (8, 2, 0, 0, 1), (4, 1, 0, 0, 1),
-                   *_HOPPER_BWD_CANDIDATES]
+                   *_HOPPER_BWD_CANDIDATES, *_RECORDS_BWD_CANDIDATES]
 _FWD_CHECKED: set = {(4, 2, 0, 0, 1), (4, 1, 1, 0, 0, 3)}  # optional-field configs the GPU tier passed, per kernel
 _BWD_CHECKED: set = {(4, 1, 1, 0, 1)}
 _PENDING_AUTOTUNE = False  # True: autotuning times every candidate (benchmarks of unchecked ones)
@@ -238,14 +250,19 @@ def _load_halves(PTR, DESC, start, first, rows, length, stride_n, stride_h, h, o
 
 @triton.jit
 def _block_setup(WORK, OFFSETS, COS, SIN, stride_rope, heads_per_program, num_heads,
-                 BLOCK: tl.constexpr, HALF: tl.constexpr, ROPE: tl.constexpr):
+                 BLOCK: tl.constexpr, HALF: tl.constexpr, ROPE: tl.constexpr, RECORDS: tl.constexpr = False):
     """Program -> its block: (sequence start, length, the block's first position and positions in
     the sequence, heads [h0, h_end)) and, when ROPE, the block's cos/sin rows (loaded once for all
     its heads). Program pid takes block pid // n_groups, head group pid % n_groups (n_groups =
-    cdiv(H, hpp))."""
+    cdiv(H, hpp)). RECORDS: WORK is common.query_records (the block's span in its record: one load
+    round trip before the tiles' loads instead of the work list's and then the offsets')."""
     pid = tl.program_id(0)
     n_groups = tl.cdiv(num_heads, heads_per_program)
-    first, start, length, _, _, _ = work_item(WORK, OFFSETS, OFFSETS, pid // n_groups, BLOCK)
+    if RECORDS:
+        tile, start, length, _, _ = work_record(WORK, pid // n_groups)
+        first = tile * BLOCK
+    else:
+        first, start, length, _, _, _ = work_item(WORK, OFFSETS, OFFSETS, pid // n_groups, BLOCK)
     h0 = (pid % n_groups) * heads_per_program
     rows = first + tl.arange(0, BLOCK)
     c, s = 0.0, 0.0
@@ -304,7 +321,7 @@ def _block_attn_fwd(
     Q, K, V, O, LSE, COS, SIN, Q_DESC, K_DESC, V_DESC, OFFSETS, WORK, num_heads, heads_per_program,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_rope, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr, TMA: tl.constexpr = False,
-    HALVES: tl.constexpr = False,
+    HALVES: tl.constexpr = False, RECORDS: tl.constexpr = False,
 ):
     # Q/K/V/O: [N, H, D] jagged values; LSE: fp32 [N, H] log2-sum-exp2 per row (for the backward);
     # COS/SIN: [>= max_len, D/2] rotation tables (unused unless ROPE); Q_DESC/K_DESC ((BS, D/2)
@@ -313,7 +330,8 @@ def _block_attn_fwd(
     # heads_per_program heads (see _block_setup).
     HALF: tl.constexpr = HEAD_DIM // 2
     start, length, first, rows, h0, h_end, c, s = _block_setup(WORK, OFFSETS, COS, SIN, stride_rope,
-                                                               heads_per_program, num_heads, BLOCK, HALF, ROPE)
+                                                               heads_per_program, num_heads, BLOCK, HALF, ROPE,
+                                                               RECORDS)
     # TMA: this launch gets whole blocks only (the partial last blocks go to a launch without TMA):
     # one kernel holding both loops would take the masked loop's registers (255 at 4 warps with
     # rope, vs 223 by TMA alone).
@@ -397,7 +415,7 @@ def _block_attn_bwd(
     stride_don, stride_doh, stride_dqn, stride_dqh, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
     stride_rope, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr, TMA: tl.constexpr = False,
-    HALVES: tl.constexpr = False,
+    HALVES: tl.constexpr = False, RECORDS: tl.constexpr = False,
 ):
     # Same work items as the forward. Each program reads q, k, v, do and lse of its block once and
     # writes dq, dk, dv once; the softmax backward's row term comes from p and dp (_bwd_head), so
@@ -405,7 +423,8 @@ def _block_attn_bwd(
     # TMA: whole blocks' q, k (halves), v, do through the descriptors, as in the forward.
     HALF: tl.constexpr = HEAD_DIM // 2
     start, length, first, rows, h0, h_end, c, s = _block_setup(WORK, OFFSETS, COS, SIN, stride_rope,
-                                                               heads_per_program, num_heads, BLOCK, HALF, ROPE)
+                                                               heads_per_program, num_heads, BLOCK, HALF, ROPE,
+                                                               RECORDS)
     for h in range(h0, h_end):  # TMA: whole blocks only, as in the forward
         c, s = _bwd_head(Q, K, V, DO, LSE, DQ, DK, DV, COS, SIN, Q_DESC, K_DESC, V_DESC, DO_DESC,
                          h, start, first, rows, length, c, s, num_heads,
@@ -494,7 +513,12 @@ def _launch(kernel, offsets, heads, block_size, cfg, args, descs, dim, rope_mode
     _rope_mode; ``flags``: the kernel's constexpr variants (HALVES), the same in both launches."""
     warps, stages, per_program = cfg[:3]
     per_program = heads if per_program <= 0 else min(per_program, heads)
-    if descs[0] is None:
+    if flags.get("RECORDS"):
+        if descs[0] is not None:
+            raise ValueError(f"block_attention: config {cfg} asks for work records with TMA; records are built for the "
+                             "masked-load kernels only")
+        launches = [(query_records(offsets, offsets, block_size, False, device), descs)]
+    elif descs[0] is None:
         launches = [(query_work(offsets, offsets, block_size, False, device), descs)]
     else:
         whole, partial = whole_tile_work(offsets, block_size, device)
@@ -527,7 +551,7 @@ def _forward(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
         halves = bool(config_field(cfg, 4))  # v by (BS, D/2) blocks too
         descs = _descriptors(cfg, block_size, (q, k, v) if halves else (q, k), () if halves else (v,))
         _launch(_block_attn_fwd, offsets, heads, block_size, cfg, (q, k, v, out, lse, cos, sin, strides), descs, dim,
-                mode, q.device, HALVES=halves)
+                mode, q.device, HALVES=halves, RECORDS=bool(config_field(cfg, 6)))
 
     # the rotation's arithmetic (mode) too: configs timed with one are not the other's; and whether
     # the Gluon configs can run on these inputs
@@ -558,7 +582,7 @@ def _backward(do, q, k, v, lse, cos, sin, offsets, max_len, block_size, rope_bas
         args = (q, k, v, do, lse, dq, dk, dv, cos, sin, strides)
         descs = _descriptors(cfg, block_size, (q, k), (v, do))
         _launch(_block_attn_bwd, offsets, heads, block_size, cfg, args, descs, dim, mode, q.device,
-                HALVES=bool(config_field(cfg, 4)))
+                HALVES=bool(config_field(cfg, 4)), RECORDS=bool(config_field(cfg, 6)))
 
     hopper = (mode != 2 and _hopper_tunable(_HOPPER_BWD_CANDIDATES, _BWD_CHECKED)
               and _hopper_eligible(block_size, rope, cos, sin, q, k, v, do, dq, dk, dv))
