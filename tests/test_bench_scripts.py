@@ -182,6 +182,11 @@ def _source_page(rows, sampling=True) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _sass_stalls(*args):
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_stalls.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=60)
+
+
 def test_sass_stalls_ranks_instructions_and_reasons(tmp_path):
     """scripts/sass_stalls.py: each reason's share of all stall samples (the not-issued columns left
     out), the instructions with the most samples first, each with its leading reasons; gzip input
@@ -201,24 +206,20 @@ def test_sass_stalls_ranks_instructions_and_reasons(tmp_path):
     assert out["top"][0]["executed"] == 4224 and out["top"][1]["reasons"] == [("barrier", 25), ("long_sb", 5)]
     gz = tmp_path / "sass.csv.gz"
     gz.write_bytes(gzip.compress(page.encode()))
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_stalls.py"), str(gz), "--top", "1"],
-                          capture_output=True, text=True, timeout=60)
+    proc = _sass_stalls(gz, "--top", "1")
     assert proc.returncode == 0 and "66.7% 0ad00 x4224" in proc.stdout and "DEPBAR" not in proc.stdout
     bad = tmp_path / "no_sampling.csv"
     bad.write_text(_source_page(rows, sampling=False))
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_stalls.py"), str(bad)],
-                          capture_output=True, text=True, timeout=60)
+    proc = _sass_stalls(bad)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert "Warp Stall Sampling (All Samples)" in proc.stderr
     bad.write_text(page.replace('"60"', '"sixty"'))  # a count that is not a number: named, one line
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_stalls.py"), str(bad)],
-                          capture_output=True, text=True, timeout=60)
+    proc = _sass_stalls(bad)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert "column 'Warp Stall Sampling (All Samples)' at address 0x7f00ad00 holds 'sixty'" in proc.stderr
     truncated = tmp_path / "truncated.csv.gz"
     truncated.write_bytes(gz.read_bytes()[:40])
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_stalls.py"), str(truncated)],
-                          capture_output=True, text=True, timeout=60)
+    proc = _sass_stalls(truncated)
     assert proc.returncode == 2 and proc.stderr.startswith("sass_stalls: ") and "Traceback" not in proc.stderr
 
 

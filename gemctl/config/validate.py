@@ -72,20 +72,21 @@ def validate(cfg, check_device: bool = True) -> None:
             "model.attention",
             f"has {len(kinds)} entries; give 1 (all layers) or model.num_layers={m.num_layers}",
         )
+    forced_block_kernel = m.kernels.block_attention == "triton"  # its shapes only ("auto" takes the reference)
     for i, kind in enumerate(kinds):
         match = re.fullmatch(r"full|(?:block|window):(\d+)", kind)
         if not match or (match.group(1) is not None and int(match.group(1)) < 1):
             raise ConfigError(f"model.attention[{i}]", f"'{kind}' is not allowed; allowed: {ATTENTION_KINDS}")
-    if m.kernels.block_attention == "triton":  # forced: the kernel's shapes only ("auto" takes the reference)
-        from gemctl.ops import BLOCK_KERNEL_DIMS, BLOCK_KERNEL_SIZES
+        if forced_block_kernel and kind.startswith("block:"):
+            from gemctl.ops import BLOCK_KERNEL_DIMS, BLOCK_KERNEL_SIZES  # torch: only where the kernel is forced
 
-        for i, kind in enumerate(kinds):
-            if kind.startswith("block:") and int(kind[6:]) not in BLOCK_KERNEL_SIZES:
+            if int(match.group(1)) not in BLOCK_KERNEL_SIZES:
                 raise ConfigError(f"model.attention[{i}]", f"'{kind}': model.kernels.block_attention=triton takes block "
                                   f"sizes {', '.join(map(str, BLOCK_KERNEL_SIZES))} (or set it to auto or torch)")
-        if any(kind.startswith("block:") for kind in kinds) and m.head_dim not in BLOCK_KERNEL_DIMS:
-            raise ConfigError("model.head_dim", f"model.kernels.block_attention=triton takes head dims "
-                              f"{', '.join(map(str, BLOCK_KERNEL_DIMS))}, got {m.head_dim} (or set it to auto or torch)")
+            if m.head_dim not in BLOCK_KERNEL_DIMS:
+                raise ConfigError("model.head_dim", f"model.kernels.block_attention=triton takes head dims "
+                                  f"{', '.join(map(str, BLOCK_KERNEL_DIMS))}, got {m.head_dim} (or set it to auto or "
+                                  "torch)")
     if m.rope_base < 0 or (0 < m.rope_base <= 1):
         raise ConfigError("model.rope_base", f"must be 0 (off) or > 1 (e.g. 10000), got {m.rope_base}")
 

@@ -183,7 +183,6 @@ _PENDING_AUTOTUNE = False  # True: autotuning times every candidate (benchmarks 
 # 2026-12-01).
 _PACKED_ROPE = False
 _INTERPRET_CONFIG = (1, 1, 0)  # all heads in one program: the CPU tier exercises the head loop
-SUPPORTED_DIMS = BLOCK_KERNEL_DIMS  # gemctl.ops.block_kernel_takes: what backend='auto' sends here
 
 
 def _tuned(candidates: list, checked: set) -> list:
@@ -696,8 +695,8 @@ def block_attention_triton(q, k, v, offsets, max_len, *, block_size=64, rope=Non
     plus ``scale``, default D**-0.5). ``rope`` is ``(cos, sin)`` tables ``[>= max_len, D // 2]`` or a
     float base frequency (tables built and cached on the device, see :func:`rope_tables`)."""
     dim = q.shape[-1]
-    if dim not in SUPPORTED_DIMS:
-        raise ValueError(f"block_attention (triton): head_dim must be one of {SUPPORTED_DIMS}; got {dim}")
+    if dim not in BLOCK_KERNEL_DIMS:  # gemctl.ops.block_kernel_takes: backend="auto" sends only these here
+        raise ValueError(f"block_attention (triton): head_dim must be one of {BLOCK_KERNEL_DIMS}; got {dim}")
     if block_size not in BLOCK_KERNEL_SIZES:
         raise ValueError(f"block_attention (triton): block_size must be one of {BLOCK_KERNEL_SIZES}; got {block_size}")
     cos = sin = None
