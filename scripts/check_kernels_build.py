@@ -157,7 +157,7 @@ def gluon_kernels():
         rope = table_dtype is not None
         io = dict(q_desc=tile, k_desc=tile, v_desc=tile, do_desc=tile, dq_desc=tile, dk_desc=tile, dv_desc=tile,
                   cos_desc=table, sin_desc=table, DQ="*bf16", DK="*bf16", DV="*bf16", LSE="*fp32", RECORDS="*i32",
-                  qk_scale="fp32", scale="fp32")
+                  qk_scale="fp32", scale="fp32", zero="i32")
         yield bh._block_attn_bwd_hopper, io, dict(HEAD_DIM=dim, BLOCK=bh.BLOCK, ROPE=rope, num_warps=4)
         io = dict(q_desc=tile, k_desc=tile, v_desc=tile, o_desc=tile, cos_desc=table, sin_desc=table, O="*bf16",
                   LSE="*fp32", RECORDS="*i32", qk_scale="fp32")

@@ -105,7 +105,8 @@ def test_half_width_configs_cpu(which, rope_kind, monkeypatch):
 def test_record_configs_cpu(which, monkeypatch):
     """The picks reading their block from a work record (seventh field) against float64: partial
     and empty blocks, with rope; the kernel is launched with RECORDS over common.query_records;
-    records with TMA are refused in one line; the configs wait for the GPU tier."""
+    records with TMA are refused in one line; the configs wait for the GPU tier (which they passed:
+    they join autotuning)."""
     launched = []
     real = ba_kernels._launch
     monkeypatch.setattr(ba_kernels, "_launch", lambda kernel, *a, **flags: launched.append((kernel, flags))
@@ -122,6 +123,8 @@ def test_record_configs_cpu(which, monkeypatch):
                            RECORDS=True)
     all_cands = ba_kernels._FWD_CANDIDATES if which == "block_attention_fwd" else ba_kernels._BWD_CANDIDATES
     assert set(cands) <= set(all_cands) and not set(cands) & set(ba_kernels._tuned(all_cands, set()))
+    checked = ba_kernels._FWD_CHECKED if which == "block_attention_fwd" else ba_kernels._BWD_CHECKED
+    assert set(cands) <= set(ba_kernels._tuned(all_cands, checked))
 
 
 def test_reference_takes_tables_of_max_len_rows_cpu():
@@ -203,8 +206,8 @@ def test_tma_candidates_wait_for_the_gpu_tier_cpu():
 
 def test_hopper_configs_wait_for_the_gpu_tier_and_are_refused_off_hopper_cpu():
     """The Gluon kernels' configs (sixth field: programs per SM) wait for the GPU tier like the TMA
-    ones (the forward's three-per-SM config passed it and won on the H200; the backward's did not
-    win), and pinned where they cannot run (here: the interpreter, no GPU) they raise one clear
+    ones (the forward's three-per-SM config passed it and won on the H200, the backward's two-per-SM
+    one won on the H100 once it stopped spilling; one per SM stays pinned-only), and pinned where they cannot run (here: the interpreter, no GPU) they raise one clear
     error instead of falling back; their own checks refuse what they were not built for."""
     for hopper, cands, checked in ((ba_kernels._HOPPER_FWD_CANDIDATES, ba_kernels._FWD_CANDIDATES,
                                     ba_kernels._FWD_CHECKED),
@@ -213,7 +216,8 @@ def test_hopper_configs_wait_for_the_gpu_tier_and_are_refused_off_hopper_cpu():
         assert hopper and all(common.config_field(c, 5) for c in hopper) and set(hopper) <= set(cands)
         assert set(hopper) & set(ba_kernels._tuned(cands, checked)) == set(hopper) & checked
     assert (4, 1, 1, 0, 0, 3) in ba_kernels._tuned(ba_kernels._FWD_CANDIDATES, ba_kernels._FWD_CHECKED)
-    assert not set(ba_kernels._HOPPER_BWD_CANDIDATES) & ba_kernels._BWD_CHECKED
+    tuned_bwd = ba_kernels._tuned(ba_kernels._BWD_CANDIDATES, ba_kernels._BWD_CHECKED)
+    assert (4, 1, 1, 0, 0, 2) in tuned_bwd and (4, 1, 1, 0, 0, 1) not in tuned_bwd
     off, q, k, v, grad = _inputs([70, 3], 2, 32, "cpu", torch.float32, 0)
     with common.forced_config({"block_attention_fwd": ba_kernels._HOPPER_FWD_CANDIDATES[0]}):
         with pytest.raises(ValueError, match="Hopper.*sm_90"):

@@ -53,8 +53,8 @@ halves.
 HOPPER: configs with a sixth field (programs per SM) run the forward or the backward as the persistent
 Gluon kernels of block_attention_hopper.py (block 64, 16-bit inputs, sm_90+), whose next block loads
 while this one computes; they passed the GPU tier. The forward at three programs per SM is autotuned
-(the fastest forward on the H200, slower than the Triton one on the H100); the backward's are
-pinned-only (slower on both).
+(the fastest forward on the H200, slower than the Triton one on the H100); so is the backward at two
+programs per SM since it stopped spilling (the fastest backward on the H100, 2026-12-05).
 Known limits: no warp specialization, no persistent grid in the Triton kernels (Triton 3.x); the
 tables get no gradient.
 """
@@ -146,12 +146,19 @@ _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2,
 # has the table and an Nsight Compute profile of the pick.
 # HOPPER (sixth field, programs per SM): the Gluon backward of block_attention_hopper.py (block 64,
 # bf16/fp16, D 64/128, sm_90+): persistent programs, every tile a (BS, D/2) TMA box, the next
-# item's tiles loading while this one's gradients are formed, stored by TMA. sm_90 ptxas (Triton
-# 3.6), D=128, rope with fp16 tables: 255 registers, 92 B of spill stores (loop invariants, reloaded
-# ~15 times per item), 106,536 B of shared memory: two programs per SM (without rope 240 registers,
-# no spills, 90,152 B; D=64 with fp32 tables 188, 65,576 B). Passed the GPU tier (H100, 2026-12-05,
-# test_block_attention_hopper_gpu) and measured 286.1 / 357.1 us at self-1000 against 272.6 us for
-# (4, 1, 1, 0, 1): pinned-only.
+# item's tiles loading while this one's gradients are formed, stored by TMA. First built at 255
+# registers and 92 B of spills: the compiler hoisted the MMAs' shared-memory descriptors out of the
+# item loop and kept them in ~40 vector registers, and Nsight Compute (H100, 2026-12-05) put about
+# a third of the warps' stall samples on reloading those spills at the top of each item. It measured
+# 286.1 us at self-1000 against 272.6 us for (4, 1, 1, 0, 1) (H100), and 249.2 against 231.8 us on
+# the H200. Formed inside the loop (block_attention_hopper, `z`), sm_90 ptxas (Triton 3.6), D=128,
+# rope with fp16 tables: 214 registers, no spills, 106,536 B of shared memory: two programs per SM
+# (without rope 178 registers, 90,152 B; D=64 156). H100, 2026-12-05, two alternating sweeps
+# against the spilling build: 262.5 / 261.3 us at self-1000 (81.4% / 81.8% of the memory roofline)
+# against 286.1 / 287.3 us, and 218.3 / 218.5 us at self-4000 (84.8%) against 237.1 / 237.3 us;
+# the Triton pick 272.4 / 272.9 and 230.9 / 231.5 us in the same runs. Passed the GPU tier (58
+# tests: test_block_attention_hopper_gpu, the non-finite rows past the sequences, the
+# every-candidate test) and joins autotuning; one program per SM stays pinned-only.
 _HOPPER_BWD_CANDIDATES = [(4, 1, 1, 0, 0, 2), (4, 1, 1, 0, 0, 1)]
 # RECORDS (seventh field): the picks reading their block from a host-resolved record
 # (common.query_records) instead of the work list and then the offsets: one load round trip before
@@ -160,8 +167,11 @@ _HOPPER_BWD_CANDIDATES = [(4, 1, 1, 0, 0, 2), (4, 1, 1, 0, 0, 1)]
 # persistent Gluon forward (Nsight Compute, H100) and records moved those kernels 0.2-1.3 points
 # (docs/benchmarks.md). sm_90 ptxas of Triton 3.6 (the GPU machine's), one head per program: the
 # backward (4, 1, 1, 0, 1, 0, 1) keeps the pick's 168 registers and 64 KB (three programs per SM),
-# the forward's 196 registers with or without (Triton 3.9: backward 164 against 170). Pinned-only
-# until its GPU tier and a timing pass: `bash scripts/gpu.sh block-records`.
+# the forward's 196 registers with or without (Triton 3.9: backward 164 against 170). GPU tier
+# passed (H100, 2026-12-05, `bash scripts/gpu.sh block-records`: the every-candidate test), and in
+# two sweeps there the forward ran 132.5 / 132.7 us at self-1000 against 133.5 / 133.5 us for the
+# pick, 114.1 / 114.0 against 115.4 / 115.4 us at self-4000, the backward 267.3 / 268.1 against
+# 269.2 / 269.5 us and 229.1 / 228.6 against 229.1 / 228.8 us: both join autotuning.
 _RECORDS_FWD_CANDIDATES = [(4, 2, 0, 0, 1, 0, 1)]
 _RECORDS_BWD_CANDIDATES = [(4, 1, 1, 0, 1, 0, 1)]
 _FWD_CANDIDATES += _RECORDS_FWD_CANDIDATES
@@ -169,8 +179,8 @@ _BWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (8, 1, 2), (4, 2,
                    (4, 1, 1, 1), (4, 2, 0, 1), (8, 1, 1, 1),
                    (4, 1, 1, 0, 1), (8, 1, 1, 0, 1), (4, 2, 0, 0, 1), (8, 2, 0, 0, 1), (4, 1, 0, 0, 1),
                    *_HOPPER_BWD_CANDIDATES, *_RECORDS_BWD_CANDIDATES]
-_FWD_CHECKED: set = {(4, 2, 0, 0, 1), (4, 1, 1, 0, 0, 3)}  # optional-field configs the GPU tier passed, per kernel
-_BWD_CHECKED: set = {(4, 1, 1, 0, 1)}
+_FWD_CHECKED: set = {(4, 2, 0, 0, 1), (4, 1, 1, 0, 0, 3), *_RECORDS_FWD_CANDIDATES}  # optional-field configs the GPU tier passed, per kernel
+_BWD_CHECKED: set = {(4, 1, 1, 0, 1), (4, 1, 1, 0, 0, 2), *_RECORDS_BWD_CANDIDATES}
 _PENDING_AUTOTUNE = False  # True: autotuning times every candidate (benchmarks of unchecked ones)
 # True: both passes rotate bf16 q and k in packed bf16x2 arithmetic on sm_90+ GPUs (_rotate_bf16x2,
 # _rope_mode), the backward recomputing p from q and k rotated exactly as the forward rotated them,
