@@ -207,8 +207,9 @@ def test_tma_candidates_wait_for_the_gpu_tier_cpu():
 def test_hopper_configs_wait_for_the_gpu_tier_and_are_refused_off_hopper_cpu():
     """The Gluon kernels' configs (sixth field: programs per SM) wait for the GPU tier like the TMA
     ones (the forward's three-per-SM config passed it and won on the H200, the backward's two-per-SM
-    one won on the H100 once it stopped spilling; one per SM stays pinned-only), and pinned where they cannot run (here: the interpreter, no GPU) they raise one clear
-    error instead of falling back; their own checks refuse what they were not built for."""
+    one won on the H100 once it stopped spilling; one per SM stays pinned-only), and pinned where
+    they cannot run (here: the interpreter, no GPU) they raise one clear error instead of falling
+    back; their own checks refuse what they were not built for."""
     for hopper, cands, checked in ((ba_kernels._HOPPER_FWD_CANDIDATES, ba_kernels._FWD_CANDIDATES,
                                     ba_kernels._FWD_CHECKED),
                                    (ba_kernels._HOPPER_BWD_CANDIDATES, ba_kernels._BWD_CANDIDATES,

@@ -54,7 +54,8 @@ HOPPER: configs with a sixth field (programs per SM) run the forward or the back
 Gluon kernels of block_attention_hopper.py (block 64, 16-bit inputs, sm_90+), whose next block loads
 while this one computes; they passed the GPU tier. The forward at three programs per SM is autotuned
 (the fastest forward on the H200, slower than the Triton one on the H100); so is the backward at two
-programs per SM since it stopped spilling (the fastest backward on the H100, 2026-12-05).
+programs per SM since it stopped spilling (the H100's pick at D=128 with fp16 rope tables,
+2026-12-05; without rope or with fp32 tables the autotuner keeps Triton configs there).
 Known limits: no warp specialization, no persistent grid in the Triton kernels (Triton 3.x); the
 tables get no gradient.
 """
@@ -149,7 +150,8 @@ _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2,
 # item's tiles loading while this one's gradients are formed, stored by TMA. First built at 255
 # registers and 92 B of spills: the compiler hoisted the MMAs' shared-memory descriptors out of the
 # item loop and kept them in ~40 vector registers, and Nsight Compute (H100, 2026-12-05) put about
-# a third of the warps' stall samples on reloading those spills at the top of each item. It measured
+# a third of the warps' stall samples on long-scoreboard waits at the top of each item, the top ones
+# on registers reloaded from local memory (docs/benchmarks.md). It measured
 # 286.1 us at self-1000 against 272.6 us for (4, 1, 1, 0, 1) (H100), and 249.2 against 231.8 us on
 # the H200. Formed inside the loop (block_attention_hopper, `z`), sm_90 ptxas (Triton 3.6), D=128,
 # rope with fp16 tables: 214 registers, no spills, 106,536 B of shared memory: two programs per SM
@@ -179,7 +181,8 @@ _BWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (8, 1, 2), (4, 2,
                    (4, 1, 1, 1), (4, 2, 0, 1), (8, 1, 1, 1),
                    (4, 1, 1, 0, 1), (8, 1, 1, 0, 1), (4, 2, 0, 0, 1), (8, 2, 0, 0, 1), (4, 1, 0, 0, 1),
                    *_HOPPER_BWD_CANDIDATES, *_RECORDS_BWD_CANDIDATES]
-_FWD_CHECKED: set = {(4, 2, 0, 0, 1), (4, 1, 1, 0, 0, 3), *_RECORDS_FWD_CANDIDATES}  # optional-field configs the GPU tier passed, per kernel
+# optional-field configs the GPU tier passed, per kernel
+_FWD_CHECKED: set = {(4, 2, 0, 0, 1), (4, 1, 1, 0, 0, 3), *_RECORDS_FWD_CANDIDATES}
 _BWD_CHECKED: set = {(4, 1, 1, 0, 1), (4, 1, 1, 0, 0, 2), *_RECORDS_BWD_CANDIDATES}
 _PENDING_AUTOTUNE = False  # True: autotuning times every candidate (benchmarks of unchecked ones)
 # True: both passes rotate bf16 q and k in packed bf16x2 arithmetic on sm_90+ GPUs (_rotate_bf16x2,

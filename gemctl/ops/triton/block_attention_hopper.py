@@ -16,8 +16,8 @@ warps) spilled or lost occupancy. Gluon states the schedule directly:
 - persistent programs (two per SM; the forward three), items (block, head) dealt in rounds (item pid + r * programs);
 - the backward forms its MMAs' shared-memory descriptors inside the item loop (``z``, a zero the
   compiler cannot fold): hoisted out of it, they held ~40 vector registers across the loop and
-  spilled (255 registers and 92 B of spills against 214 and none; the reloads were about a third
-  of the warps' stall samples, and the kernel 9% slower on an H100);
+  spilled (255 registers and 92 B of spills against 214 and none; the warps' top stalls waited on
+  the reloads, and the kernel was 9% slower on an H100);
 - every tile is a (BS, D/2) half (q, k, v, do in, dq, dk, dv out), 8 KB at BS = 64, D = 128, one
   TMA box each; the item's q and k, do, v land in shared memory by TMA on three mbarriers;
 - the rotation runs in registers on q and k and writes the rotated halves back to the same
@@ -228,7 +228,7 @@ def _block_attn_bwd_hopper(
     # for the partial blocks' masked stores; LSE fp32 [N, H] (log2 units); cos_desc/sin_desc: the
     # rope tables [>= max_len, D/2] in (BLOCK, D/2) boxes (unused unless ROPE); RECORDS int32 [n, 8]
     # (common.query_records: sequence, block, the sequence's span) over every block; item e = record
-    # index * num_heads + head.
+    # index * num_heads + head. zero: 0 (the host passes it; see `z` in the loop).
     HALF: gl.constexpr = HEAD_DIM // 2
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = _acc_layout(num_warps, BLOCK)  # s, dp: (queries, keys)
