@@ -179,12 +179,6 @@ def gluon_kernels():
         yield gh._gdpa_fwd_ws, io, dict(HEAD_DIM=dim, BLOCK_M=64, BLOCK_N=block_n, CHUNK=16, ACT=act, Q_STAGES=q_stages,
                                         KV_STAGES=kv_stages, FOLD=act == 0, CONSUMER_REGS=gh.WS_REGS[0],
                                         LOADER_REGS=gh.WS_REGS[1], num_warps=4)
-    # the consumers taking turns at the tensor cores (ping-pong), cross-128's plan
-    io = dict(q_desc=desc(64, 128), o_desc=desc(64, 128), k_desc=desc(128, 128), v_desc=desc(128, 128), O="*bf16",
-              RECORDS="*i32", scale="fp32")
-    yield gh._gdpa_fwd_ws, io, dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=128, CHUNK=16, ACT=0, Q_STAGES=4, KV_STAGES=2,
-                                    FOLD=True, CONSUMER_REGS=gh.WS_REGS[0], LOADER_REGS=gh.WS_REGS[1], num_warps=4,
-                                    PINGPONG=1)
     # its streaming form (any key length: (K, V) tiles through a ring both consumers read): 64-key
     # tiles in 4 stages and 128-key tiles in 2 at D = 128, 32-key tiles in 6 at D = 64 with SiLU
     for block_n, dim, kv_stages, act in ((64, 128, 4, 0), (128, 128, 2, 0), (32, 64, 6, 1)):

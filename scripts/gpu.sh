@@ -29,9 +29,6 @@
 #   gdpa-ws   the warp-specialized GDPA forwards (gdpa_hopper._gdpa_fwd_ws, _gdpa_fwd_ws_stream): their
 #             GPU tier under a 90 s limit per test, then, only if that passed, cross-128 and cross-32
 #             (resident) and self-1000 (streaming) against the picks
-#   gdpa-pingpong  the warp-specialized GDPA forward with its consumers taking turns at the tensor
-#             cores (twelfth field 1): its GPU tier (90 s a test), then, only if that passed, cross-128's
-#             grid of it against the same config without turns and the resident pick, twice in turn
 #   bench-mx  scripts/bench_mx.py: MX quantize kernels, Python call and CUDA-graph time, vs copy
 #   tests-precision  the GPU tier of the FP8, MX and MX-attention tests alone (~1-2 minutes)
 #   bench-fp8 scripts/bench_fp8.py --only cast,mlp --pending: the FP8 casts vs copy, the MLP block vs
@@ -177,16 +174,6 @@ for stage in "$@"; do
             --bwd-configs "4,1,1,0,1 4,1,1,0,1,0,1" --out "$OUT/sweep_block_records_$round.json" 2>&1 | quiet \
             | tee "$OUT/sweep_block_records_$round.log"
         done ;;
-    gdpa-pingpong)
-      GEMCTL_GPU_TEST_TIMEOUT=90 python3 -m pytest -q -m gpu -n 8 tests/test_gdpa_triton.py \
-        -k "(hopper_forward_gpu or every_candidate) and 64_128_4_4_1_16_0_0_2_2_0_1" -p no:cacheprovider -rf 2>&1 \
-        | grep -v '^ *$\|Warning\|warner' | tail -15 | tee "$OUT/gpu_tests_gdpa_pingpong.log" \
-        && grep -q passed "$OUT/gpu_tests_gdpa_pingpong.log" && ! grep -q "failed\|error" "$OUT/gpu_tests_gdpa_pingpong.log" \
-        && for round in 1 2; do
-          python3 scripts/bench_gdpa.py --grid-only --only cross-128 --grid-configs 64,128,4,4,1,16,0,0,2,2,0,1 \
-            64,128,4,4,1,16,0,0,2,2 64,128,4,2,2,16,0,0,1,1 --out "$OUT/gdpa_pingpong_grid_$round.json" 2>&1 | quiet \
-            | tee "$OUT/gdpa_pingpong_grid_$round.log"
-        done ;;
     ncu-sass)
       case "${NCU_SASS_TARGET:-gdpa}" in
         gdpa) regex=_gdpa_fwd; pin=gdpa_fwd; configs="64,128,4,2,2,16,0,0,1,1 64,128,4,2,2,16,0,0,1,1,2"
@@ -230,6 +217,6 @@ for stage in "$@"; do
         parallel.topology.gpus_per_node=$ngpu run.name=small_h200-fsdp$ngpu 2>&1 | quiet | tee "$OUT/profile_fsdp$ngpu.log"
       d=$(ls -d runs/small_h200-fsdp$ngpu-profile/* | tail -1)
       cp "$d/profile.json" "$OUT/profile_fsdp$ngpu.json"; cp "$d/breakdown.png" "$OUT/breakdown_fsdp$ngpu.png" ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, sweep-block, block-hopper, block-records, gdpa-probes, gdpa-ws, gdpa-pingpong, bench-mx, tests-precision, bench-fp8, bench-fp8-model, ncu, ncu-sass, precision-speed, profile, tests-multi-gpu, scaling, profile-multi-gpu)" >&2; exit 2 ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, sweep-block, block-hopper, block-records, gdpa-probes, gdpa-ws, bench-mx, tests-precision, bench-fp8, bench-fp8-model, ncu, ncu-sass, precision-speed, profile, tests-multi-gpu, scaling, profile-multi-gpu)" >&2; exit 2 ;;
   esac
 done

@@ -327,7 +327,8 @@ HOPPER_SHAPES = {
                                      ((64, 256, 4, 1, 1, 0, 0, 0, 3), "streaming warp-specialized"),
                                      ((64, 64, 4, 4, 1, 0, 1, 0, 3), "streaming warp-specialized"),
                                      ((64, 64, 4, 4, 1, 0, 0, 0, 3, 0, 1), "timing probe"),
-                                     ((64, 128, 4, 2, 2, 16, 0, 0, 1, 1, 0, 1), "ping-pong")])
+                                     ((64, 128, 4, 2, 2, 16, 0, 0, 1, 1, 0, 1), "ping-pong"),
+                                     ((64, 128, 4, 4, 1, 16, 0, 0, 2, 2, 0, 1), "measured and removed")])
 @pytest.mark.parametrize("probes", [False, True])
 def test_hopper_forward_refuses_configs_without_a_kernel(monkeypatch, cfg, why, probes):
     """A pinned Hopper config the Gluon module has no kernel for (chunk 0: the streaming form, removed
@@ -388,7 +389,7 @@ def test_warp_specialized_candidates_fit_and_wait_for_the_gpu_tier():
     only the GPU tier's winners are autotuned."""
     gdpa_hopper = pytest.importorskip("gemctl.ops.triton.gdpa_hopper")
     assert gdpa_hopper.ws_shared_bytes(64, 128, 128, 4, 2, 2) >= 229704
-    for cfg in gdpa_kernels._HOPPER_WS_CANDIDATES + gdpa_kernels._HOPPER_PINGPONG_CANDIDATES:
+    for cfg in gdpa_kernels._HOPPER_WS_CANDIDATES:
         assert gdpa_kernels.config_field(cfg, 8) == 2 and cfg[4] == 1
         assert gdpa_hopper.ws_shared_bytes(cfg[0], cfg[1], 128, cfg[3], cfg[9], 2) <= gdpa_hopper._SMEM_PER_BLOCK
         assert cfg in gdpa_kernels._FWD_CANDIDATES
@@ -397,8 +398,7 @@ def test_warp_specialized_candidates_fit_and_wait_for_the_gpu_tier():
         assert gdpa_hopper.ws_shared_bytes(cfg[0], cfg[1], 128, 4, cfg[3], 2) <= gdpa_hopper._SMEM_PER_BLOCK
         assert gdpa_kernels.item_rows(cfg) == 2 * cfg[0]  # an item is one tile per consumer
         assert cfg in gdpa_kernels._FWD_CANDIDATES
-    new = set(gdpa_kernels._HOPPER_WS_CANDIDATES + gdpa_kernels._HOPPER_STREAM_CANDIDATES
-              + gdpa_kernels._HOPPER_PINGPONG_CANDIDATES)
+    new = set(gdpa_kernels._HOPPER_WS_CANDIDATES + gdpa_kernels._HOPPER_STREAM_CANDIDATES)
     passed = {(64, 128, 4, 4, 1, 16, 0, 0, 2, 2), (64, 64, 4, 4, 1, 0, 0, 0, 3), (64, 64, 4, 3, 1, 0, 0, 0, 3)}
     assert new & gdpa_kernels._GPU_CHECKED == passed  # the H100 tier's winners (2026-12-05), no other
     checked = gdpa_kernels.gpu_checked(gdpa_kernels._FWD_CANDIDATES, 6, gdpa_kernels._GPU_CHECKED)
@@ -426,14 +426,13 @@ def test_gdpa_hopper_stream_forward_gpu(cfg, activation, dim, dtype, shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", gdpa_kernels._HOPPER_FWD_CANDIDATES + gdpa_kernels._HOPPER_WS_CANDIDATES
-                         + gdpa_kernels._HOPPER_PINGPONG_CANDIDATES, ids=lambda c: "_".join(map(str, c)))
+@pytest.mark.parametrize("cfg", gdpa_kernels._HOPPER_FWD_CANDIDATES + gdpa_kernels._HOPPER_WS_CANDIDATES,
+                         ids=lambda c: "_".join(map(str, c)))
 @pytest.mark.parametrize("activation", ["gelu", "silu"])
 @pytest.mark.parametrize("dim,dtype", [(128, torch.bfloat16), (64, torch.float16)])
 def test_gdpa_hopper_forward_gpu(cfg, activation, dim, dtype):
-    """The Gluon forwards (gdpa_hopper.py: resident and warp-specialized, with and without the
-    consumers' ping-pong) pinned: key sides of 0 .. block_n keys (masked past
-    k_len), query sides of 0, 1, tile +- 1 and beyond a chunk (the TMA ring across tiles, the
+    """The Gluon forwards (gdpa_hopper.py: resident and warp-specialized) pinned: key sides of
+    0 .. block_n keys (masked past k_len), query sides of 0, 1, tile +- 1 and beyond a chunk (the TMA ring across tiles, the
     masked partial-tile store), one long among short. Element-wise against the bf16 PyTorch path's
     error. The backward is the Triton one's (checked with it)."""
     ql, kl = HOPPER_SHAPES["cross-128" if cfg[1] >= 128 else "cross-32"]

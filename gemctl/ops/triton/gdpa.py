@@ -130,14 +130,13 @@ _HOPPER_STREAM_CANDIDATES = [
     (64, 64, 4, 4, 1, 0, 0, 0, 3), (64, 64, 4, 3, 1, 0, 0, 0, 3), (64, 128, 4, 2, 1, 0, 0, 0, 3),
     (64, 32, 4, 6, 1, 0, 0, 0, 3),
 ]
-# The warp-specialized resident forward with its consumers taking turns at the tensor cores in the
-# stream's tile order (twelfth field 1; gdpa_hopper._ws_consumer's PINGPONG, FlashAttention 3's
-# ping-pong): built (2026-12-05) because in the resident form's profile of cross-128 the schedulers
-# idle two cycles in three and 15% of the warps' stall samples (21% in the math probe) wait on
-# wgmma results (Nsight Compute, H100, docs/benchmarks.md). Pinned-only until its GPU tier passes; `bash scripts/gpu.sh gdpa-pingpong`.
-_HOPPER_PINGPONG_CANDIDATES = [(64, 128, 4, 4, 1, 16, 0, 0, 2, 2, 0, 1)]
-_FWD_CANDIDATES += (_HOPPER_FWD_CANDIDATES + _HOPPER_WS_CANDIDATES + _HOPPER_STREAM_CANDIDATES
-                    + _HOPPER_PINGPONG_CANDIDATES)
+# Measured and removed (2026-12-05, docs/benchmarks.md): the warp-specialized resident forward with
+# its consumers taking turns at the tensor cores in the stream's tile order (a twelfth field 1,
+# FlashAttention 3's ping-pong), built because the resident form's schedulers idled two cycles in
+# three on cross-128. It passed its GPU tier (5 tests) but ran 85.9 against 84.2 us for the same
+# config without turns on cross-128 (H200, 69.1 against 70.6% of the roofline) and 98.8 against
+# 98.2 us on the H100.
+_FWD_CANDIDATES += _HOPPER_FWD_CANDIDATES + _HOPPER_WS_CANDIDATES + _HOPPER_STREAM_CANDIDATES
 # configs with optional fields the GPU tier has passed; the Hopper ones: test_gdpa_hopper_forward_gpu,
 # 28 passed (H200, 2026-12-03: 320 items over 2-3 programs per SM, bf16 D=128 and fp16 D=64, GELU and SiLU)
 # The warp-specialized winners join them after their GPU tier (H100, 2026-12-05, tree 1fae7ed:

@@ -50,8 +50,9 @@ was built on 2026-12-04 for cross-128's missing 10 points, with a streaming twin
 any length (_gdpa_fwd_ws_stream: a pair of query tiles per item, the keys through a ring of (K, V)
 tiles both consumers read) for self-1000. Both passed the GPU tier (H100, 2026-12-05) and are
 autotuned: the H200 picks the first for cross-128 (72% of its roofline) and the second for
-self-1000 (15% less time than the softmax forward). The first has a ping-pong option (PINGPONG: its
-consumers take turns at the tensor cores), pinned-only until its GPU tier.
+self-1000 (15% less time than the softmax forward). A ping-pong option for the first (its consumers
+taking turns at the tensor cores, FlashAttention 3's schedule) was measured and removed: 85.9
+against 84.2 us on cross-128 (H200), no faster on the H100 (docs/benchmarks.md).
 
 Every item is read from a host-resolved record (common.query_records: tile, query span, key
 span), so no load of an item waits for another's result (the work list and then the offsets did:
@@ -377,24 +378,14 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
 
 
 @gluon.jit
-def _ws_consumer(me: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, turns,
+def _ws_consumer(me: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty,
                  o_desc, O, RECORDS, n_items, num_heads, stride_on, scale, HEAD_DIM: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, ACT: gl.constexpr,
-                 FOLD: gl.constexpr, Q_STAGES: gl.constexpr, KV_STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+                 FOLD: gl.constexpr, Q_STAGES: gl.constexpr, KV_STAGES: gl.constexpr):
     """Consumer warpgroup ``me`` (0 or 1): the tiles g with g % 2 == me of the program's stream.
     Q_STAGES is even, so a slot only ever holds one consumer's tiles: a consumer waiting on a slot
     is never more than one phase behind it (with an odd count it could pass on the other
-    consumer's previous phase).
-
-    PINGPONG: the two consumers take turns at the tensor cores, in the stream's tile order. Tile
-    g's S MMA is issued only after tile g - 1's (the other consumer's), and its O MMA only after
-    tile g - 1's O MMA, so the consumers' MMAs alternate and one's activation tends to run while the
-    other's MMAs do (FlashAttention 3's ping-pong schedule). Not enforced: with separate S and O
-    turns, S(g) may follow S(g - 1) at once, and the two activations can still overlap. ``turns`` holds four
-    mbarriers: S and O turn, per consumer. A consumer waits on its own, for the completion
-    (g - 1) // 2 (the other consumer's tiles before g), and arrives on the other's right after its
-    MMA is issued. The other consumer cannot arrive twice before this one has waited: its next
-    arrival needs this consumer's tile g to be issued first."""
+    consumer's previous phase)."""
     gl.static_assert(Q_STAGES % 2 == 0, "the warp-specialized GDPA forward needs an even number of query slots")
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = _acc_layout(4, BLOCK_N)
@@ -416,21 +407,12 @@ def _ws_consumer(me: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
             v_buf = v_smem.index(buf)
             for t in range((g + me) % 2, n_tiles, 2):  # my tiles: (g + t) % 2 == me
                 slot = (g + t) % Q_STAGES
-                turn = ((g + t - 1) // 2) & 1  # the other consumer's tiles before this one, mod 2
                 mbarrier.wait(q_ready.index(slot), ((g + t) // Q_STAGES) & 1)
-                if PINGPONG:
-                    mbarrier.wait(turns.index(me), turn, pred=g + t > 0)
                 s = warpgroup_mma(q_smem.index(slot), k_t, s_zero, use_acc=False, is_async=True)
-                if PINGPONG:
-                    mbarrier.arrive(turns.index(1 - me), count=1)
                 s = warpgroup_mma_wait(0, deps=(s, ))
                 mbarrier.arrive(q_empty.index(slot), count=1)  # the S MMA has read the slot
                 p = _scores(s, k_len, ac, s_layout, BLOCK_N, ACT, FOLD, dtype, p_layout)
-                if PINGPONG:
-                    mbarrier.wait(turns.index(2 + me), turn, pred=g + t > 0)
                 o = warpgroup_mma(p, v_buf, o_zero, use_acc=False, is_async=True)
-                if PINGPONG:
-                    mbarrier.arrive(turns.index(3 - me), count=1)
                 o = warpgroup_mma_wait(0, deps=(o, ))
                 _store_o(_fwd_out(o, ac, ACT), o_desc, o_smem, O, q_start, m0 + t * BLOCK_M, q_len, col, stride_on,
                          o_layout, BLOCK_M, HEAD_DIM)
@@ -446,29 +428,26 @@ def _gdpa_fwd_ws(
     q_desc, k_desc, v_desc, o_desc, O, RECORDS, n_items, num_heads, stride_on, scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, ACT: gl.constexpr,
     Q_STAGES: gl.constexpr, KV_STAGES: gl.constexpr, FOLD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    LOADER_REGS: gl.constexpr, num_warps: gl.constexpr, PINGPONG: gl.constexpr = 0,
+    LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     # descriptors and RECORDS as _gdpa_fwd_resident's; num_warps = 4 (the default partition is the
-    # first consumer); PINGPONG: the consumers' turns at the tensor cores (_ws_consumer)
+    # first consumer)
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [Q_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [KV_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [KV_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     o_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], o_desc.layout)
     q_ready, q_empty, kv_ready, kv_empty = _ws_barriers(Q_STAGES, KV_STAGES)
-    turns = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())  # S turn, O turn per consumer
-    for i in gl.static_range(4):
-        mbarrier.init(turns.index(i), count=1)
     # (the argument tuples written out in the call: a tuple bound to a name first turns its
     # constexprs into tensors; the first consumer is the default partition, the second a worker,
     # which takes no tensors: each is handed its own staging tile)
     gl.warp_specialize([
-        (_ws_consumer, (0, q_smem, k_smem, v_smem, o_smem.index(0), q_ready, q_empty, kv_ready, kv_empty, turns,
-                        o_desc, O, RECORDS, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                        CHUNK, ACT, FOLD, Q_STAGES, KV_STAGES, PINGPONG)),
-        (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem.index(1), q_ready, q_empty, kv_ready, kv_empty, turns,
-                        o_desc, O, RECORDS, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                        CHUNK, ACT, FOLD, Q_STAGES, KV_STAGES, PINGPONG)),
+        (_ws_consumer, (0, q_smem, k_smem, v_smem, o_smem.index(0), q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
+                        RECORDS, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                        CHUNK, ACT, FOLD, Q_STAGES, KV_STAGES)),
+        (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem.index(1), q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
+                        RECORDS, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                        CHUNK, ACT, FOLD, Q_STAGES, KV_STAGES)),
         (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, RECORDS,
                       n_items, num_heads, CHUNK, BLOCK_M, HEAD_DIM, Q_STAGES, KV_STAGES)),
     ],
@@ -626,8 +605,8 @@ def forward(q, k, v, out, records, act: int, scale: float, cfg: tuple, *, fold: 
     """Launch the Gluon forward: ``cfg`` = (block_m, block_n, warps, query-ring stages, programs per
     SM, chunk, 0, 0, kernel at index 8 (1: resident, 2: warp-specialized resident, 3: warp-specialized
     streaming), then for the resident kernel the look-ahead at index 9 and a timing probe at index
-    10, for the warp-specialized resident one the K/V buffers at index 9 and the consumers' ping-pong
-    at index 11; the streaming one's (K, V) ring stages are index 3) as gdpa's configs carry it; ``records`` is common.query_records with
+    10, for the warp-specialized resident one the K/V buffers at index 9; the streaming one's (K, V)
+    ring stages are index 3) as gdpa's configs carry it; ``records`` is common.query_records with
     gdpa.item_rows(cfg) rows per item; ``fold`` the caller's gdpa.fold_scale decision, made once per
     call for every kernel it launches. Raises ValueError where the inputs do not allow the kernel (no
     TMA layout, a head_dim, dtype or config it was not built for, buffers beyond an SM's shared
@@ -651,8 +630,7 @@ def forward(q, k, v, out, records, act: int, scale: float, cfg: tuple, *, fold: 
     if kind == 3:
         _gdpa_fwd_ws_stream[grid](*args, **tiles, KV_STAGES=stages, **ws)
     elif kind == 2:
-        _gdpa_fwd_ws[grid](*args, **tiles, CHUNK=chunk, Q_STAGES=stages, KV_STAGES=kv_stages,
-                           PINGPONG=config_field(cfg, 11), **ws)
+        _gdpa_fwd_ws[grid](*args, **tiles, CHUNK=chunk, Q_STAGES=stages, KV_STAGES=kv_stages, **ws)
     else:
         _gdpa_fwd_resident[grid](*args, **tiles, CHUNK=chunk, Q_STAGES=stages, LOOKAHEAD=kv_stages, num_warps=warps,
                                  PROBE=probe)
@@ -680,8 +658,9 @@ def _not_built(cfg: tuple, dim: int, size: int) -> str | None:
     # previous phase (the warp-specialized kernel's second warpgroup is a partition of its own)
     if chunk < 1:
         return f"head_dim {dim} with config {cfg} is not built"
-    if config_field(cfg, 11) and kind != 2:
-        return f"config {cfg}: the consumers' ping-pong (twelfth field) is built for the warp-specialized resident kernel only"
+    if config_field(cfg, 11):
+        return (f"config {cfg}: the consumers' ping-pong (twelfth field) was measured and removed (slower on the H200, "
+                "docs/benchmarks.md)")
     if kind == 2:
         need = ws_shared_bytes(block_m, block_n, dim, stages, kv_stages, size)
         if per_sm != 1 or kv_stages not in (1, 2) or stages < 2 or stages % 2 or need > _SMEM_PER_BLOCK:
