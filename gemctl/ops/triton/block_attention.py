@@ -158,9 +158,11 @@ _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2,
 # (without rope 178 registers, 90,152 B; D=64 156). H100, 2026-12-05, two alternating sweeps
 # against the spilling build: 262.5 / 261.3 us at self-1000 (81.4% / 81.8% of the memory roofline)
 # against 286.1 / 287.3 us, and 218.3 / 218.5 us at self-4000 (84.8%) against 237.1 / 237.3 us;
-# the Triton pick 272.4 / 272.9 and 230.9 / 231.5 us in the same runs. Passed the GPU tier (58
-# tests: test_block_attention_hopper_gpu, the non-finite rows past the sequences, the
-# every-candidate test) and joins autotuning; one program per SM stays pinned-only.
+# the Triton pick 272.4 / 272.9 and 230.9 / 231.5 us in the same runs. H200 (same day, two sweeps):
+# 216.0 / 216.2 us at self-1000 (70.0%) and 177.4 / 180.2 us at self-4000 (73.8% / 72.7%) against
+# 233.7 / 233.1 and 197.5 / 198.6 us for the Triton pick. Passed the GPU tier (58 tests:
+# test_block_attention_hopper_gpu, the non-finite rows past the sequences, the every-candidate
+# test) and joins autotuning; one program per SM stays pinned-only.
 _HOPPER_BWD_CANDIDATES = [(4, 1, 1, 0, 0, 2), (4, 1, 1, 0, 0, 1)]
 # RECORDS (seventh field): the picks reading their block from a host-resolved record
 # (common.query_records) instead of the work list and then the offsets: one load round trip before
