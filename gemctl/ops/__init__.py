@@ -51,7 +51,15 @@ _TRITON_IMPLS = {
     "block_attention": ("gemctl.ops.triton.block_attention", "block_attention_triton", True),
 }
 triton_kernels: dict[str, object] = {}  # loaded implementations
-_warned: set[str] = set()
+_warned: set = set()
+
+
+def _say_once(key, message: str) -> None:
+    """``message`` on stderr the first time ``key`` is seen (a fallback or a kernel left out is said
+    once, not at every call)."""
+    if key not in _warned:
+        _warned.add(key)
+        print(f"gemctl.ops: {message}", file=sys.stderr)
 
 
 def preload() -> dict[str, bool]:
@@ -91,9 +99,8 @@ def _pick(op: str, backend: str, device: torch.device):
     if device.type != "cuda":  # auto
         return None
     kernel = _load_triton(op) if op in _TRITON_IMPLS and _TRITON_IMPLS[op][2] else None
-    if kernel is None and op not in _warned:
-        _warned.add(op)
-        print(f"gemctl.ops: no GPU-verified Triton {op} kernel; using the PyTorch reference on CUDA", file=sys.stderr)
+    if kernel is None:
+        _say_once(op, f"no GPU-verified Triton {op} kernel; using the PyTorch reference on CUDA")
     return kernel
 
 
@@ -137,11 +144,10 @@ def jagged_attention(
             v = unpad(operand_quant(pad(v, k_offsets, max(int(max_k_len), 1))[0], 1), k_offsets, v.shape[0])
             fn = functools.partial(kernel, mx_p=code)
         else:
-            said = "jagged_attention:operand_quant"
-            if kernel is not None and said not in _warned:  # auto on CUDA, a format the kernel does not have
-                _warned.add(said)
-                print(f"gemctl.ops: jagged_attention with operands quantized as {fmt} runs the PyTorch reference "
-                      "on CUDA: the Triton kernel quantizes MX formats with blocks of 32 only", file=sys.stderr)
+            if kernel is not None:  # auto on CUDA, a format the kernel does not have
+                _say_once("jagged_attention:operand_quant",
+                          f"jagged_attention with operands quantized as {fmt} runs the PyTorch reference on CUDA: the "
+                          "Triton kernel quantizes MX formats with blocks of 32 only")
             fn = functools.partial(jagged_attention_reference, operand_quant=operand_quant)
     else:
         fn = _pick("jagged_attention", backend, q.device) or jagged_attention_reference
@@ -187,12 +193,10 @@ def block_attention(q, k, v, offsets, max_len, *, block_size=64, rope=None, back
     """
     kernel = _pick("block_attention", backend, q.device)
     if kernel is not None and backend == "auto" and not block_kernel_takes(block_size, q.shape[-1]):
-        key = ("block_attention", block_size, q.shape[-1])
-        if key not in _warned:
-            _warned.add(key)
-            print(f"gemctl.ops: the Triton block_attention takes block sizes {BLOCK_KERNEL_SIZES} and head dims "
+        _say_once(("block_attention", block_size, q.shape[-1]),
+                  f"the Triton block_attention takes block sizes {BLOCK_KERNEL_SIZES} and head dims "
                   f"{BLOCK_KERNEL_DIMS}; block_size {block_size} with head_dim {q.shape[-1]} runs on the PyTorch "
-                  "reference", file=sys.stderr)
+                  "reference")
         kernel = None
     if kernel is None and rope is not None and not isinstance(rope, (tuple, list)):
         raise TypeError("block_attention: the PyTorch reference takes rope=(cos, sin) tables, not a base frequency")

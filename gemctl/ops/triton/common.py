@@ -416,6 +416,7 @@ def _lengths(offsets: torch.Tensor) -> np.ndarray:
 
 
 RECORD = 8  # int32 fields of a work record (query_records): 32 bytes (work_record's row stride)
+_RECORD = tl.constexpr(RECORD)
 
 
 def work_records(work: np.ndarray, q_offsets, k_offsets) -> np.ndarray:
@@ -443,8 +444,8 @@ def work_records(work: np.ndarray, q_offsets, k_offsets) -> np.ndarray:
 @triton.jit
 def work_record(RECORDS, w):
     """Record ``w`` of a query_records list: (tile, q_start, q_len, k_start, k_len), by loads that
-    do not wait on each other (one 4-byte load each; the row stride 8 is RECORD)."""
-    row = RECORDS + w * 8
+    do not wait on each other (one 4-byte load each)."""
+    row = RECORDS + w * _RECORD
     return tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4), tl.load(row + 5)
 
 
