@@ -24,6 +24,10 @@
 #   block-records  the block-attention picks reading their block from a work record (seventh field 1):
 #             their GPU tier (the every-candidate test), then, only if that passed, the forward and
 #             backward sweep of them against the picks (self-1000, self-4000), twice in turn
+#   block-ab  the Gluon block-attention kernels of this tree against those of BASE_TREE (a directory
+#             holding another tree, e.g. `git archive <rev> | tar -x -C base`): the forward and
+#             backward sweeps (AB_FWD / AB_BWD configs, default the Gluon ones; self-1000, self-4000)
+#             alternating between the two trees, twice each, then this tree's Hopper GPU tier
 #   gdpa-probes  bench_gdpa.py's timing probes of the Gluon cross-128 forward (memory alone, math
 #             alone, against the pick) and the self-1000 forward against the softmax one, 10 A/B rounds
 #   gdpa-ws   the warp-specialized GDPA forwards (gdpa_hopper._gdpa_fwd_ws, _gdpa_fwd_ws_stream): their
@@ -174,6 +178,20 @@ for stage in "$@"; do
             --bwd-configs "4,1,1,0,1 4,1,1,0,1,0,1" --out "$OUT/sweep_block_records_$round.json" 2>&1 | quiet \
             | tee "$OUT/sweep_block_records_$round.log"
         done ;;
+    block-ab)
+      [ -d "${BASE_TREE:-}" ] || { echo "gpu.sh block-ab: BASE_TREE must name a directory holding the tree to compare with, got '${BASE_TREE:-}'" >&2; exit 2; }
+      base=$(cd "$BASE_TREE" && pwd)
+      for round in 1 2; do
+        for tree in "$PWD" "$base"; do
+          tag=$([ "$tree" = "$PWD" ] && echo this || echo base)
+          (cd "$tree" && PYTHONPATH="/tmp/site:$tree" timeout 120 python3 scripts/bench_block_attention.py --sweep \
+            --only self-1000 self-4000 --fwd-configs "${AB_FWD:-4,1,1,0,0,3}" --bwd-configs "${AB_BWD:-4,1,1,0,0,2}" \
+            --out "$OUT/ab_block_${tag}_$round.json") 2>&1 | quiet | grep "fwd\|bwd\|copy" | sed "s/^/$tag /" | tee -a "$OUT/ab_block.log"
+        done
+      done
+      GEMCTL_GPU_TEST_TIMEOUT=120 python3 -m pytest -v -m gpu -n 16 tests/test_block_attention_triton.py \
+        -k "hopper_gpu or ignores_non_finite or (every_candidate and (0_0_2 or 0_0_3))" -p no:cacheprovider -rf 2>&1 \
+        | grep -v '^ *$\|Warning\|warner' | tail -40 | tee "$OUT/gpu_tests_block_ab.log" ;;
     ncu-sass)
       case "${NCU_SASS_TARGET:-gdpa}" in
         gdpa) regex=_gdpa_fwd; pin=gdpa_fwd; configs="64,128,4,2,2,16,0,0,1,1 64,128,4,2,2,16,0,0,1,1,2"
