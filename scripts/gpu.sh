@@ -28,6 +28,9 @@
 #             holding another tree, e.g. `git archive <rev> | tar -x -C base`): the forward and
 #             backward sweeps (AB_FWD / AB_BWD configs, default the Gluon ones; self-1000, self-4000)
 #             alternating between the two trees, twice each, then this tree's Hopper GPU tier
+#   gdpa-ab   the same for the Gluon GDPA forwards: cross-128, cross-32 and self-1000 timed with
+#             the Gluon configs (AB_GDPA; default the warp-specialized and resident forwards, the
+#             streaming one) in both trees in turn, twice, then this tree's Hopper GPU tier
 #   gdpa-probes  bench_gdpa.py's timing probes of the Gluon cross-128 forward (memory alone, math
 #             alone, against the pick) and the self-1000 forward against the softmax one, 10 A/B rounds
 #   gdpa-ws   the warp-specialized GDPA forwards (gdpa_hopper._gdpa_fwd_ws, _gdpa_fwd_ws_stream): their
@@ -77,6 +80,25 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONUNBUFFERED=1
 quiet() { grep -v 'fbgemm\|WARNING\|\[0m\|\[33m\|^ *$\|determine compat'; }
+# ab_trees NAME PREFIX SCRIPT ARGS...: SCRIPT ARGS in this tree and in BASE_TREE in turn, twice
+# (PREFIX_{this,base}_{1,2}.json; the lines with times in NAME's log)
+ab_trees() {
+  local name=$1 prefix=$2 round tree tag; shift 2
+  [ -d "${BASE_TREE:-}" ] || { echo "gpu.sh $name-ab: BASE_TREE must name a directory holding the tree to compare with, got '${BASE_TREE:-}'" >&2; exit 2; }
+  local base; base=$(cd "$BASE_TREE" && pwd)
+  for round in 1 2; do
+    for tree in "$PWD" "$base"; do
+      tag=$([ "$tree" = "$PWD" ] && echo this || echo base)
+      (cd "$tree" && PYTHONPATH="/tmp/site:$tree" timeout 150 python3 "$@" --out "${prefix}_${tag}_$round.json") 2>&1 \
+        | quiet | grep " ms\|us \|copy\|%" | sed "s/^/$tag /" | tee -a "$OUT/ab_$name.log"
+    done
+  done
+}
+# gpu_tier_ab NAME TESTS SELECTION: this tree's GPU tier of TESTS (pytest -k SELECTION), 120 s a test
+gpu_tier_ab() {
+  GEMCTL_GPU_TEST_TIMEOUT=120 python3 -m pytest -v -m gpu -n 16 "$2" -k "$3" -p no:cacheprovider -rf 2>&1 \
+    | grep -v '^ *$\|Warning\|warner' | tail -40 | tee "$OUT/gpu_tests_$1_ab.log"
+}
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee "$OUT/env.txt"
 for stage in "$@"; do
@@ -179,19 +201,14 @@ for stage in "$@"; do
             | tee "$OUT/sweep_block_records_$round.log"
         done ;;
     block-ab)
-      [ -d "${BASE_TREE:-}" ] || { echo "gpu.sh block-ab: BASE_TREE must name a directory holding the tree to compare with, got '${BASE_TREE:-}'" >&2; exit 2; }
-      base=$(cd "$BASE_TREE" && pwd)
-      for round in 1 2; do
-        for tree in "$PWD" "$base"; do
-          tag=$([ "$tree" = "$PWD" ] && echo this || echo base)
-          (cd "$tree" && PYTHONPATH="/tmp/site:$tree" timeout 120 python3 scripts/bench_block_attention.py --sweep \
-            --only self-1000 self-4000 --fwd-configs "${AB_FWD:-4,1,1,0,0,3}" --bwd-configs "${AB_BWD:-4,1,1,0,0,2}" \
-            --out "$OUT/ab_block_${tag}_$round.json") 2>&1 | quiet | grep "fwd\|bwd\|copy" | sed "s/^/$tag /" | tee -a "$OUT/ab_block.log"
-        done
-      done
-      GEMCTL_GPU_TEST_TIMEOUT=120 python3 -m pytest -v -m gpu -n 16 tests/test_block_attention_triton.py \
-        -k "hopper_gpu or ignores_non_finite or (every_candidate and (0_0_2 or 0_0_3))" -p no:cacheprovider -rf 2>&1 \
-        | grep -v '^ *$\|Warning\|warner' | tail -40 | tee "$OUT/gpu_tests_block_ab.log" ;;
+      ab_trees block "$OUT/ab_block" scripts/bench_block_attention.py --sweep --only self-1000 self-4000 \
+        --fwd-configs "${AB_FWD:-4,1,1,0,0,3}" --bwd-configs "${AB_BWD:-4,1,1,0,0,2}"
+      gpu_tier_ab block tests/test_block_attention_triton.py "hopper_gpu or ignores_non_finite or (every_candidate and (0_0_2 or 0_0_3))" ;;
+    gdpa-ab)
+      # shellcheck disable=SC2086  # AB_GDPA: words, one config each
+      ab_trees gdpa "$OUT/ab_gdpa" scripts/bench_gdpa.py --grid-only --only cross-128 cross-32 self-1000 \
+        --grid-configs ${AB_GDPA:-64,128,4,4,1,16,0,0,2,2 64,128,4,2,2,16,0,0,1,1 64,64,4,4,1,0,0,0,3}
+      gpu_tier_ab gdpa tests/test_gdpa_triton.py "hopper_forward_gpu or hopper_stream or (every_candidate and (_0_0_1_ or _0_0_2_ or _0_0_0_3))" ;;
     ncu-sass)
       case "${NCU_SASS_TARGET:-gdpa}" in
         gdpa) regex=_gdpa_fwd; pin=gdpa_fwd; configs="64,128,4,2,2,16,0,0,1,1 64,128,4,2,2,16,0,0,1,1,2"
