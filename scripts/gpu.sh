@@ -94,10 +94,12 @@ ab_trees() {
     done
   done
 }
-# gpu_tier_ab NAME TESTS SELECTION: this tree's GPU tier of TESTS (pytest -k SELECTION), 120 s a test
-gpu_tier_ab() {
-  GEMCTL_GPU_TEST_TIMEOUT=120 python3 -m pytest -v -m gpu -n 16 "$2" -k "$3" -p no:cacheprovider -rf 2>&1 \
-    | grep -v '^ *$\|Warning\|warner' | tail -40 | tee "$OUT/gpu_tests_$1_ab.log"
+# gpu_tier NAME WORKERS TESTS SELECTION: the GPU tier of TESTS (pytest -k SELECTION) over WORKERS
+# processes, its tail in gpu_tests_NAME.log; succeeds only if tests passed and none failed
+gpu_tier() {
+  python3 -m pytest -v -m gpu -n "$2" "$3" -k "$4" -p no:cacheprovider -rf 2>&1 | grep -v '^ *$\|Warning\|warner' \
+    | tail -60 | tee "$OUT/gpu_tests_$1.log" && grep -q passed "$OUT/gpu_tests_$1.log" \
+    && ! grep -q "failed\|error" "$OUT/gpu_tests_$1.log"
 }
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee "$OUT/env.txt"
@@ -128,8 +130,7 @@ for stage in "$@"; do
       fi ;;
     sweep-block) python3 scripts/bench_block_attention.py --sweep --out "$OUT/sweep_block.json" 2>&1 | quiet | tee "$OUT/sweep_block.log" ;;
     block-hopper)
-      python3 -m pytest -v -m gpu -n 8 tests/test_block_attention_triton.py -k "hopper or every_candidate or deterministic" \
-        -p no:cacheprovider -rf 2>&1 | grep -v '^ *$\|Warning\|warner' | tail -60 | tee "$OUT/gpu_tests_block_hopper.log" \
+      gpu_tier block_hopper 8 tests/test_block_attention_triton.py "hopper or every_candidate or deterministic" \
         && python3 scripts/bench_block_attention.py --sweep --fwd-configs "4,2,0,0,1 4,1,1,0,0,3 4,1,1,0,0,2" --bwd-configs "4,1,1,0,1 4,1,1,0,0,2 4,1,1,0,0,1" \
           --out "$OUT/sweep_block_hopper.json" 2>&1 | quiet | tee "$OUT/sweep_block_hopper.log" ;;
     gdpa-probes)
@@ -142,9 +143,8 @@ for stage in "$@"; do
       # hung kernel must not take the call), then, only if that passed, cross-128 and cross-32 timed
       # against the resident Gluon pick and the Triton resident-key pick, and self-1000 (streaming)
       # against the Triton tile loop and the softmax forward
-      GEMCTL_GPU_TEST_TIMEOUT=90 python3 -m pytest -v -m gpu -n 8 tests/test_gdpa_triton.py \
-        -k "(hopper_forward_gpu or hopper_stream or every_candidate) and (_0_0_2_ or _0_0_0_3)" -p no:cacheprovider \
-        -rf 2>&1 | grep -v '^ *$\|Warning\|warner' | tail -40 | tee "$OUT/gpu_tests_gdpa_ws.log" \
+      GEMCTL_GPU_TEST_TIMEOUT=90 gpu_tier gdpa_ws 8 tests/test_gdpa_triton.py \
+        "(hopper_forward_gpu or hopper_stream or every_candidate) and (_0_0_2_ or _0_0_0_3)" \
         && timeout 240 python3 scripts/bench_gdpa.py --grid-only --only cross-128 cross-32 --grid-configs \
           64,128,4,2,2,16,0,0,1,1 64,32,4,3,0,4 64,128,4,4,1,16,0,0,2,2 64,128,4,6,1,16,0,0,2,1 \
           64,128,4,4,1,8,0,0,2,2 64,64,4,6,1,16,0,0,2,2 64,32,4,8,1,16,0,0,2,2 \
@@ -192,9 +192,7 @@ for stage in "$@"; do
           "$OUT/ncu_$name.txt" | head -40
       done ;;
     block-records)
-      python3 -m pytest -q -m gpu -n 4 tests/test_block_attention_triton.py -k "every_candidate and 0_1_0_1" \
-        -p no:cacheprovider -rf 2>&1 | grep -v '^ *$\|Warning\|warner' | tail -15 | tee "$OUT/gpu_tests_block_records.log" \
-        && grep -q passed "$OUT/gpu_tests_block_records.log" && ! grep -q "failed\|error" "$OUT/gpu_tests_block_records.log" \
+      gpu_tier block_records 4 tests/test_block_attention_triton.py "every_candidate and 0_1_0_1" \
         && for round in 1 2; do
           python3 scripts/bench_block_attention.py --sweep --only self-1000 self-4000 --fwd-configs "4,2,0,0,1 4,2,0,0,1,0,1" \
             --bwd-configs "4,1,1,0,1 4,1,1,0,1,0,1" --out "$OUT/sweep_block_records_$round.json" 2>&1 | quiet \
@@ -203,12 +201,12 @@ for stage in "$@"; do
     block-ab)
       ab_trees block "$OUT/ab_block" scripts/bench_block_attention.py --sweep --only self-1000 self-4000 \
         --fwd-configs "${AB_FWD:-4,1,1,0,0,3}" --bwd-configs "${AB_BWD:-4,1,1,0,0,2}"
-      gpu_tier_ab block tests/test_block_attention_triton.py "hopper_gpu or ignores_non_finite or (every_candidate and (0_0_2 or 0_0_3))" ;;
+      GEMCTL_GPU_TEST_TIMEOUT=120 gpu_tier block_ab 16 tests/test_block_attention_triton.py "hopper_gpu or ignores_non_finite or (every_candidate and (0_0_2 or 0_0_3))" ;;
     gdpa-ab)
       # shellcheck disable=SC2086  # AB_GDPA: words, one config each
       ab_trees gdpa "$OUT/ab_gdpa" scripts/bench_gdpa.py --grid-only --only cross-128 cross-32 self-1000 \
         --grid-configs ${AB_GDPA:-64,128,4,4,1,16,0,0,2,2 64,128,4,2,2,16,0,0,1,1 64,64,4,4,1,0,0,0,3}
-      gpu_tier_ab gdpa tests/test_gdpa_triton.py "hopper_forward_gpu or hopper_stream or (every_candidate and (_0_0_1_ or _0_0_2_ or _0_0_0_3))" ;;
+      GEMCTL_GPU_TEST_TIMEOUT=120 gpu_tier gdpa_ab 16 tests/test_gdpa_triton.py "hopper_forward_gpu or hopper_stream or (every_candidate and (_0_0_1_ or _0_0_2_ or _0_0_0_3))" ;;
     ncu-sass)
       case "${NCU_SASS_TARGET:-gdpa}" in
         gdpa) regex=_gdpa_fwd; pin=gdpa_fwd; configs="64,128,4,2,2,16,0,0,1,1 64,128,4,2,2,16,0,0,1,1,2"

@@ -432,9 +432,9 @@ def test_gdpa_hopper_stream_forward_gpu(cfg, activation, dim, dtype, shape):
 @pytest.mark.parametrize("dim,dtype", [(128, torch.bfloat16), (64, torch.float16)])
 def test_gdpa_hopper_forward_gpu(cfg, activation, dim, dtype):
     """The Gluon forwards (gdpa_hopper.py: resident and warp-specialized) pinned: key sides of
-    0 .. block_n keys (masked past k_len), query sides of 0, 1, tile +- 1 and beyond a chunk (the TMA ring across tiles, the
-    masked partial-tile store), one long among short. Element-wise against the bf16 PyTorch path's
-    error. The backward is the Triton one's (checked with it)."""
+    0 .. block_n keys (masked past k_len), query sides of 0, 1, tile +- 1 and beyond a chunk (the
+    TMA ring across tiles, the masked partial-tile store), one long among short. Element-wise
+    against the bf16 PyTorch path's error. The backward is the Triton one's (checked with it)."""
     ql, kl = HOPPER_SHAPES["cross-128" if cfg[1] >= 128 else "cross-32"]
     _check_hopper(cfg, ql, [min(n, cfg[1]) for n in kl], activation, dim, dtype)
 
