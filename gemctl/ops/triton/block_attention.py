@@ -163,6 +163,17 @@ _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2,
 # 233.7 / 233.1 and 197.5 / 198.6 us for the Triton pick. Passed the GPU tier (58 tests:
 # test_block_attention_hopper_gpu, the non-finite rows past the sequences, the every-candidate
 # test) and joins autotuning; one program per SM stays pinned-only.
+# Since 2026-12-06 the same configs run a restructured backward: the next item's q, k, v, do and
+# rope rows load as soon as this item's MMAs or stores have read the tiles they land in (two q
+# tiles, two that k and v share), and the record of the item after next is loaded one field per
+# lane. H200, two alternating sweeps against the build above
+# (docs/runs/2026-12-06_sweep_block_bwd_ring_*_h200.json): 196.4 / 196.4 us at self-1000 (77.0%)
+# against 215.7 / 217.6 us, 160.0 / 161.0 us at self-4000 (81.9% / 81.4%) against 179.2 / 180.5
+# us; the forward 104.4 / 104.3 against 105.4 / 105.5 us. On an H100, where the older build
+# already moved 82-84% of the card's copy bandwidth, it is 4.5% slower (272.4 / 273.0 against
+# 260.1 / 261.4 us at self-1000, ..._h100.json): the H200 has 1.41x the bandwidth for the same
+# SMs, and there the waits on each item's loads are what the restructure removes. GPU tier on the
+# H200: 95 passed (docs/runs/2026-12-06_gpu_tests_block_bwd_ring_h200.log).
 _HOPPER_BWD_CANDIDATES = [(4, 1, 1, 0, 0, 2), (4, 1, 1, 0, 0, 1)]
 # RECORDS (seventh field): the picks reading their block from a host-resolved record
 # (common.query_records) instead of the work list and then the offsets: one load round trip before

@@ -13,22 +13,32 @@ sequence, and at 168 registers only three fit an SM, so little memory traffic is
 variant that kept more in flight in Triton (pipelined head loops, TMA tiles, prefetch into L2, more
 warps) spilled or lost occupancy. Gluon states the schedule directly:
 
-- persistent programs (two per SM; the forward three), items (block, head) dealt in rounds (item pid + r * programs);
-- the backward forms its MMAs' shared-memory descriptors inside the item loop (``z``, a zero the
-  compiler cannot fold): hoisted out of it, they held ~40 vector registers across the loop and
-  spilled (255 registers and 92 B of spills against 214 and none; the warps' top stalls waited on
-  the reloads, and the kernel was 9% slower on an H100);
+- persistent programs (two per SM; the forward three), items (block, head) dealt in rounds (item
+  pid + r * programs); a round reads the record of the item after next (_record), so its fields
+  have landed when they are needed;
+- the backward forms p's shared-memory descriptors inside the item loop (``z``, a zero the
+  compiler cannot fold): hoisted out of it, the MMAs' descriptors held ~40 vector registers across
+  the loop and spilled (255 registers and 92 B of spills against 214 and none; the warps' top
+  stalls waited on the reloads, and the kernel was 9% slower on an H100);
 - every tile is a (BS, D/2) half (q, k, v, do in, dq, dk, dv out), 8 KB at BS = 64, D = 128, one
-  TMA box each; the item's q and k, do, v land in shared memory by TMA on three mbarriers;
-- the rotation runs in registers on q and k and writes the rotated halves back to the same
-  shared memory, where every MMA reads them: no rotated copy in HBM, none held in registers;
+  TMA box each, landing in shared memory by TMA on an mbarrier per input;
+- the rotation runs in registers on q and k together (the rope rows read once) and writes the
+  rotated halves back to the same shared memory, where every MMA reads them: no rotated copy in
+  HBM, none held in registers;
 - all five GEMMs are asynchronous wgmma with both operands in shared memory, except where one is
   the accumulator of another (p, ds go through one (BS, BS) shared tile: p^T and ds^T are its
   transposed views);
-- the next item's do and v loads start as soon as dp's MMA has read them, its q and k as soon as
-  dk's has: the next block's 64 KB is in flight while this one's gradients are rotated and stored;
-- gradients leave through two shared staging halves and TMA stores; the last, partial block of a
-  sequence by masked stores (a TMA box would write into the next sequence's rows).
+- the backward's tiles: two for q (this item's and the next one's), two that k and v share with
+  their roles swapping each item, one for do. The next item's q loads a whole item ahead, its k
+  into v's tile as soon as dp's MMA has read it, its rope rows once dq's MMA is done, its do once
+  dv's stores have read do's tile, its v once dq's stores have read k's tile. With q and k
+  loading during the last gradients' stores only (one tile each), the warps waited at the top of
+  every item on them for 17% of their stall samples (Nsight Compute, H100, 2026-12-05); this
+  schedule takes 196 us instead of 216 at self-1000 on the H200 (9% less; block_attention.py,
+  _HOPPER_BWD_CANDIDATES, has the runs);
+- gradients are staged in the tiles their MMAs have just read (dv in do's, dq in k's, dk in q's;
+  the forward's o in v's) and leave by TMA stores; the last, partial block of a sequence by
+  masked stores (a TMA box would write into the next sequence's rows).
 
 Rows past the sequence's end in a partial last block (the TMA boxes read the next sequence's rows,
 or TMA's zero fill at the tensor's end): the backward zeroes q, k, v and do there in shared memory
@@ -53,7 +63,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from gemctl.ops.triton.common import num_programs, rows_viewable, work_record
+from gemctl.ops.triton.common import _RECORD as RECORD, num_programs, rows_viewable
 from gemctl.ops.triton.gdpa_hopper import (
     SMEM_PER_SM as _SMEM_PER_SM, SMEM_RESERVED as _SMEM_RESERVED,
     _GL_DTYPES, ELEMENT_TYPES, _acc_layout, _cta_barrier, _tma_load, _tma_store, shared_layout,
@@ -63,22 +73,49 @@ BLOCK = 64  # rows of a block: one warpgroup's wgmma M
 
 
 @gluon.jit
-def _item(e, n_items, RECORDS, num_heads, BLOCK: gl.constexpr, HALF: gl.constexpr):
-    """Item e's sequence start, length, the block's first position in it and its head's column
-    (of half 0) in the [N, H * D] views; valid = e < n_items (clamped to the last item if not)."""
-    valid = e < n_items
-    e = gl.minimum(e, n_items - 1)
-    tile, start, length, _, _ = work_record(RECORDS, e // num_heads)
-    first = tile * BLOCK
-    return valid, start, length, first, (e % num_heads) * (2 * HALF)
+def _record(e, n_items, RECORDS, num_heads):
+    """Item e's record (e clamped to the last item), its loads issued: a round loads the record of
+    the item after next and reads its fields (_item) one round later, when they have landed. Each
+    lane holds one field: loaded as scalars (or as a tensor every thread holds whole) the compiler
+    moved the fields into uniform registers right after the loads, and the warps waited there for
+    them; for 18% of their stall samples when the record was read in the round that needed it
+    (Nsight Compute, H100, 2026-12-05)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    row = RECORDS + (gl.minimum(e, n_items - 1) // num_heads) * RECORD
+    return gl.load(row + gl.arange(0, RECORD, layout=layout))
 
 
 @gluon.jit
-def _load_pair(desc, smem, bar, row, col, pred, HALF: gl.constexpr):
-    """Both halves of a (BS, D) tile into smem[0], smem[1], signalling ``bar`` (one phase)."""
+def _field(record, i: gl.constexpr):
+    """Field i of a _record tensor (a reduction across the lanes)."""
+    index = gl.arange(0, RECORD, layout=record.type.layout)
+    return gl.sum(gl.where(index == i, record, 0), 0)
+
+
+@gluon.jit
+def _item(e, n_items, record, num_heads, BLOCK: gl.constexpr, HALF: gl.constexpr):
+    """Item e's fields from its _record: valid = e < n_items, the sequence's start and length, the
+    block's first position in it and its head's column (of half 0) in the [N, H * D] views."""
+    first = _field(record, 1) * BLOCK
+    return (e < n_items, _field(record, 2), _field(record, 3), first,
+            (gl.minimum(e, n_items - 1) % num_heads) * (2 * HALF))
+
+
+@gluon.jit
+def _load_pair(desc, smem, b, bar, row, col, pred, HALF: gl.constexpr):
+    """Both halves of a (BS, D) tile into smem[b], smem[b + 1], signalling ``bar`` (one phase)."""
     mbarrier.expect(bar, 2 * desc.block_type.nbytes, pred=pred)
-    _tma_load(desc, [row, col], bar, smem.index(0), pred)
-    _tma_load(desc, [row, col + HALF], bar, smem.index(1), pred)
+    _tma_load(desc, [row, col], bar, smem.index(b), pred)
+    _tma_load(desc, [row, col + HALF], bar, smem.index(b + 1), pred)
+
+
+@gluon.jit
+def _load_tables(cos_desc, sin_desc, cs_smem, bar, position, pred):
+    """The cos and sin rows of a block's positions into cs_smem[0], [1] (rows past the tables' end
+    are TMA's zero fill), signalling ``bar`` (one phase)."""
+    mbarrier.expect(bar, 2 * cos_desc.block_type.nbytes, pred=pred)
+    _tma_load(cos_desc, [position, 0], bar, cs_smem.index(0), pred)
+    _tma_load(sin_desc, [position, 0], bar, cs_smem.index(1), pred)
 
 
 @gluon.jit
@@ -112,26 +149,50 @@ def _rope_rows(cs_smem, layout: gl.constexpr):
 
 
 @gluon.jit
-def _rotate_in_place(smem, cs_smem, first, length, BLOCK: gl.constexpr, HALF: gl.constexpr, ROWS: gl.constexpr,
-                     num_warps: gl.constexpr):
-    """The halves [x1, x2] in smem[0], smem[1] -> [x1 c - x2 s, x2 c + x1 s] (c, s: cs_smem[0], [1]),
-    written back, rows past the sequence as 0; ROWS rows at a time: the whole tile at once spilled
-    60 B per thread (sm_90 ptxas, Triton 3.6, D=128), 32 or 16 rows none."""
+def _rotate_pass(q_smem, qb, k_smem, kb, cs_smem, first, length, BLOCK: gl.constexpr, HALF: gl.constexpr,
+                 ROWS: gl.constexpr, MASK: gl.constexpr, num_warps: gl.constexpr):
+    """_rotate_in_place's pass over the tiles, ROWS rows of q and k at a time; MASK: rows past the
+    sequence written as 0."""
     layout: gl.constexpr = _rows_layout(num_warps, HALF)
     for r in gl.static_range(0, BLOCK, ROWS):
-        ok = (first + r + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout)) < length)[:, None]
         c = cs_smem.index(0).slice(r, ROWS).load(layout).to(gl.float32)
         s = cs_smem.index(1).slice(r, ROWS).load(layout).to(gl.float32)
-        x1 = smem.index(0).slice(r, ROWS).load(layout).to(gl.float32)
-        x2 = smem.index(1).slice(r, ROWS).load(layout).to(gl.float32)
-        smem.index(0).slice(r, ROWS).store(gl.where(ok, x1 * c - x2 * s, 0.0).to(smem.dtype))
-        smem.index(1).slice(r, ROWS).store(gl.where(ok, x2 * c + x1 * s, 0.0).to(smem.dtype))
+        q1 = q_smem.index(qb).slice(r, ROWS).load(layout).to(gl.float32)
+        q2 = q_smem.index(qb + 1).slice(r, ROWS).load(layout).to(gl.float32)
+        k1 = k_smem.index(kb).slice(r, ROWS).load(layout).to(gl.float32)
+        k2 = k_smem.index(kb + 1).slice(r, ROWS).load(layout).to(gl.float32)
+        y1, y2 = q1 * c - q2 * s, q2 * c + q1 * s
+        z1, z2 = k1 * c - k2 * s, k2 * c + k1 * s
+        if MASK:  # the next sequence's rows (and their rope rows) may hold non-finite values: selected away
+            ok = (first + r + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout)) < length)[:, None]
+            y1, y2 = gl.where(ok, y1, 0.0), gl.where(ok, y2, 0.0)
+            z1, z2 = gl.where(ok, z1, 0.0), gl.where(ok, z2, 0.0)
+        q_smem.index(qb).slice(r, ROWS).store(y1.to(q_smem.dtype))
+        k_smem.index(kb).slice(r, ROWS).store(z1.to(k_smem.dtype))
+        q_smem.index(qb + 1).slice(r, ROWS).store(y2.to(q_smem.dtype))
+        k_smem.index(kb + 1).slice(r, ROWS).store(z2.to(k_smem.dtype))
 
 
 @gluon.jit
-def _zero_rows_past(smem, first, length, BLOCK: gl.constexpr, HALF: gl.constexpr, ROWS: gl.constexpr,
+def _rotate_in_place(q_smem, qb, k_smem, kb, cs_smem, first, length, BLOCK: gl.constexpr, HALF: gl.constexpr,
+                     ROWS: gl.constexpr, num_warps: gl.constexpr):
+    """q's halves (q_smem[qb], [qb + 1]) and k's (k_smem[kb], [kb + 1]) rotated in place by the
+    rows' cos and sin (cs_smem[0], [1]): [x1, x2] -> [x1 c - x2 s, x2 c + x1 s], ROWS rows of both
+    per pass (each pass reads the tables' rows once); rows past the sequence are written as 0, by
+    selects compiled into a partial block's pass only (a whole block's pass has none: 128 fewer
+    per thread). Both together take ~600 SASS instructions against ~1,000 for the two masked
+    passes they replace (sm_90, Triton 3.6, D=128). The whole tile at once spilled 60 B per
+    thread."""
+    if first + BLOCK > length:
+        _rotate_pass(q_smem, qb, k_smem, kb, cs_smem, first, length, BLOCK, HALF, ROWS, True, num_warps)
+    else:
+        _rotate_pass(q_smem, qb, k_smem, kb, cs_smem, first, length, BLOCK, HALF, ROWS, False, num_warps)
+
+
+@gluon.jit
+def _zero_rows_past(smem, b, first, length, BLOCK: gl.constexpr, HALF: gl.constexpr, ROWS: gl.constexpr,
                     num_warps: gl.constexpr):
-    """Rows at or past ``length`` of both halves in smem[0], smem[1] set to 0 (a partial block's TMA
+    """Rows at or past ``length`` of both halves in smem[b], smem[b + 1] set to 0 (a partial block's TMA
     boxes hold the next sequence's rows there): then 0 * a non-finite value in them cannot reach
     the gradients through the MMAs, as the Triton kernels' masked loads guarantee. The caller
     fences and syncs before an MMA reads the tiles."""
@@ -139,82 +200,84 @@ def _zero_rows_past(smem, first, length, BLOCK: gl.constexpr, HALF: gl.constexpr
     for i in gl.static_range(2):
         for r in gl.static_range(0, BLOCK, ROWS):
             ok = (first + r + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout)) < length)[:, None]
-            x = smem.index(i).slice(r, ROWS).load(layout)
-            smem.index(i).slice(r, ROWS).store(gl.where(ok, x, gl.zeros_like(x)))
+            x = smem.index(b + i).slice(r, ROWS).load(layout)
+            smem.index(b + i).slice(r, ROWS).store(gl.where(ok, x, gl.zeros_like(x)))
 
 
 @gluon.jit
-def _store_half(x, desc, stage, DST, start, first, length, col, stride, BLOCK: gl.constexpr, HALF: gl.constexpr,
-                num_warps: gl.constexpr):
-    """One (BS, D/2) gradient half through the shared staging tile ``stage``: a TMA store when the
-    block is whole, else masked 16-byte stores of its rows read back from the tile. Two staging
-    tiles take the stores in turn: the TMA store before the last has read this tile when every
-    store went by TMA; after a partial block (masked stores commit no bulk group) all of them must
-    have (the last one may be this tile's)."""
-    whole = first + BLOCK <= length
-    if whole:
-        tma.store_wait(1)
-    else:
-        tma.store_wait(0)
-    _cta_barrier()
-    stage.store(x.to(desc.dtype))
-    if whole:
+def _store_pair(g1, g2, desc, tiles, b, DST, start, first, length, col, stride, BLOCK: gl.constexpr,
+                HALF: gl.constexpr, num_warps: gl.constexpr):
+    """A gradient's (BS, D/2) halves staged in tiles[b], tiles[b + 1] (free: the caller waited for
+    what read them last) and stored: by TMA when the block is whole (one bulk group each), else by
+    masked 16-byte stores of the rows read back (then fenced: the tiles' next writer is TMA)."""
+    _cta_barrier()  # every warp is past the MMAs that read the tiles
+    tiles.index(b).store(g1.to(desc.dtype))
+    tiles.index(b + 1).store(g2.to(desc.dtype))
+    if first + BLOCK <= length:
         fence_async_shared()
-        _cta_barrier()  # every warp's rows are in the tile before one thread starts the copy
-        _tma_store(desc, [start + first, col], stage)
+        _cta_barrier()  # every warp's rows are in the tiles before one thread starts the copies
+        _tma_store(desc, [start + first, col], tiles.index(b))
+        _tma_store(desc, [start + first, col + HALF], tiles.index(b + 1))
     else:
         layout: gl.constexpr = _rows_layout(num_warps, HALF)
         _cta_barrier()
-        y = stage.load(layout)
         rows = first + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
         cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
         ptrs = DST + (start + rows).to(gl.int64)[:, None] * stride + col + cols[None, :]
-        gl.store(ptrs, y, mask=(rows < length)[:, None])
+        for h in gl.static_range(2):
+            gl.store(ptrs + h * HALF, tiles.index(b + h).load(layout), mask=(rows < length)[:, None])
+        fence_async_shared()
 
 
 @gluon.jit
-def _store_rotated_back(g1, g2, c, s, desc, stage, DST, start, first, length, col, stride, scale,
+def _store_rotated_back(g1, g2, c, s, desc, tiles, b, DST, start, first, length, col, stride, scale,
                         ROPE: gl.constexpr, BLOCK: gl.constexpr, HALF: gl.constexpr, num_warps: gl.constexpr):
     """dq or dk: the halves times ``scale``, rotated by -theta when ROPE ([g1 c + g2 s, g2 c - g1 s]),
-    stored in the two staging tiles."""
+    stored through tiles[b], tiles[b + 1] (_store_pair)."""
     g1, g2 = g1 * scale, g2 * scale
     if ROPE:
         c, s = c.to(gl.float32), s.to(gl.float32)
         g1, g2 = g1 * c + g2 * s, g2 * c - g1 * s
-    _store_half(g1, desc, stage.index(0), DST, start, first, length, col, stride, BLOCK, HALF, num_warps)
-    _store_half(g2, desc, stage.index(1), DST, start, first, length, col + HALF, stride, BLOCK, HALF, num_warps)
+    _store_pair(g1, g2, desc, tiles, b, DST, start, first, length, col, stride, BLOCK, HALF, num_warps)
+
+
+@gluon.jit
+def _lse_rows(LSE, start, first, length, head, num_heads, BLOCK: gl.constexpr, layout: gl.constexpr):
+    """The block's rows of the forward's log2-sum-exp2 (inf past the sequence: p = 0 there)."""
+    rows = first + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
+    return gl.load(LSE + (start + rows) * num_heads + head, mask=rows < length, other=float("inf"))
 
 
 @gluon.jit
 def _first_item(q_desc, k_desc, v_desc, cos_desc, sin_desc, q_smem, k_smem, v_smem, cs_smem, qk_bar, v_bar, n_items,
                 RECORDS, num_heads, BLOCK: gl.constexpr, HALF: gl.constexpr, ROPE: gl.constexpr):
-    """The program's first item (_item's fields), its q, k, rope rows and v loads started."""
-    valid, start, length, first, col = _item(gl.program_id(0), n_items, RECORDS, num_heads, BLOCK, HALF)
+    """The forward's first item (_item's fields), its q, k, rope rows and v loads started."""
+    valid, start, length, first, col = _item(gl.program_id(0), n_items, _record(gl.program_id(0), n_items, RECORDS,
+                                             num_heads), num_heads, BLOCK, HALF)
     _load_qk(q_desc, k_desc, cos_desc, sin_desc, q_smem, k_smem, cs_smem, qk_bar, start + first, first, col, valid,
              HALF, ROPE)
-    _load_pair(v_desc, v_smem, v_bar, start + first, col, valid, HALF)
+    _load_pair(v_desc, v_smem, 0, v_bar, start + first, col, valid, HALF)
     return valid, start, length, first, col
 
 
 @gluon.jit
-def _scores_of(q_smem, k_smem, cs_smem, qk_bar, phase, first, length, s_zero, BLOCK: gl.constexpr, HALF: gl.constexpr,
-               ROPE: gl.constexpr, ZERO_PAST: gl.constexpr, num_warps: gl.constexpr, z=0):
-    """Once q and k have landed: q~ and k~ in place of them (ROPE; rows past the sequence 0, and
-    with ZERO_PAST also without rope), then s = q~ k~^T by two wgmma of depth D/2 (raw: unscaled)."""
-    mbarrier.wait(qk_bar, phase)
+def _scores_of(q_smem, qb, k_smem, kb, cs_smem, first, length, s_zero, BLOCK: gl.constexpr, HALF: gl.constexpr,
+               ROPE: gl.constexpr, ZERO_PAST: gl.constexpr, num_warps: gl.constexpr):
+    """With q (q_smem[qb], [qb + 1]) and k (k_smem[kb], [kb + 1]) landed: q~ and k~ in place of them
+    (ROPE; rows past the sequence 0, and with ZERO_PAST also without rope), then s = q~ k~^T by two
+    wgmma of depth D/2 (raw: unscaled)."""
     if ROPE:
-        _rotate_in_place(q_smem, cs_smem, first, length, BLOCK, HALF, 32, num_warps)
-        _rotate_in_place(k_smem, cs_smem, first, length, BLOCK, HALF, 32, num_warps)
+        _rotate_in_place(q_smem, qb, k_smem, kb, cs_smem, first, length, BLOCK, HALF, 32, num_warps)
         fence_async_shared()
         _cta_barrier()
     elif ZERO_PAST:
         if first + BLOCK > length:
-            _zero_rows_past(q_smem, first, length, BLOCK, HALF, 32, num_warps)
-            _zero_rows_past(k_smem, first, length, BLOCK, HALF, 32, num_warps)
+            _zero_rows_past(q_smem, qb, first, length, BLOCK, HALF, 32, num_warps)
+            _zero_rows_past(k_smem, kb, first, length, BLOCK, HALF, 32, num_warps)
             fence_async_shared()
             _cta_barrier()
-    sc = warpgroup_mma(q_smem.index(z), k_smem.index(z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    sc = warpgroup_mma(q_smem.index(z + 1), k_smem.index(z + 1).permute((1, 0)), sc, is_async=True)
+    sc = warpgroup_mma(q_smem.index(qb), k_smem.index(kb).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    sc = warpgroup_mma(q_smem.index(qb + 1), k_smem.index(kb + 1).permute((1, 0)), sc, is_async=True)
     return warpgroup_mma_wait(0, deps=(sc, ))
 
 
@@ -229,53 +292,79 @@ def _block_attn_bwd_hopper(
     # rope tables [>= max_len, D/2] in (BLOCK, D/2) boxes (unused unless ROPE); RECORDS int32 [n, 8]
     # (common.query_records: sequence, block, the sequence's span) over every block; item e = record
     # index * num_heads + head. zero: 0 (the host passes it; see `z` in the loop).
+    #
+    # Tiles (each a pair of (BS, D/2) halves): two for q (this item's and the next one's), two that
+    # k and v share with roles swapping each item, one for do. In round r, q is in q_smem[qb], k in
+    # kv_smem[kb], v in kv_smem[vb] (qb = kb = 2 (r % 2), vb = 2 - kb). The next item's loads start
+    # as soon as a tile is free: its q after this item's scores (into the other q tile: a whole
+    # item ahead), its k once dp's MMA has read v (into v's tile), its rope rows once dq's MMA is
+    # done, its do once dv's stores have read do's tile, its v once dq's stores have read k's tile. The gradients are staged in the tiles
+    # their MMAs have finished reading: dv in do's, dq in k's, dk in q's.
     HALF: gl.constexpr = HEAD_DIM // 2
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = _acc_layout(num_warps, BLOCK)  # s, dp: (queries, keys)
     h_layout: gl.constexpr = _acc_layout(num_warps, HALF)  # dv, dq, dk halves; the rotation's tiles
     p_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], dtype)
 
-    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, HALF], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, HALF], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, HALF], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [4, BLOCK, HALF], q_desc.layout)
+    kv_smem = gl.allocate_shared_memory(dtype, [4, BLOCK, HALF], k_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, HALF], do_desc.layout)
     p_buf = gl.allocate_shared_memory(dtype, [1, BLOCK, BLOCK], p_shared)  # p, then ds
-    stage = gl.allocate_shared_memory(dtype, [2, BLOCK, HALF], dq_desc.layout)
     cs_smem = gl.allocate_shared_memory(cos_desc.dtype, [2, BLOCK, HALF], cos_desc.layout)  # cos, sin rows
-    qk_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    do_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     v_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(qk_bar, count=1)
-    mbarrier.init(do_bar, count=1)
+    do_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    cs_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    mbarrier.init(k_bar, count=1)
     mbarrier.init(v_bar, count=1)
+    mbarrier.init(do_bar, count=1)
+    mbarrier.init(cs_bar, count=1)
     s_zero = gl.zeros([BLOCK, BLOCK], gl.float32, s_layout)
     h_zero = gl.zeros([BLOCK, HALF], gl.float32, h_layout)
 
     pid = gl.program_id(0)
     n_programs = gl.num_programs(0)
-    valid, start, length, first, col = _first_item(q_desc, k_desc, v_desc, cos_desc, sin_desc, q_smem, k_smem, v_smem,
-                                                   cs_smem, qk_bar, v_bar, n_items, RECORDS, num_heads, BLOCK,
-                                                   HALF, ROPE)
-    _load_pair(do_desc, do_smem, do_bar, start + first, col, valid, HALF)
+    valid, start, length, first, col = _item(pid, n_items, _record(pid, n_items, RECORDS, num_heads), num_heads, BLOCK,
+                                             HALF)
+    _load_pair(q_desc, q_smem, 0, q_bar, start + first, col, valid, HALF)
+    _load_pair(k_desc, kv_smem, 0, k_bar, start + first, col, valid, HALF)
+    if ROPE:
+        _load_tables(cos_desc, sin_desc, cs_smem, cs_bar, first, valid)
+    _load_pair(do_desc, do_smem, 0, do_bar, start + first, col, valid, HALF)
+    _load_pair(v_desc, kv_smem, 2, v_bar, start + first, col, valid, HALF)
+    lse = _lse_rows(LSE, start, first, length, col // HEAD_DIM, num_heads, BLOCK, s_layout)
+    n_record = _record(pid + n_programs, n_items, RECORDS, num_heads)
     for r in range(0, gl.cdiv(n_items, n_programs)):
         phase = r & 1
-        n_valid, n_start, n_length, n_first, n_col = _item(pid + (r + 1) * n_programs, n_items, RECORDS,
-                                                           num_heads, BLOCK, HALF)
+        n_valid, n_start, n_length, n_first, n_col = _item(pid + (r + 1) * n_programs, n_items, n_record, num_heads,
+                                                           BLOCK, HALF)
+        n_record = _record(pid + (r + 2) * n_programs, n_items, RECORDS, num_heads)
+        n_lse = _lse_rows(LSE, n_start, n_first, n_length, n_col // HEAD_DIM, num_heads, BLOCK, s_layout)
         if valid:
-            # z is 0 at run time (zero is), but the compiler cannot tell, nor that it is the same in
-            # every round: the MMAs' shared-memory descriptors are formed here, in the round, in
-            # uniform registers, instead of being hoisted out of the loop into ~40 vector registers
-            # that it kept across it and spilled
+            # z is 0 at run time (zero is), but the compiler cannot tell: p's shared-memory
+            # descriptors are formed here, in the round, in uniform registers, instead of being
+            # hoisted out of the loop into vector registers it kept across it (they spilled)
             z = r * zero
             p_smem = p_buf.index(z)
             p_t = p_smem.permute((1, 0))  # (keys, queries): p^T, then ds^T
-            head = col // HEAD_DIM
-            q_rows = first + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, s_layout))
-            k_cols = first + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
-            lse = gl.load(LSE + (start + q_rows) * num_heads + head, mask=q_rows < length, other=float("inf"))
+            qb = 2 * (r % 2)
+            kb = qb
+            vb = 2 - kb
+            n_row = n_start + n_first
             partial = first + BLOCK > length
-            sc = _scores_of(q_smem, k_smem, cs_smem, qk_bar, phase, first, length, s_zero, BLOCK, HALF, ROPE, True,
-                            num_warps, z)
+            mbarrier.wait(q_bar, phase)
+            mbarrier.wait(k_bar, phase)
+            if ROPE:
+                mbarrier.wait(cs_bar, phase)
+            sc = _scores_of(q_smem, qb, kv_smem, kb, cs_smem, first, length, s_zero, BLOCK, HALF, ROPE, True,
+                            num_warps)
+            # the next item's q: into the other q tile, which staged the last item's dk
+            tma.store_wait(0)
+            _cta_barrier()
+            _load_pair(q_desc, q_smem, 2 - qb, q_bar, n_row, n_col, n_valid, HALF)
+            k_cols = first + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
             p = gl.exp2(sc * qk_scale - lse[:, None])
             p = gl.where((k_cols < length)[None, :], p, 0.0)  # keys past the sequence: 0
             p_smem.store(p.to(dtype))
@@ -284,54 +373,57 @@ def _block_attn_bwd_hopper(
             mbarrier.wait(do_bar, phase)
             mbarrier.wait(v_bar, phase, pred=partial)  # a partial block zeroes both before the MMAs
             if partial:
-                _zero_rows_past(do_smem, first, length, BLOCK, HALF, 32, num_warps)
-                _zero_rows_past(v_smem, first, length, BLOCK, HALF, 32, num_warps)
+                _zero_rows_past(do_smem, 0, first, length, BLOCK, HALF, 32, num_warps)
+                _zero_rows_past(kv_smem, vb, first, length, BLOCK, HALF, 32, num_warps)
                 fence_async_shared()
                 _cta_barrier()
-            dv1 = warpgroup_mma(p_t, do_smem.index(z), h_zero, use_acc=False, is_async=True)
-            dv2 = warpgroup_mma(p_t, do_smem.index(z + 1), h_zero, use_acc=False, is_async=True)
+            dv1 = warpgroup_mma(p_t, do_smem.index(0), h_zero, use_acc=False, is_async=True)
+            dv2 = warpgroup_mma(p_t, do_smem.index(1), h_zero, use_acc=False, is_async=True)
             mbarrier.wait(v_bar, phase)
-            dp = warpgroup_mma(do_smem.index(z), v_smem.index(z).permute((1, 0)), s_zero, use_acc=False,
+            dp = warpgroup_mma(do_smem.index(0), kv_smem.index(vb).permute((1, 0)), s_zero, use_acc=False,
                                is_async=True)
-            dp = warpgroup_mma(do_smem.index(z + 1), v_smem.index(z + 1).permute((1, 0)), dp, is_async=True)
-            dv1, dv2 = warpgroup_mma_wait(2, deps=(dv1, dv2))  # dp's two may still run
-            _store_half(dv1, dv_desc, stage.index(0), DV, start, first, length, col, stride_dvn, BLOCK, HALF,
-                        num_warps)
-            _store_half(dv2, dv_desc, stage.index(1), DV, start, first, length, col + HALF, stride_dvn, BLOCK, HALF,
-                        num_warps)
-            dp = warpgroup_mma_wait(0, deps=(dp, ))
-            # do and v are read: the next item's start loading (every warp is past its MMAs)
+            dp = warpgroup_mma(do_smem.index(1), kv_smem.index(vb + 1).permute((1, 0)), dp, is_async=True)
+            dv1, dv2, dp = warpgroup_mma_wait(0, deps=(dv1, dv2, dp))
+            # v's tile is read: the next item's k loads there; dv is staged in do's tile
             _cta_barrier()
-            _load_pair(do_desc, do_smem, do_bar, n_start + n_first, n_col, n_valid, HALF)
-            _load_pair(v_desc, v_smem, v_bar, n_start + n_first, n_col, n_valid, HALF)
+            _load_pair(k_desc, kv_smem, vb, k_bar, n_row, n_col, n_valid, HALF)
+            _store_pair(dv1, dv2, dv_desc, do_smem, 0, DV, start, first, length, col, stride_dvn, BLOCK, HALF,
+                        num_warps)
             delta = gl.sum(p * dp, 1)  # the whole softmax row is in the block
             ds = p * (dp - delta[:, None])
             p_smem.store(ds.to(dtype))  # p's MMAs (dv) are complete
             fence_async_shared()
             _cta_barrier()
-            dq1 = warpgroup_mma(p_smem, k_smem.index(z), h_zero, use_acc=False, is_async=True)
-            dq2 = warpgroup_mma(p_smem, k_smem.index(z + 1), h_zero, use_acc=False, is_async=True)
+            dq1 = warpgroup_mma(p_smem, kv_smem.index(kb), h_zero, use_acc=False, is_async=True)
+            dq2 = warpgroup_mma(p_smem, kv_smem.index(kb + 1), h_zero, use_acc=False, is_async=True)
             dq1, dq2 = warpgroup_mma_wait(0, deps=(dq1, dq2))
             c, s = 0.0, 0.0
-            if ROPE:  # read once for both gradients: the next item's tables land here before dk is stored
+            if ROPE:  # read once for both gradients: the next item's rows load here now
                 c, s = _rope_rows(cs_smem, h_layout)
-            _store_rotated_back(dq1, dq2, c, s, dq_desc, stage, DQ, start, first, length, col, stride_dqn, scale,
+                _cta_barrier()
+                _load_tables(cos_desc, sin_desc, cs_smem, cs_bar, n_first, n_valid)
+            _store_rotated_back(dq1, dq2, c, s, dq_desc, kv_smem, kb, DQ, start, first, length, col, stride_dqn, scale,
                                 ROPE, BLOCK, HALF, num_warps)
+            tma.store_wait(2)  # dv's stores have read do's tile (dq's two may still run)
+            _cta_barrier()
+            _load_pair(do_desc, do_smem, 0, do_bar, n_row, n_col, n_valid, HALF)
             # dk's MMAs issued before dq is stored (4 accumulators and the tables live) spilled 268 B per
             # thread with rope (sm_90 ptxas, Triton 3.6, D=128), so they start after it
-            dk1 = warpgroup_mma(p_t, q_smem.index(z), h_zero, use_acc=False, is_async=True)
-            dk2 = warpgroup_mma(p_t, q_smem.index(z + 1), h_zero, use_acc=False, is_async=True)
+            dk1 = warpgroup_mma(p_t, q_smem.index(qb), h_zero, use_acc=False, is_async=True)
+            dk2 = warpgroup_mma(p_t, q_smem.index(qb + 1), h_zero, use_acc=False, is_async=True)
             dk1, dk2 = warpgroup_mma_wait(0, deps=(dk1, dk2))
-            _cta_barrier()  # q, k, the tables and the ds tile are read: the next item's start loading
-            _load_qk(q_desc, k_desc, cos_desc, sin_desc, q_smem, k_smem, cs_smem, qk_bar, n_start + n_first, n_first,
-                     n_col, n_valid, HALF, ROPE)
-            _store_rotated_back(dk1, dk2, c, s, dk_desc, stage, DK, start, first, length, col, stride_dkn, scale,
+            _store_rotated_back(dk1, dk2, c, s, dk_desc, q_smem, qb, DK, start, first, length, col, stride_dkn, scale,
                                 ROPE, BLOCK, HALF, num_warps)
-        valid, start, length, first, col = n_valid, n_start, n_length, n_first, n_col
+            tma.store_wait(2)  # dq's stores have read k's tile (dk's two may still run)
+            _cta_barrier()
+            _load_pair(v_desc, kv_smem, kb, v_bar, n_row, n_col, n_valid, HALF)
+        valid, start, length, first, col, lse = n_valid, n_start, n_length, n_first, n_col, n_lse
     tma.store_wait(0)
-    mbarrier.invalidate(qk_bar)
-    mbarrier.invalidate(do_bar)
+    mbarrier.invalidate(q_bar)
+    mbarrier.invalidate(k_bar)
     mbarrier.invalidate(v_bar)
+    mbarrier.invalidate(do_bar)
+    mbarrier.invalidate(cs_bar)
 
 
 @gluon.jit(do_not_specialize=["n_items"])
@@ -366,16 +458,18 @@ def _block_attn_fwd_hopper(
     valid, start, length, first, col = _first_item(q_desc, k_desc, v_desc, cos_desc, sin_desc, q_smem, k_smem, v_smem,
                                                    cs_smem, qk_bar, v_bar, n_items, RECORDS, num_heads, BLOCK,
                                                    HALF, ROPE)
+    n_record = _record(pid + n_programs, n_items, RECORDS, num_heads)
     for r in range(0, gl.cdiv(n_items, n_programs)):
         phase = r & 1
-        n_valid, n_start, n_length, n_first, n_col = _item(pid + (r + 1) * n_programs, n_items, RECORDS,
-                                                           num_heads, BLOCK, HALF)
+        n_valid, n_start, n_length, n_first, n_col = _item(pid + (r + 1) * n_programs, n_items, n_record, num_heads,
+                                                           BLOCK, HALF)
+        n_record = _record(pid + (r + 2) * n_programs, n_items, RECORDS, num_heads)
         if valid:
             partial = first + BLOCK > length
             # without rope q and k rows past the sequence stay: their scores are replaced by -inf
             # (keys) or never stored (queries)
-            sc = _scores_of(q_smem, k_smem, cs_smem, qk_bar, phase, first, length, s_zero, BLOCK, HALF, ROPE, False,
-                            num_warps)
+            mbarrier.wait(qk_bar, phase)
+            sc = _scores_of(q_smem, 0, k_smem, 0, cs_smem, first, length, s_zero, BLOCK, HALF, ROPE, False, num_warps)
             _cta_barrier()  # q, k and the rope rows are read: the next item's start loading
             _load_qk(q_desc, k_desc, cos_desc, sin_desc, q_smem, k_smem, cs_smem, qk_bar, n_start + n_first, n_first,
                      n_col, n_valid, HALF, ROPE)
@@ -390,7 +484,7 @@ def _block_attn_fwd_hopper(
             inv_l = gl.convert_layout(1.0 / l, gl.SliceLayout(1, h_layout))
             mbarrier.wait(v_bar, phase)
             if partial:  # the next sequence's v rows: p = 0 there, and 0 * a non-finite value is NaN
-                _zero_rows_past(v_smem, first, length, BLOCK, HALF, 32, num_warps)
+                _zero_rows_past(v_smem, 0, first, length, BLOCK, HALF, 32, num_warps)
                 fence_async_shared()
                 _cta_barrier()
             o1 = warpgroup_mma(p_op, v_smem.index(0), h_zero, use_acc=False, is_async=True)
@@ -399,14 +493,11 @@ def _block_attn_fwd_hopper(
             # v's tiles, read now, stage o (no staging tiles of its own: 66 KB with fp16 tables at
             # D=128, three programs per SM where 82 KB fit two); the next item's v loads once the
             # stores have read them, well before its softmax needs them
-            _store_half(o1 * inv_l[:, None], o_desc, v_smem.index(0), O, start, first, length, col, stride_on, BLOCK,
-                        HALF, num_warps)
-            _store_half(o2 * inv_l[:, None], o_desc, v_smem.index(1), O, start, first, length, col + HALF, stride_on,
-                        BLOCK, HALF, num_warps)
+            _store_pair(o1 * inv_l[:, None], o2 * inv_l[:, None], o_desc, v_smem, 0, O, start, first, length, col,
+                        stride_on, BLOCK, HALF, num_warps)
             tma.store_wait(0)
-            fence_async_shared()  # a partial block's staging went through the generic proxy only
             _cta_barrier()
-            _load_pair(v_desc, v_smem, v_bar, n_start + n_first, n_col, n_valid, HALF)
+            _load_pair(v_desc, v_smem, 0, v_bar, n_start + n_first, n_col, n_valid, HALF)
         valid, start, length, first, col = n_valid, n_start, n_length, n_first, n_col
     tma.store_wait(0)
     mbarrier.invalidate(qk_bar)
@@ -456,8 +547,8 @@ def table_descriptors(cos, sin):
 
 def resident_programs(dim: int, size: int, table_size: int, backward: bool = True) -> int:
     """How many programs of a kernel fit one SM (the backward's registers allow two, the forward's
-    three: sm_90 ptxas, Triton 3.6). Shared memory: the backward's eight (BLOCK, D/2) input halves,
-    p/ds tile and two staging halves, the forward's six halves; both the two rope-row tiles
+    three: sm_90 ptxas, Triton 3.6). Shared memory: the backward's ten (BLOCK, D/2) halves (two q
+    tiles, two k/v tiles, do's) and p/ds tile, the forward's six halves; both the two rope-row tiles
     (``table_size`` bytes an element, 0 without rope). A persistent grid larger than what is
     resident would run its second wave only after the first has done all its rounds."""
     tile = BLOCK * dim // 2
