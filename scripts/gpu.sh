@@ -31,6 +31,7 @@
 #   gdpa-ab   the same for the Gluon GDPA forwards: cross-128, cross-32 and self-1000 timed with
 #             the Gluon configs (AB_GDPA; default the warp-specialized and resident forwards, the
 #             streaming one) in both trees in turn, twice, then this tree's Hopper GPU tier
+#             (AB_TIER=0 leaves both stages' GPU tier out: the sweeps of both first, the tiers later)
 #   gdpa-probes  bench_gdpa.py's timing probes of the Gluon cross-128 forward (memory alone, math
 #             alone, against the pick) and the self-1000 forward against the softmax one, 10 A/B rounds
 #   gdpa-ws   the warp-specialized GDPA forwards (gdpa_hopper._gdpa_fwd_ws, _gdpa_fwd_ws_stream): their
@@ -201,12 +202,14 @@ for stage in "$@"; do
     block-ab)
       ab_trees block "$OUT/ab_block" scripts/bench_block_attention.py --sweep --only self-1000 self-4000 \
         --fwd-configs "${AB_FWD:-4,1,1,0,0,3}" --bwd-configs "${AB_BWD:-4,1,1,0,0,2}"
-      GEMCTL_GPU_TEST_TIMEOUT=120 gpu_tier block_ab 16 tests/test_block_attention_triton.py "hopper_gpu or ignores_non_finite or (every_candidate and (0_0_2 or 0_0_3))" ;;
+      [ "${AB_TIER:-1}" = 0 ] || GEMCTL_GPU_TEST_TIMEOUT=120 gpu_tier block_ab 16 tests/test_block_attention_triton.py \
+        "hopper_gpu or ignores_non_finite or (every_candidate and (0_0_2 or 0_0_3))" ;;
     gdpa-ab)
       # shellcheck disable=SC2086  # AB_GDPA: words, one config each
       ab_trees gdpa "$OUT/ab_gdpa" scripts/bench_gdpa.py --grid-only --only cross-128 cross-32 self-1000 \
         --grid-configs ${AB_GDPA:-64,128,4,4,1,16,0,0,2,2 64,128,4,2,2,16,0,0,1,1 64,64,4,4,1,0,0,0,3}
-      GEMCTL_GPU_TEST_TIMEOUT=120 gpu_tier gdpa_ab 16 tests/test_gdpa_triton.py "hopper_forward_gpu or hopper_stream or (every_candidate and (_0_0_1_ or _0_0_2_ or _0_0_0_3))" ;;
+      [ "${AB_TIER:-1}" = 0 ] || GEMCTL_GPU_TEST_TIMEOUT=120 gpu_tier gdpa_ab 16 tests/test_gdpa_triton.py \
+        "hopper_forward_gpu or hopper_stream or (every_candidate and (_0_0_1_ or _0_0_2_ or _0_0_0_3))" ;;
     ncu-sass)
       case "${NCU_SASS_TARGET:-gdpa}" in
         gdpa) regex=_gdpa_fwd; pin=gdpa_fwd; configs="64,128,4,2,2,16,0,0,1,1 64,128,4,2,2,16,0,0,1,1,2"
