@@ -298,8 +298,9 @@ def _block_attn_bwd_hopper(
     # kv_smem[kb], v in kv_smem[vb] (qb = kb = 2 (r % 2), vb = 2 - kb). The next item's loads start
     # as soon as a tile is free: its q after this item's scores (into the other q tile: a whole
     # item ahead), its k once dp's MMA has read v (into v's tile), its rope rows once dq's MMA is
-    # done, its do once dv's stores have read do's tile, its v once dq's stores have read k's tile. The gradients are staged in the tiles
-    # their MMAs have finished reading: dv in do's, dq in k's, dk in q's.
+    # done, its do once dv's stores have read do's tile, its v once dq's stores have read k's
+    # tile. The gradients are staged in the tiles their MMAs have finished reading: dv in do's,
+    # dq in k's, dk in q's.
     HALF: gl.constexpr = HEAD_DIM // 2
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = _acc_layout(num_warps, BLOCK)  # s, dp: (queries, keys)
