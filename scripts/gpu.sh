@@ -2,6 +2,7 @@
 # Run measurement stages on the GPU machine; logs and result files go to $OUT (or ./gpu-out).
 #
 #   bash scripts/gpu.sh tests baseline bench profile
+#   PACK=1 bash scripts/gpu.sh ...   everything under $OUT left in one results.tgz at the end
 #
 #   tests     the GPU tier of the test suite (pytest -m gpu)
 #   baseline  gemctl train --recipe small_h200 (summary.json copied out)
@@ -74,7 +75,19 @@ set -o pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export GEMCTL_CACHE_DIR=${GEMCTL_CACHE_DIR:-$PWD/.autotune}
 OUT=$(cd "$OUT" && pwd)
-trap '(cd "$GEMCTL_CACHE_DIR" 2>/dev/null && tar -cf "$OUT/autotune.tar" autotune-*.json 2>/dev/null)' EXIT
+# PACK=1: at exit, every file under $OUT goes into one $OUT/results.tgz (and only there), for
+# transports that bring back a few files only; the run's status is kept.
+on_exit() {
+  local rc=$?
+  (cd "$GEMCTL_CACHE_DIR" 2>/dev/null && tar -cf "$OUT/autotune.tar" autotune-*.json 2>/dev/null)
+  if [ "${PACK:-0}" = 1 ]; then
+    local packed; packed=$(mktemp)
+    tar -czf "$packed" -C "$OUT" --exclude=./results.tgz . && find "$OUT" -mindepth 1 -delete \
+      && mv "$packed" "$OUT/results.tgz"
+  fi
+  exit $rc
+}
+trap on_exit EXIT
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
@@ -253,6 +266,6 @@ for stage in "$@"; do
         parallel.topology.gpus_per_node=$ngpu run.name=small_h200-fsdp$ngpu 2>&1 | quiet | tee "$OUT/profile_fsdp$ngpu.log"
       d=$(ls -d runs/small_h200-fsdp$ngpu-profile/* | tail -1)
       cp "$d/profile.json" "$OUT/profile_fsdp$ngpu.json"; cp "$d/breakdown.png" "$OUT/breakdown_fsdp$ngpu.png" ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, sweep-block, block-hopper, block-records, gdpa-probes, gdpa-ws, bench-mx, tests-precision, bench-fp8, bench-fp8-model, ncu, ncu-sass, precision-speed, profile, tests-multi-gpu, scaling, profile-multi-gpu)" >&2; exit 2 ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, sweep-block, block-hopper, block-records, block-ab, gdpa-ab, gdpa-probes, gdpa-ws, bench-mx, tests-precision, bench-fp8, bench-fp8-model, ncu, ncu-sass, precision-speed, profile, tests-multi-gpu, scaling, profile-multi-gpu)" >&2; exit 2 ;;
   esac
 done
