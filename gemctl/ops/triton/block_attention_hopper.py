@@ -102,36 +102,48 @@ def _item(e, n_items, record, num_heads, BLOCK: gl.constexpr, HALF: gl.constexpr
 
 
 @gluon.jit
-def _load_pair(desc, smem, b, bar, row, col, pred, HALF: gl.constexpr):
-    """Both halves of a (BS, D) tile into smem[b], smem[b + 1], signalling ``bar`` (one phase)."""
-    mbarrier.expect(bar, 2 * desc.block_type.nbytes, pred=pred)
+def _copy_pair(desc, smem, b, bar, row, col, pred, HALF: gl.constexpr):
+    """The TMA copies of both halves of a (BS, D) tile into smem[b], smem[b + 1] onto ``bar`` (the
+    caller expects their bytes)."""
     _tma_load(desc, [row, col], bar, smem.index(b), pred)
     _tma_load(desc, [row, col + HALF], bar, smem.index(b + 1), pred)
 
 
 @gluon.jit
-def _load_tables(cos_desc, sin_desc, cs_smem, bar, position, pred):
-    """The cos and sin rows of a block's positions into cs_smem[0], [1] (rows past the tables' end
-    are TMA's zero fill), signalling ``bar`` (one phase)."""
-    mbarrier.expect(bar, 2 * cos_desc.block_type.nbytes, pred=pred)
+def _copy_tables(cos_desc, sin_desc, cs_smem, bar, position, pred):
+    """The TMA copies of the cos and sin rows of a block's positions into cs_smem[0], [1] onto
+    ``bar`` (rows past the tables' end are TMA's zero fill; the caller expects their bytes)."""
     _tma_load(cos_desc, [position, 0], bar, cs_smem.index(0), pred)
     _tma_load(sin_desc, [position, 0], bar, cs_smem.index(1), pred)
 
 
 @gluon.jit
+def _load_pair(desc, smem, b, bar, row, col, pred, HALF: gl.constexpr):
+    """Both halves of a (BS, D) tile into smem[b], smem[b + 1], signalling ``bar`` (one phase)."""
+    mbarrier.expect(bar, 2 * desc.block_type.nbytes, pred=pred)
+    _copy_pair(desc, smem, b, bar, row, col, pred, HALF)
+
+
+@gluon.jit
+def _load_tables(cos_desc, sin_desc, cs_smem, bar, position, pred):
+    """The cos and sin rows of a block's positions into cs_smem[0], [1], signalling ``bar`` (one
+    phase)."""
+    mbarrier.expect(bar, 2 * cos_desc.block_type.nbytes, pred=pred)
+    _copy_tables(cos_desc, sin_desc, cs_smem, bar, position, pred)
+
+
+@gluon.jit
 def _load_qk(q_desc, k_desc, cos_desc, sin_desc, q_smem, k_smem, cs_smem, bar, row, position, col, pred,
              HALF: gl.constexpr, ROPE: gl.constexpr):
-    """q's and k's halves, and with ROPE the cos and sin rows of the block's positions (rows past
-    the table's end are TMA's zero fill), signalling ``bar`` (one phase)."""
+    """q's and k's halves, and with ROPE the cos and sin rows of the block's positions, on one
+    barrier: one expect for all of them (an expect is an arrival, and ``bar`` counts one), signalling
+    ``bar`` (one phase)."""
     nbytes: gl.constexpr = 4 * q_desc.block_type.nbytes + (2 * cos_desc.block_type.nbytes if ROPE else 0)
     mbarrier.expect(bar, nbytes, pred=pred)
-    _tma_load(q_desc, [row, col], bar, q_smem.index(0), pred)
-    _tma_load(q_desc, [row, col + HALF], bar, q_smem.index(1), pred)
-    _tma_load(k_desc, [row, col], bar, k_smem.index(0), pred)
-    _tma_load(k_desc, [row, col + HALF], bar, k_smem.index(1), pred)
+    _copy_pair(q_desc, q_smem, 0, bar, row, col, pred, HALF)
+    _copy_pair(k_desc, k_smem, 0, bar, row, col, pred, HALF)
     if ROPE:
-        _tma_load(cos_desc, [position, 0], bar, cs_smem.index(0), pred)
-        _tma_load(sin_desc, [position, 0], bar, cs_smem.index(1), pred)
+        _copy_tables(cos_desc, sin_desc, cs_smem, bar, position, pred)
 
 
 @gluon.constexpr_function
