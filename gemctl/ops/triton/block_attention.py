@@ -173,7 +173,10 @@ _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2,
 # already moved 82-84% of the card's copy bandwidth, it is 4.5% slower (272.4 / 273.0 against
 # 260.1 / 261.4 us at self-1000, ..._h100.json): the H200 has 1.41x the bandwidth for the same
 # SMs, and there the waits on each item's loads are what the restructure removes. GPU tier on the
-# H200: 95 passed (docs/runs/2026-12-06_gpu_tests_block_bwd_ring_h200.log).
+# H200: 95 passed (docs/runs/2026-12-06_gpu_tests_block_bwd_ring_h200.log). Then the next item's
+# do loads before dq's MMAs and its v while dk's run (they waited for dq's and dk's stores): H100,
+# two alternating sweeps, 268.3 / 268.1 against 273.1 / 273.1 us at self-1000, 218.8 / 219.4
+# against 224.3 / 224.2 us at self-4000 (docs/runs/2026-12-06_sweep_block_bwd_early_*_h100.json).
 _HOPPER_BWD_CANDIDATES = [(4, 1, 1, 0, 0, 2), (4, 1, 1, 0, 0, 1)]
 # RECORDS (seventh field): the picks reading their block from a host-resolved record
 # (common.query_records) instead of the work list and then the offsets: one load round trip before

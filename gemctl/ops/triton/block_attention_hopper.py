@@ -31,7 +31,8 @@ warps) spilled or lost occupancy. Gluon states the schedule directly:
 - the backward's tiles: two for q (this item's and the next one's), two that k and v share with
   their roles swapping each item, one for do. The next item's q loads a whole item ahead, its k
   into v's tile as soon as dp's MMA has read it, its rope rows once dq's MMA is done, its do once
-  dv's stores have read do's tile, its v once dq's stores have read k's tile. With q and k
+  dv's stores have read do's tile (before dq's MMAs), its v once dq's stores have read k's tile
+  (while dk's MMAs run). With q and k
   loading during the last gradients' stores only (one tile each), the warps waited at the top of
   every item on them for 17% of their stall samples (Nsight Compute, H100, 2026-12-05); this
   schedule takes 196 us instead of 216 at self-1000 on the H200 (9% less; block_attention.py,
@@ -310,9 +311,10 @@ def _block_attn_bwd_hopper(
     # kv_smem[kb], v in kv_smem[vb] (qb = kb = 2 (r % 2), vb = 2 - kb). The next item's loads start
     # as soon as a tile is free: its q after this item's scores (into the other q tile: a whole
     # item ahead), its k once dp's MMA has read v (into v's tile), its rope rows once dq's MMA is
-    # done, its do once dv's stores have read do's tile, its v once dq's stores have read k's
-    # tile. The gradients are staged in the tiles their MMAs have finished reading: dv in do's,
-    # dq in k's, dk in q's.
+    # done, its do once dv's stores have read do's tile (before dq's MMAs are issued), its v once
+    # dq's stores have read k's tile (while dk's MMAs run): these two tiles load last, and their
+    # waits led the H100 profile's stalls. The gradients are staged in the tiles their MMAs have
+    # finished reading: dv in do's, dq in k's, dk in q's.
     HALF: gl.constexpr = HEAD_DIM // 2
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = _acc_layout(num_warps, BLOCK)  # s, dp: (queries, keys)
@@ -406,7 +408,9 @@ def _block_attn_bwd_hopper(
             ds = p * (dp - delta[:, None])
             p_smem.store(ds.to(dtype))  # p's MMAs (dv) are complete
             fence_async_shared()
+            tma.store_wait(0)  # dv's stores have read do's tile: the next item's do loads there
             _cta_barrier()
+            _load_pair(do_desc, do_smem, 0, do_bar, n_row, n_col, n_valid, HALF)
             dq1 = warpgroup_mma(p_smem, kv_smem.index(kb), h_zero, use_acc=False, is_async=True)
             dq2 = warpgroup_mma(p_smem, kv_smem.index(kb + 1), h_zero, use_acc=False, is_async=True)
             dq1, dq2 = warpgroup_mma_wait(0, deps=(dq1, dq2))
@@ -417,19 +421,16 @@ def _block_attn_bwd_hopper(
                 _load_tables(cos_desc, sin_desc, cs_smem, cs_bar, n_first, n_valid)
             _store_rotated_back(dq1, dq2, c, s, dq_desc, kv_smem, kb, DQ, start, first, length, col, stride_dqn, scale,
                                 ROPE, BLOCK, HALF, num_warps)
-            tma.store_wait(2)  # dv's stores have read do's tile (dq's two may still run)
-            _cta_barrier()
-            _load_pair(do_desc, do_smem, 0, do_bar, n_row, n_col, n_valid, HALF)
             # dk's MMAs issued before dq is stored (4 accumulators and the tables live) spilled 268 B per
             # thread with rope (sm_90 ptxas, Triton 3.6, D=128), so they start after it
             dk1 = warpgroup_mma(p_t, q_smem.index(qb), h_zero, use_acc=False, is_async=True)
             dk2 = warpgroup_mma(p_t, q_smem.index(qb + 1), h_zero, use_acc=False, is_async=True)
+            tma.store_wait(0)  # dq's stores have read k's tile: the next item's v loads there
+            _cta_barrier()
+            _load_pair(v_desc, kv_smem, kb, v_bar, n_row, n_col, n_valid, HALF)
             dk1, dk2 = warpgroup_mma_wait(0, deps=(dk1, dk2))
             _store_rotated_back(dk1, dk2, c, s, dk_desc, q_smem, qb, DK, start, first, length, col, stride_dkn, scale,
                                 ROPE, BLOCK, HALF, num_warps)
-            tma.store_wait(2)  # dq's stores have read k's tile (dk's two may still run)
-            _cta_barrier()
-            _load_pair(v_desc, kv_smem, kb, v_bar, n_row, n_col, n_valid, HALF)
         valid, start, length, first, col, lse = n_valid, n_start, n_length, n_first, n_col, n_lse
     tma.store_wait(0)
     mbarrier.invalidate(q_bar)
