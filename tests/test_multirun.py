@@ -21,6 +21,18 @@ def test_expand_is_the_cartesian_product():
     assert jobs[-1] == ["model.num_layers=2", "train.lr=3", "model=tiny"]
 
 
+def test_run_directories_started_in_the_same_second_are_distinct(tmp_path, monkeypatch):
+    # two multiruns launched together once collided on renaming their directories to one name
+    from gemctl.metrics import sinks
+
+    monkeypatch.setattr(sinks.time, "strftime", lambda fmt, *a: "20260101-000000")
+    made = [sinks.RunDir.create(tmp_path, "ablation", prefix="multirun-").path for _ in range(3)]
+    made.append(sinks.RunDir.create(tmp_path, "ablation").path)
+    assert [p.name for p in made] == ["multirun-20260101-000000", "multirun-20260101-000000-2",
+                                      "multirun-20260101-000000-3", "20260101-000000"]
+    assert all(p.is_dir() and not os.listdir(p) for p in made)
+
+
 def test_multirun_one_directory_per_job(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "gemctl", "train", "-m", "model.num_layers=1,2",
                            f"run.output_dir={tmp_path}", *SHORT], capture_output=True, text=True, timeout=600)

@@ -89,8 +89,7 @@ def run_sweep(overrides: list[str], recipe, console) -> int:
         if cfg.launcher.kind == "slurm":
             raise ConfigError("launcher.kind", "a multirun runs its jobs here one after another; allowed: local, torchrun")
         cfgs.append(cfg)
-    root = RunDir.create(cfgs[0].run.output_dir, cfgs[0].run.name).path
-    root = root.rename(root.with_name("multirun-" + root.name))
+    root = RunDir.create(cfgs[0].run.output_dir, cfgs[0].run.name, prefix="multirun-").path
     console.print(f"multirun: {len(jobs)} jobs over {', '.join(keys) or 'no sweep key'} -> {root}")
     results = []
     for i, (job, cfg) in enumerate(zip(jobs, cfgs)):

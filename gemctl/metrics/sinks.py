@@ -14,9 +14,10 @@ class RunDir:
     path: Path
 
     @classmethod
-    def create(cls, root: str | os.PathLike, name: str) -> "RunDir":
-        """runs/<name>/<timestamp>[-k]: a fresh directory per run."""
-        stamp = time.strftime("%Y%m%d-%H%M%S")
+    def create(cls, root: str | os.PathLike, name: str, prefix: str = "") -> "RunDir":
+        """runs/<name>/<prefix><timestamp>[-k]: a fresh directory per run, also for runs started in
+        the same second (the mkdir that fails on an existing directory decides, not a check first)."""
+        stamp = prefix + time.strftime("%Y%m%d-%H%M%S")
         base = Path(root) / name / stamp
         path, k = base, 1
         while True:
