@@ -162,10 +162,20 @@ def test_block_attention_bench_times_the_rope_variants(monkeypatch, capsys):
     assert b64["no_rope"]["fwd_roofline_pct"] == pytest.approx(100 * roof_fwd / 0.1)
     assert b64["fp32_tables"]["bwd_roofline_pct"] == pytest.approx(100 * row["bwd_bytes"] / 4.0e9 / 0.25)
     assert "no_rope" not in row["block"][32] and row["rope_table_dtype"] == "torch.float16"
+    lengths = w.q_lengths.tolist()
+    for bs in (32, 64, 128):  # block counts, partial blocks and rows past the sequences, counted here row by row
+        starts = [s for n in lengths for s in range(0, n, bs)]
+        ends = [min(s + bs, n) for n in lengths for s in range(0, n, bs)]
+        assert row["block"][bs]["blocks"] == len(starts)
+        assert row["block"][bs]["partial_blocks"] == sum(e - s < bs for s, e in zip(starts, ends))
+        past = sum(bs - (e - s) for s, e in zip(starts, ends))
+        assert row["block"][bs]["rows_past_pct"] == pytest.approx(100 * past / (bs * len(starts)))
     bench.print_tables([row], {"gpu": "cpu", "torch": "-", "triton": "-", "commit": "-", "copy_tbps": 4.0,
                                "gemm_tflops": 1.0})
     out = capsys.readouterr().out
     assert "64, fp32 tables" in out and "64, no rope" in out
+    b = row["block"][64]
+    assert f"block 64: {b['blocks']} blocks, {b['partial_blocks']} partial" in out
 
 
 def _source_page(rows, sampling=True) -> str:
