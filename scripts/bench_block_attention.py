@@ -233,11 +233,20 @@ def print_tables(rows: list[dict], meta: dict) -> None:
     console.print(t)
 
 
-def sweep(names, dims, fwd_cfgs, bwd_cfgs, copy_tbps: float) -> list[dict]:
-    """Kernel graph time and % of the roofline of every forced config (block 64, fused RoPE)."""
+def whole_blocks(w, block_size: int = 64):
+    """``w`` with every sequence rounded up to a multiple of ``block_size`` (named <name>-whole): no
+    partial blocks and no rows past the sequences, so that a sweep of both tells what those cost."""
+    rounded = (w.q_lengths + block_size - 1) // block_size * block_size
+    return dataclasses.replace(w, name=f"{w.name}-whole", q_lengths=rounded, k_lengths=rounded.clone())
+
+
+def sweep(names, dims, fwd_cfgs, bwd_cfgs, copy_tbps: float, whole: bool = False) -> list[dict]:
+    """Kernel graph time and % of the roofline of every forced config (block 64, fused RoPE); with
+    ``whole`` each workload is followed by its whole_blocks variant (``names`` select both)."""
     rows = []
-    for w in block_attention_workloads():
-        if names and w.name not in names:
+    workloads = block_attention_workloads()
+    for w in [v for w in workloads for v in ((w, whole_blocks(w)) if whole else (w,))]:
+        if names and w.name.removesuffix("-whole") not in names and w.name not in names:
             continue
         for dim in dims:
             w_dim = dataclasses.replace(w, head_dim=dim)
@@ -276,6 +285,9 @@ def main() -> None:
                     help="both passes rotate bf16 q and k in packed bf16x2 on sm_90+, not in fp32 (the "
                     "Triton kernels only; a benchmark of the two rotations; off by default, see _PACKED_ROPE)")
     ap.add_argument("--bwd-configs", default="", help="backward configs of the sweep (default: the candidate list)")
+    ap.add_argument("--whole-blocks", action="store_true",
+                    help="--sweep: also each workload with its lengths rounded up to whole 64-row blocks (<name>-whole): "
+                         "what partial blocks and the rows past the sequences cost")
     ap.add_argument("--out", default="bench_block_attention.json")
     ap.add_argument("--only", nargs="*", help="workload names to run (default: self-1000 self-4000)")
     ap.add_argument("--profile-step", metavar="WORKLOAD",
@@ -285,6 +297,10 @@ def main() -> None:
     args = ap.parse_args()
     block_kernels._PACKED_ROPE = args.packed_rope
     pins = parse_pins(args.pin, bool(args.profile_step))
+    if args.whole_blocks and not args.sweep:
+        print("--whole-blocks applies to --sweep only (the full benchmark times the issue's workloads as they are)",
+              file=sys.stderr)
+        raise SystemExit(2)
     if args.profile_step:
         by_name = {w.name: w for w in block_attention_workloads()}
         if args.profile_step not in by_name:
@@ -301,7 +317,8 @@ def main() -> None:
     if args.sweep:
         fwd = _configs(args.fwd_configs) or block_kernels._FWD_CANDIDATES
         bwd = _configs(args.bwd_configs) or block_kernels._BWD_CANDIDATES
-        rows = sweep(args.only, [int(d) for d in args.dims.split(",")], fwd, bwd, meta["copy_tbps"])
+        rows = sweep(args.only, [int(d) for d in args.dims.split(",")], fwd, bwd, meta["copy_tbps"],
+                     whole=args.whole_blocks)
         Path(args.out).write_text(json.dumps({"meta": meta, "sweep": rows}, indent=1, default=str))
         return
     rows = []

@@ -29,6 +29,9 @@
 #             holding another tree, e.g. `git archive <rev> | tar -x -C base`): the forward and
 #             backward sweeps (AB_FWD / AB_BWD configs, default the Gluon ones; self-1000, self-4000)
 #             alternating between the two trees, twice each, then this tree's Hopper GPU tier
+#   block-partial  this tree's Gluon block-attention sweep (AB_FWD / AB_BWD) of self-1000 and self-4000
+#             beside the same with every length rounded up to whole 64-row blocks (--whole-blocks):
+#             what the partial blocks and the rows past the sequences cost; twice
 #   gdpa-ab   the same for the Gluon GDPA forwards: cross-128, cross-32 and self-1000 timed with
 #             the Gluon configs (AB_GDPA; default the warp-specialized and resident forwards, the
 #             streaming one) in both trees in turn, twice, then this tree's Hopper GPU tier
@@ -217,6 +220,12 @@ for stage in "$@"; do
         --fwd-configs "${AB_FWD:-4,1,1,0,0,3}" --bwd-configs "${AB_BWD:-4,1,1,0,0,2}"
       [ "${AB_TIER:-1}" = 0 ] || GEMCTL_GPU_TEST_TIMEOUT=120 gpu_tier block_ab 16 tests/test_block_attention_triton.py \
         "hopper_gpu or ignores_non_finite or (every_candidate and (0_0_2 or 0_0_3))" ;;
+    block-partial)
+      for round in 1 2; do
+        python3 scripts/bench_block_attention.py --sweep --whole-blocks --only self-1000 self-4000 \
+          --fwd-configs "${AB_FWD:-4,1,1,0,0,3}" --bwd-configs "${AB_BWD:-4,1,1,0,0,2}" \
+          --out "$OUT/sweep_block_partial_$round.json" 2>&1 | quiet | tee -a "$OUT/sweep_block_partial.log"
+      done ;;
     gdpa-ab)
       # shellcheck disable=SC2086  # AB_GDPA: words, one config each
       ab_trees gdpa "$OUT/ab_gdpa" scripts/bench_gdpa.py --grid-only --only cross-128 cross-32 self-1000 \
@@ -266,6 +275,6 @@ for stage in "$@"; do
         parallel.topology.gpus_per_node=$ngpu run.name=small_h200-fsdp$ngpu 2>&1 | quiet | tee "$OUT/profile_fsdp$ngpu.log"
       d=$(ls -d runs/small_h200-fsdp$ngpu-profile/* | tail -1)
       cp "$d/profile.json" "$OUT/profile_fsdp$ngpu.json"; cp "$d/breakdown.png" "$OUT/breakdown_fsdp$ngpu.png" ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, sweep-block, block-hopper, block-records, block-ab, gdpa-ab, gdpa-probes, gdpa-ws, bench-mx, tests-precision, bench-fp8, bench-fp8-model, ncu, ncu-sass, precision-speed, profile, tests-multi-gpu, scaling, profile-multi-gpu)" >&2; exit 2 ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, sweep-block, block-hopper, block-records, block-ab, block-partial, gdpa-ab, gdpa-probes, gdpa-ws, bench-mx, tests-precision, bench-fp8, bench-fp8-model, ncu, ncu-sass, precision-speed, profile, tests-multi-gpu, scaling, profile-multi-gpu)" >&2; exit 2 ;;
   esac
 done

@@ -178,6 +178,40 @@ def test_block_attention_bench_times_the_rope_variants(monkeypatch, capsys):
     assert f"block 64: {b['blocks']} blocks, {b['partial_blocks']} partial" in out
 
 
+def test_block_attention_whole_blocks_variant(monkeypatch):
+    """--whole-blocks: the sweep's partial-block control rounds every length up to whole 64-row blocks
+    (none partial, none past the sequences, each length the least such one), and is a sweep option only."""
+    import torch
+
+    import bench_block_attention as bench
+    from workloads import block_attention_workloads
+
+    for w in block_attention_workloads():
+        v = bench.whole_blocks(w)
+        assert v.name == f"{w.name}-whole" and torch.equal(v.q_lengths, v.k_lengths)
+        assert ((v.q_lengths % 64) == 0).all() and ((v.q_lengths - w.q_lengths) >= 0).all()
+        assert ((v.q_lengths - w.q_lengths) < 64).all()
+        counts = bench.block_counts(v.q_lengths.tolist(), 64)
+        assert counts["partial_blocks"] == 0 and counts["rows_past_pct"] == 0
+        assert counts["blocks"] == bench.block_counts(w.q_lengths.tolist(), 64)["blocks"]
+    # the sweep times each selected workload, then its whole-block variant (kernel times stubbed)
+    import dataclasses
+
+    from bench_jagged_attention import make_inputs
+
+    few = [dataclasses.replace(w, q_lengths=w.q_lengths[:3], k_lengths=w.k_lengths[:3]) for w in block_attention_workloads()]
+    monkeypatch.setattr(bench, "block_attention_workloads", lambda: few)
+    monkeypatch.setattr(bench, "make_inputs", lambda w: make_inputs(w, device="cpu"))
+    monkeypatch.setattr(bench, "kernel_times", lambda *a: {"fwd_kernel_ms": 0.1, "bwd_kernel_ms": 0.2})
+    rows = bench.sweep(["self-1000"], [128], [(4, 1, 1, 0, 0, 3)], [(4, 1, 1, 0, 0, 2)], 4.0, whole=True)
+    assert [(r["workload"], r["kind"]) for r in rows] == [("self-1000", "fwd"), ("self-1000", "bwd"),
+                                                          ("self-1000-whole", "fwd"), ("self-1000-whole", "bwd")]
+    assert rows[2]["pct"] > rows[0]["pct"]  # more tokens in the same stubbed time
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_block_attention.py"), "--whole-blocks"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("--whole-blocks applies to --sweep")
+
+
 def _source_page(rows, sampling=True) -> str:
     """An ncu --page source --csv --print-source sass page: a kernel row, the header, instructions."""
     header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
