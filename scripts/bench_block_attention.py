@@ -209,7 +209,7 @@ def print_tables(rows: list[dict], meta: dict) -> None:
         console.print(f"{row['workload']}: " + "; ".join(
             f"block {bs}: {r['blocks']} blocks, {r['partial_blocks']} partial "
             f"({100 * r['partial_blocks'] / max(r['blocks'], 1):.1f}%), {r['rows_past_pct']:.1f}% of rows past the sequences"
-            for bs, r in row["block"].items() if "blocks" in r))
+            for bs, r in row["block"].items()))
     t = Table(title="(b) block 64 + fused RoPE vs full jagged attention (fwd+bwd)")
     for col in ("workload", "block fwd+bwd ms", "full fwd+bwd ms", "speedup", "target"):
         t.add_column(col, justify="right")

@@ -111,6 +111,9 @@ ab_trees() {
     done
   done
 }
+# the Gluon block-attention sweep that block-ab and block-partial time (AB_FWD / AB_BWD configs)
+gluon_block_sweep=(scripts/bench_block_attention.py --sweep --only self-1000 self-4000
+                   --fwd-configs "${AB_FWD:-4,1,1,0,0,3}" --bwd-configs "${AB_BWD:-4,1,1,0,0,2}")
 # gpu_tier NAME WORKERS TESTS SELECTION: the GPU tier of TESTS (pytest -k SELECTION) over WORKERS
 # processes, its tail in gpu_tests_NAME.log; succeeds only if tests passed and none failed
 gpu_tier() {
@@ -216,15 +219,13 @@ for stage in "$@"; do
             | tee "$OUT/sweep_block_records_$round.log"
         done ;;
     block-ab)
-      ab_trees block "$OUT/ab_block" scripts/bench_block_attention.py --sweep --only self-1000 self-4000 \
-        --fwd-configs "${AB_FWD:-4,1,1,0,0,3}" --bwd-configs "${AB_BWD:-4,1,1,0,0,2}"
+      ab_trees block "$OUT/ab_block" "${gluon_block_sweep[@]}"
       [ "${AB_TIER:-1}" = 0 ] || GEMCTL_GPU_TEST_TIMEOUT=120 gpu_tier block_ab 16 tests/test_block_attention_triton.py \
         "hopper_gpu or ignores_non_finite or (every_candidate and (0_0_2 or 0_0_3))" ;;
     block-partial)
       for round in 1 2; do
-        python3 scripts/bench_block_attention.py --sweep --whole-blocks --only self-1000 self-4000 \
-          --fwd-configs "${AB_FWD:-4,1,1,0,0,3}" --bwd-configs "${AB_BWD:-4,1,1,0,0,2}" \
-          --out "$OUT/sweep_block_partial_$round.json" 2>&1 | quiet | tee -a "$OUT/sweep_block_partial.log"
+        python3 "${gluon_block_sweep[@]}" --whole-blocks --out "$OUT/sweep_block_partial_$round.json" 2>&1 | quiet \
+          | tee -a "$OUT/sweep_block_partial.log"
       done ;;
     gdpa-ab)
       # shellcheck disable=SC2086  # AB_GDPA: words, one config each
