@@ -292,7 +292,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="workload names to run (default: self-1000 self-4000)")
     ap.add_argument("--profile-step", metavar="WORKLOAD",
                     help="one block-64 RoPE forward+backward of WORKLOAD (autotuned) between profiler start and "
-                    "stop (ncu), nothing else")
+                    "stop (ncu), nothing else; <name>-whole profiles the workload rounded up to whole blocks")
     add_pin_argument(ap)
     args = ap.parse_args()
     block_kernels._PACKED_ROPE = args.packed_rope
@@ -302,9 +302,11 @@ def main() -> None:
               file=sys.stderr)
         raise SystemExit(2)
     if args.profile_step:
-        by_name = {w.name: w for w in block_attention_workloads()}
+        by_name = {v.name: v for w in block_attention_workloads() for v in (w, whole_blocks(w))}
         if args.profile_step not in by_name:
-            raise SystemExit(f"bench_block_attention: --profile-step takes one of {sorted(by_name)}, got {args.profile_step!r}")
+            print(f"bench_block_attention: --profile-step takes one of {', '.join(sorted(by_name))}, got "
+                  f"{args.profile_step!r}", file=sys.stderr)
+            raise SystemExit(2)
         w = by_name[args.profile_step]
         q, k, v, off, _, _, _, grad = make_inputs(w)
         max_len = int(w.q_lengths.max())

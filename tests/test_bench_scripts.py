@@ -52,6 +52,17 @@ def test_scripts_refuse_pins_without_profile_step(script):
     assert proc.stderr.strip().splitlines()[-1].startswith("--pin applies to --profile-step only")
 
 
+def test_block_attention_profile_step_names_the_workloads_it_takes():
+    """--profile-step takes the issue's workloads and their whole-block variants (what ncu compares to
+    tell what the partial blocks cost); anything else is one line naming them, exit 2."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_block_attention.py"), "--profile-step",
+                           "self-999"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-500:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("bench_block_attention: --profile-step takes one of ") and "'self-999'" in line
+    assert "self-1000, self-1000-whole" in line and "self-4000-whole" in line
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without a GPU")
 def test_gdpa_bench_without_a_gpu_exits_2():
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gdpa.py"), "--grid-only", "--only", "self-1000"],
