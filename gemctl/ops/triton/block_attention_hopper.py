@@ -30,23 +30,28 @@ warps) spilled or lost occupancy. Gluon states the schedule directly:
   transposed views);
 - the backward's tiles: two for q (this item's and the next one's), two that k and v share with
   their roles swapping each item, one for do. The next item's q loads a whole item ahead, its k
-  into v's tile as soon as dp's MMA has read it, its rope rows once dq's MMA is done, its do once
-  dv's stores have read do's tile (before dq's MMAs), its v once dq's stores have read k's tile
-  (while dk's MMAs run). With q and k
+  into v's tile as soon as dp's MMA has read it, its do once dv's stores have read do's tile
+  (before dq's MMAs), its v into k's tile as soon as dq's MMA has read it, its rope rows once dq's
+  stores have read their tiles (while dk's MMAs run). With q and k
   loading during the last gradients' stores only (one tile each), the warps waited at the top of
   every item on them for 17% of their stall samples (Nsight Compute, H100, 2026-12-05); this
   schedule takes 196 us instead of 216 at self-1000 on the H200 (9% less; block_attention.py,
   _HOPPER_BWD_CANDIDATES, has the runs);
-- gradients are staged in the tiles their MMAs have just read (dv in do's, dq in k's, dk in q's;
-  the forward's o in v's) and leave by TMA stores; the last, partial block of a sequence by
-  masked stores (a TMA box would write into the next sequence's rows).
+- gradients are staged in tiles read by then (dv in do's, dq in the rope rows', dk in q's; the
+  forward's o in v's) and leave by TMA stores; the last, partial block of a sequence by masked
+  stores (a TMA box would write into the next sequence's rows). dq staged in k's tile made the
+  next item's v wait for dq's stores: the wait before dp's MMA was the top stall (8% of the
+  samples, H100, 2026-12-06); staged in the rope rows' tiles, the tables (L2-resident) wait
+  instead, and the backward is 1.0% faster at self-1000 on an H100.
 
 Rows past the sequence's end in a partial last block (the TMA boxes read the next sequence's rows,
-or TMA's zero fill at the tensor's end): the backward zeroes q, k, v and do there in shared memory
-(q and k by the rotation pass) before any MMA reads them, and p is 0 for them (keys by a mask,
-queries by lse = inf); the forward zeroes v there (and q, k with rope), sets those keys' scores to
--inf by a select and never stores those query rows. So, as with the Triton kernels' masked loads,
-nothing there reaches an output or a gradient, not even a non-finite value.
+or TMA's zero fill at the tensor's end): the backward zeroes q, k and do there in shared memory
+(q and k by the rotation pass) before any MMA reads them, selects 0 for dp's columns of the keys
+there (v's rows stay as loaded: dp = do v^T is the only product that reads them), and p is 0 for
+them (keys by a mask, queries by lse = inf); the forward zeroes v there (and q, k with rope),
+sets those keys' scores to -inf by a select and never stores those query rows. So, as with the
+Triton kernels' masked loads, nothing there reaches an output or a gradient, not even a non-finite
+value.
 
 Supported: bf16/fp16, D in {64, 128}, block 64, heads adjacent in memory ([N, H * D] rows with
 16-byte aligned strides, at least one block of rows), sm_90+. No interpreter: the CPU tier compiles
@@ -71,6 +76,8 @@ from gemctl.ops.triton.gdpa_hopper import (
 )
 
 BLOCK = 64  # rows of a block: one warpgroup's wgmma M
+# shared_memory_descriptor.reinterpret: `_reinterpret` up to Triton 3.8, `reinterpret` from 3.9
+_PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 
 @gluon.jit
@@ -310,11 +317,11 @@ def _block_attn_bwd_hopper(
     # k and v share with roles swapping each item, one for do. In round r, q is in q_smem[qb], k in
     # kv_smem[kb], v in kv_smem[vb] (qb = kb = 2 (r % 2), vb = 2 - kb). The next item's loads start
     # as soon as a tile is free: its q after this item's scores (into the other q tile: a whole
-    # item ahead), its k once dp's MMA has read v (into v's tile), its rope rows once dq's MMA is
-    # done, its do once dv's stores have read do's tile (before dq's MMAs are issued), its v once
-    # dq's stores have read k's tile (while dk's MMAs run): these two tiles load last, and their
-    # waits led the H100 profile's stalls. The gradients are staged in the tiles their MMAs have
-    # finished reading: dv in do's, dq in k's, dk in q's.
+    # item ahead), its k once dp's MMA has read v (into v's tile), its do once dv's stores have
+    # read do's tile (before dq's MMAs are issued), its v once dq's MMA has read k (into k's tile),
+    # its rope rows once dq's stores have read their tiles (while dk's MMAs run). The gradients are
+    # staged in tiles read by then: dv in do's, dq in the rope rows' (dq_tiles; there without rope
+    # too), dk in q's.
     HALF: gl.constexpr = HEAD_DIM // 2
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = _acc_layout(num_warps, BLOCK)  # s, dp: (queries, keys)
@@ -326,6 +333,10 @@ def _block_attn_bwd_hopper(
     do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, HALF], do_desc.layout)
     p_buf = gl.allocate_shared_memory(dtype, [1, BLOCK, BLOCK], p_shared)  # p, then ds
     cs_smem = gl.allocate_shared_memory(cos_desc.dtype, [2, BLOCK, HALF], cos_desc.layout)  # cos, sin rows
+    if _PUBLIC_REINTERPRET:  # dq's staging: the tables' tiles (as wide as the inputs or wider)
+        dq_tiles = cs_smem.reinterpret(dtype, [2, BLOCK, HALF], dq_desc.layout)
+    else:
+        dq_tiles = cs_smem._reinterpret(dtype, [2, BLOCK, HALF], dq_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     v_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -386,10 +397,8 @@ def _block_attn_bwd_hopper(
             fence_async_shared()
             _cta_barrier()
             mbarrier.wait(do_bar, phase)
-            mbarrier.wait(v_bar, phase, pred=partial)  # a partial block zeroes both before the MMAs
-            if partial:
+            if partial:  # do's rows past the sequence: 0 before dv's and dp's MMAs read them
                 _zero_rows_past(do_smem, 0, first, length, BLOCK, HALF, 32, num_warps)
-                _zero_rows_past(kv_smem, vb, first, length, BLOCK, HALF, 32, num_warps)
                 fence_async_shared()
                 _cta_barrier()
             dv1 = warpgroup_mma(p_t, do_smem.index(0), h_zero, use_acc=False, is_async=True)
@@ -399,6 +408,8 @@ def _block_attn_bwd_hopper(
                                is_async=True)
             dp = warpgroup_mma(do_smem.index(1), kv_smem.index(vb + 1).permute((1, 0)), dp, is_async=True)
             dv1, dv2, dp = warpgroup_mma_wait(0, deps=(dv1, dv2, dp))
+            if partial:  # v's rows past the sequence (not zeroed in shared memory): their dp columns 0
+                dp = gl.where((k_cols < length)[None, :], dp, 0.0)
             # v's tile is read: the next item's k loads there; dv is staged in do's tile
             _cta_barrier()
             _load_pair(k_desc, kv_smem, vb, k_bar, n_row, n_col, n_valid, HALF)
@@ -415,19 +426,22 @@ def _block_attn_bwd_hopper(
             dq2 = warpgroup_mma(p_smem, kv_smem.index(kb + 1), h_zero, use_acc=False, is_async=True)
             dq1, dq2 = warpgroup_mma_wait(0, deps=(dq1, dq2))
             c, s = 0.0, 0.0
-            if ROPE:  # read once for both gradients: the next item's rows load here now
+            if ROPE:  # read once for both gradients
                 c, s = _rope_rows(cs_smem, h_layout)
-                _cta_barrier()
-                _load_tables(cos_desc, sin_desc, cs_smem, cs_bar, n_first, n_valid)
-            _store_rotated_back(dq1, dq2, c, s, dq_desc, kv_smem, kb, DQ, start, first, length, col, stride_dqn, scale,
+            _cta_barrier()  # k's tile is read: the next item's v loads there now
+            _load_pair(v_desc, kv_smem, kb, v_bar, n_row, n_col, n_valid, HALF)
+            # dq is staged in the rope rows' tiles (read now), not in k's: v, needed early in the next
+            # item, does not wait for dq's stores; the rope rows (L2-resident tables) do
+            _store_rotated_back(dq1, dq2, c, s, dq_desc, dq_tiles, 0, DQ, start, first, length, col, stride_dqn, scale,
                                 ROPE, BLOCK, HALF, num_warps)
             # dk's MMAs issued before dq is stored (4 accumulators and the tables live) spilled 268 B per
             # thread with rope (sm_90 ptxas, Triton 3.6, D=128), so they start after it
             dk1 = warpgroup_mma(p_t, q_smem.index(qb), h_zero, use_acc=False, is_async=True)
             dk2 = warpgroup_mma(p_t, q_smem.index(qb + 1), h_zero, use_acc=False, is_async=True)
-            tma.store_wait(0)  # dq's stores have read k's tile: the next item's v loads there
-            _cta_barrier()
-            _load_pair(v_desc, kv_smem, kb, v_bar, n_row, n_col, n_valid, HALF)
+            if ROPE:
+                tma.store_wait(0)  # dq's stores have read the rope rows' tiles: the next item's rows load there
+                _cta_barrier()
+                _load_tables(cos_desc, sin_desc, cs_smem, cs_bar, n_first, n_valid)
             dk1, dk2 = warpgroup_mma_wait(0, deps=(dk1, dk2))
             _store_rotated_back(dk1, dk2, c, s, dk_desc, q_smem, qb, DK, start, first, length, col, stride_dkn, scale,
                                 ROPE, BLOCK, HALF, num_warps)
@@ -563,10 +577,13 @@ def resident_programs(dim: int, size: int, table_size: int, backward: bool = Tru
     """How many programs of a kernel fit one SM (the backward's registers allow two, the forward's
     three: sm_90 ptxas, Triton 3.6). Shared memory: the backward's ten (BLOCK, D/2) halves (two q
     tiles, two k/v tiles, do's) and p/ds tile, the forward's six halves; both the two rope-row tiles
-    (``table_size`` bytes an element, 0 without rope). A persistent grid larger than what is
+    (``table_size`` bytes an element, 0 without rope; the backward's stage dq, so they are there
+    without rope too, at least as wide as the inputs). A persistent grid larger than what is
     resident would run its second wave only after the first has done all its rounds."""
     tile = BLOCK * dim // 2
     tiles = (10 * tile + BLOCK * BLOCK) if backward else 6 * tile
+    if backward:  # the rope rows' tiles stage dq: there without rope too, as wide as the inputs
+        table_size = max(table_size, size)
     shared = tiles * size + 2 * tile * table_size + 1024  # + barriers, alignment
     return max(1, min(2 if backward else 3, _SMEM_PER_SM // (shared + _SMEM_RESERVED)))
 
