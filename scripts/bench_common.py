@@ -3,6 +3,7 @@ metadata (GPU, versions, date), so every table states the same things the same w
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -106,8 +107,12 @@ def copy_tbps() -> float:
 def base_meta(**extra) -> dict:
     """Date, GPU, torch and triton versions, the commit, and ``extra``: what every result file records."""
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)"
-    return {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "torch": torch.__version__,
-            "triton": triton.__version__, "commit": source_commit(), **extra}
+    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "torch": torch.__version__,
+            "triton": triton.__version__, "commit": source_commit()}
+    if os.environ.get("GEMCTL_SM_LIMIT"):  # under scripts/sm_limit.py: the GPU held to that many SMs, in its name too
+        meta["sm_limit"] = int(os.environ["GEMCTL_SM_LIMIT"])
+        meta["gpu"] = f"{gpu} held to {meta['sm_limit']} SMs (sm_limit.py)"
+    return {**meta, **extra}
 
 
 def run_meta(**extra) -> dict:

@@ -29,6 +29,9 @@
 #             holding another tree, e.g. `git archive <rev> | tar -x -C base`): the forward and
 #             backward sweeps (AB_FWD / AB_BWD configs, default the Gluon ones; self-1000, self-4000)
 #             alternating between the two trees, twice each, then this tree's Hopper GPU tier
+#   (block-ab, block-partial, gdpa-ab: AB_TREE=<dir> times that tree in place of this one, SM_LIMIT=h200
+#   or a number runs the sweeps under scripts/sm_limit.py; e.g. the proxy's check against the H200's
+#   runs of e2da711 and 4a23c5d: AB_TREE=ring BASE_TREE=base SM_LIMIT=h200 bash scripts/gpu.sh block-ab)
 #   block-partial  this tree's Gluon block-attention sweep (AB_FWD / AB_BWD) of self-1000 and self-4000
 #             beside the same with every length rounded up to whole 64-row blocks (--whole-blocks):
 #             what the partial blocks and the rows past the sequences cost; twice
@@ -96,18 +99,29 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1
+# SM_LIMIT=h200 or a number: the A/B sweeps (block-ab, block-partial, gdpa-ab) run under
+# scripts/sm_limit.py, held to the SMs that give this GPU an H200's copy bandwidth per SM (an H100:
+# 94 of 132) or to that many SMs: a proxy for the H200 on an H100 (sm_limit.py says how far to trust it)
+case "${SM_LIMIT:-}" in
+  "") sweep_py=(python3) ;;
+  h200) sweep_py=(python3 "$PWD/scripts/sm_limit.py" --h200) ;;
+  *[!0-9]*) echo "gpu.sh: SM_LIMIT is h200 or a number of SMs, got '$SM_LIMIT'" >&2; exit 2 ;;
+  *) sweep_py=(python3 "$PWD/scripts/sm_limit.py" --sms "$SM_LIMIT") ;;
+esac
 quiet() { grep -v 'fbgemm\|WARNING\|\[0m\|\[33m\|^ *$\|determine compat'; }
-# ab_trees NAME PREFIX SCRIPT ARGS...: SCRIPT ARGS in this tree and in BASE_TREE in turn, twice
-# (PREFIX_{this,base}_{1,2}.json; the lines with times in NAME's log)
+# ab_trees NAME PREFIX SCRIPT ARGS...: SCRIPT ARGS in this tree (or AB_TREE, a directory holding
+# another) and in BASE_TREE in turn, twice (PREFIX_{this,base}_{1,2}.json; the lines with times in
+# NAME's log); under sm_limit.py with SM_LIMIT
 ab_trees() {
   local name=$1 prefix=$2 round tree tag; shift 2
   [ -d "${BASE_TREE:-}" ] || { echo "gpu.sh $name-ab: BASE_TREE must name a directory holding the tree to compare with, got '${BASE_TREE:-}'" >&2; exit 2; }
-  local base; base=$(cd "$BASE_TREE" && pwd)
+  [ -d "${AB_TREE:-.}" ] || { echo "gpu.sh $name-ab: AB_TREE must name a directory holding a tree, got '$AB_TREE'" >&2; exit 2; }
+  local base this; base=$(cd "$BASE_TREE" && pwd); this=$(cd "${AB_TREE:-.}" && pwd)
   for round in 1 2; do
-    for tree in "$PWD" "$base"; do
-      tag=$([ "$tree" = "$PWD" ] && echo this || echo base)
-      (cd "$tree" && PYTHONPATH="/tmp/site:$tree" timeout 150 python3 "$@" --out "${prefix}_${tag}_$round.json") 2>&1 \
-        | quiet | grep " ms\|us \|copy\|%" | sed "s/^/$tag /" | tee -a "$OUT/ab_$name.log"
+    for tree in "$this" "$base"; do
+      tag=$([ "$tree" = "$this" ] && echo this || echo base)
+      (cd "$tree" && PYTHONPATH="/tmp/site:$tree" timeout 150 "${sweep_py[@]}" "$@" --out "${prefix}_${tag}_$round.json") 2>&1 \
+        | quiet | grep " ms\|us \|copy\|%\|sm_limit" | sed "s/^/$tag /" | tee -a "$OUT/ab_$name.log"
     done
   done
 }
@@ -224,7 +238,7 @@ for stage in "$@"; do
         "hopper_gpu or ignores_non_finite or (every_candidate and (0_0_2 or 0_0_3))" ;;
     block-partial)
       for round in 1 2; do
-        python3 "${gluon_block_sweep[@]}" --whole-blocks --out "$OUT/sweep_block_partial_$round.json" 2>&1 | quiet \
+        "${sweep_py[@]}" "${gluon_block_sweep[@]}" --whole-blocks --out "$OUT/sweep_block_partial_$round.json" 2>&1 | quiet \
           | tee -a "$OUT/sweep_block_partial.log"
       done ;;
     gdpa-ab)

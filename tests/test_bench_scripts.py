@@ -286,3 +286,59 @@ def test_gdpa_bench_lets_a_pinned_probe_be_profiled():
                            "--probes", "--pin", "gdpa_fwd=64,128,4,2,2,16,0,0,1,1,2"],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("bench_gdpa: needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--sms", "0", "scripts/bench_gdpa.py"], "--sms must be a positive number of SMs, got 0"),
+    (["--like-tbps", "-1", "scripts/bench_gdpa.py"], "--like-tbps must be a positive bandwidth in TB/s, got -1.0"),
+    (["--sms", "94", "scripts/no_such_bench.py"], "no script at 'scripts/no_such_bench.py'"),
+])
+def test_sm_limit_refuses_bad_arguments_in_one_line(args, message):
+    """sm_limit.py checks its arguments before it touches a GPU: one line naming the argument, exit 2."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sm_limit.py"), *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-500:]
+    assert proc.stderr.strip().splitlines() == [f"sm_limit: {message}"]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_sm_limit_without_a_gpu_exits_2():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sm_limit.py"), "--h200", "scripts/bench_gdpa.py",
+                           "--grid-only"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-500:]
+    assert proc.stderr.strip().splitlines() == ["sm_limit: needs a CUDA GPU"]
+
+
+def test_sm_limit_matches_the_bandwidth_per_sm():
+    import sm_limit
+
+    assert sm_limit.sms_for(132, 3.02, 4.25) == 94  # an H100 as an H200
+    assert sm_limit.sms_for(132, 4.25, 4.25) == 132
+    assert sm_limit.sms_for(132, 4.80, 4.25) == 132  # never more than the GPU has
+    assert sm_limit.sms_for(132, 0.001, 4.25) == 1
+
+
+def test_result_files_name_the_sm_limit(monkeypatch):
+    monkeypatch.delenv("GEMCTL_SM_LIMIT", raising=False)
+    meta = bench_common.base_meta(x=1)
+    assert "sm_limit" not in meta and "held to" not in meta["gpu"] and meta["x"] == 1
+    monkeypatch.setenv("GEMCTL_SM_LIMIT", "94")
+    meta = bench_common.base_meta()
+    assert meta["sm_limit"] == 94 and meta["gpu"].endswith("held to 94 SMs (sm_limit.py)")
+
+
+@pytest.mark.gpu
+def test_sm_limit_holds_the_persistent_grids_to_the_sms(tmp_path):
+    """On a GPU: the script runs with the persistent grids sized to the SMs held, and the check
+    kernel reached no more than those from the current stream, a new stream and a graph replay."""
+    import torch
+
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    script = tmp_path / "probe.py"
+    script.write_text("import os\nfrom gemctl.ops.triton import common\n"
+                      "print('grid', common.num_programs(10**6, 1, 'cuda'), os.environ['GEMCTL_SM_LIMIT'])\n")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sm_limit.py"), "--sms", str(total // 2),
+                           str(script)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-800:]
+    grid, limit = proc.stdout.strip().splitlines()[-1].split()[1:]
+    assert int(grid) == int(limit) and total // 2 <= int(limit) < total, proc.stdout
