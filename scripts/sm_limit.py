@@ -144,7 +144,10 @@ def main(argv: list[str] | None = None) -> None:
         _fail("needs a CUDA GPU")
     from torch.cuda import green_contexts
 
-    if not getattr(green_contexts, "SUPPORTED", False):
+    supported = getattr(green_contexts, "SUPPORTED", None)  # absent in the first torch releases that had them
+    if supported is None:
+        supported = hasattr(torch._C, "GreenContext") or hasattr(torch._C, "_CUDAGreenContext")
+    if not supported:
         _fail(f"torch {torch.__version__} has no CUDA green contexts (a CUDA 12.8+ build and driver are needed)")
     device = torch.cuda.current_device()
     total = torch.cuda.get_device_properties(device).multi_processor_count
