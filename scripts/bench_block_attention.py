@@ -53,6 +53,7 @@ from gemctl.ops.triton import common  # noqa: E402
 from workloads import block_attention_workloads  # noqa: E402
 
 ROPE_BASE = 10000.0
+TABLE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}  # --sweep-tables
 BLOCK_SIZES = (64, 32, 128)  # 64 (GEM's) first: sections (b) and (c) use it
 
 
@@ -240,9 +241,10 @@ def whole_blocks(w, block_size: int = 64):
     return dataclasses.replace(w, name=f"{w.name}-whole", q_lengths=rounded, k_lengths=rounded.clone())
 
 
-def sweep(names, dims, fwd_cfgs, bwd_cfgs, copy_tbps: float, whole: bool = False) -> list[dict]:
+def sweep(names, dims, fwd_cfgs, bwd_cfgs, copy_tbps: float, whole: bool = False, table_dtype=None) -> list[dict]:
     """Kernel graph time and % of the roofline of every forced config (block 64, fused RoPE); with
-    ``whole`` each workload is followed by its whole_blocks variant (``names`` select both)."""
+    ``whole`` each workload is followed by its whole_blocks variant (``names`` select both); the rope
+    tables in ``table_dtype`` (default: what a bf16 layer builds, ops.rope_table_dtype)."""
     rows = []
     workloads = block_attention_workloads()
     for w in [v for w in workloads for v in ((w, whole_blocks(w)) if whole else (w,))]:
@@ -252,7 +254,8 @@ def sweep(names, dims, fwd_cfgs, bwd_cfgs, copy_tbps: float, whole: bool = False
             w_dim = dataclasses.replace(w, head_dim=dim)
             q, k, v, off, _, _, _, grad = make_inputs(w_dim)
             max_len = int(w.q_lengths.max())
-            tables = block_kernels.rope_tables(ROPE_BASE, max_len, dim, q.device, ops.rope_table_dtype(q.dtype))
+            tables = block_kernels.rope_tables(ROPE_BASE, max_len, dim, q.device,
+                                               table_dtype or ops.rope_table_dtype(q.dtype))
             counts = byte_counts(q.shape[0], w.heads, dim)
             for kind, cfgs in (("fwd", fwd_cfgs), ("bwd", bwd_cfgs)):
                 for cfg in cfgs:
@@ -265,7 +268,8 @@ def sweep(names, dims, fwd_cfgs, bwd_cfgs, copy_tbps: float, whole: bool = False
                         print(f"{w.name} D={dim} {kind} {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
                         continue
                     pct = 100 * roofline_ms(counts[f"{kind}_bytes"], copy_tbps) / ms
-                    rows.append({"workload": w.name, "dim": dim, "kind": kind, "cfg": list(cfg), "ms": ms, "pct": pct})
+                    rows.append({"workload": w.name, "dim": dim, "kind": kind, "cfg": list(cfg), "ms": ms, "pct": pct,
+                                 "tables": str(tables[0].dtype).removeprefix("torch.")})
                     print(f"{w.name:10s} D={dim:3d} {kind} {str(tuple(cfg)):20s} {ms:.4f} ms {pct:5.1f}% roof", flush=True)
             torch.cuda.empty_cache()
     return rows
@@ -288,6 +292,8 @@ def main() -> None:
     ap.add_argument("--whole-blocks", action="store_true",
                     help="--sweep: also each workload with its lengths rounded up to whole 64-row blocks (<name>-whole): "
                          "what partial blocks and the rows past the sequences cost")
+    ap.add_argument("--sweep-tables", choices=sorted(TABLE_DTYPES),
+                    help="--sweep: the rope tables' dtype (default: what a bf16 layer builds, fp16)")
     ap.add_argument("--out", default="bench_block_attention.json")
     ap.add_argument("--only", nargs="*", help="workload names to run (default: self-1000 self-4000)")
     ap.add_argument("--profile-step", metavar="WORKLOAD",
@@ -299,6 +305,10 @@ def main() -> None:
     pins = parse_pins(args.pin, bool(args.profile_step))
     if args.whole_blocks and not args.sweep:
         print("--whole-blocks applies to --sweep only (the full benchmark times the issue's workloads as they are)",
+              file=sys.stderr)
+        raise SystemExit(2)
+    if args.sweep_tables and not args.sweep:
+        print("--sweep-tables applies to --sweep only (the full benchmark times fp16 and fp32 tables already)",
               file=sys.stderr)
         raise SystemExit(2)
     if args.profile_step:
@@ -320,7 +330,7 @@ def main() -> None:
         fwd = _configs(args.fwd_configs) or block_kernels._FWD_CANDIDATES
         bwd = _configs(args.bwd_configs) or block_kernels._BWD_CANDIDATES
         rows = sweep(args.only, [int(d) for d in args.dims.split(",")], fwd, bwd, meta["copy_tbps"],
-                     whole=args.whole_blocks)
+                     whole=args.whole_blocks, table_dtype=TABLE_DTYPES.get(args.sweep_tables))
         Path(args.out).write_text(json.dumps({"meta": meta, "sweep": rows}, indent=1, default=str))
         return
     rows = []

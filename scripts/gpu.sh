@@ -29,7 +29,8 @@
 #             holding another tree, e.g. `git archive <rev> | tar -x -C base`): the forward and
 #             backward sweeps (AB_FWD / AB_BWD configs, default the Gluon ones; self-1000, self-4000)
 #             alternating between the two trees, twice each, then this tree's Hopper GPU tier
-#   (block-ab, block-partial, gdpa-ab: AB_TREE=<dir> times that tree in place of this one, SM_LIMIT=h200
+#   (block-ab, block-partial: AB_TABLES=fp32 (or bf16) times the rope tables in that dtype, not fp16;
+#   block-ab, block-partial, gdpa-ab: AB_TREE=<dir> times that tree in place of this one, SM_LIMIT=h200
 #   or a number runs the sweeps under scripts/sm_limit.py; e.g. the proxy's check against the H200's
 #   runs of e2da711 and 4a23c5d: AB_TREE=ring BASE_TREE=base SM_LIMIT=h200 bash scripts/gpu.sh block-ab)
 #   block-partial  this tree's Gluon block-attention sweep (AB_FWD / AB_BWD) of self-1000 and self-4000
@@ -128,6 +129,7 @@ ab_trees() {
 # the Gluon block-attention sweep that block-ab and block-partial time (AB_FWD / AB_BWD configs)
 gluon_block_sweep=(scripts/bench_block_attention.py --sweep --only self-1000 self-4000
                    --fwd-configs "${AB_FWD:-4,1,1,0,0,3}" --bwd-configs "${AB_BWD:-4,1,1,0,0,2}")
+[ -z "${AB_TABLES:-}" ] || gluon_block_sweep+=(--sweep-tables "$AB_TABLES")  # e.g. fp32: the one-program path
 # gpu_tier NAME WORKERS TESTS SELECTION: the GPU tier of TESTS (pytest -k SELECTION) over WORKERS
 # processes, its tail in gpu_tests_NAME.log; succeeds only if tests passed and none failed
 gpu_tier() {

@@ -223,6 +223,33 @@ def test_block_attention_whole_blocks_variant(monkeypatch):
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("--whole-blocks applies to --sweep")
 
 
+def test_block_attention_sweep_tables(monkeypatch):
+    """--sweep-tables: the sweep's rope tables in the dtype asked (fp32: the one-program-per-SM path
+    of the Gluon backward), recorded per row; the default is what a bf16 layer builds; a sweep option
+    only."""
+    import dataclasses
+
+    import torch
+
+    import bench_block_attention as bench
+    from bench_jagged_attention import make_inputs
+    from workloads import block_attention_workloads
+
+    few = [dataclasses.replace(w, q_lengths=w.q_lengths[:3], k_lengths=w.k_lengths[:3]) for w in block_attention_workloads()]
+    monkeypatch.setattr(bench, "block_attention_workloads", lambda: few)
+    monkeypatch.setattr(bench, "make_inputs", lambda w: make_inputs(w, device="cpu"))
+    seen = []
+    monkeypatch.setattr(bench, "kernel_times", lambda q, k, v, off, max_len, bs, tables, grad: seen.append(
+        tables[0].dtype) or {"fwd_kernel_ms": 0.1, "bwd_kernel_ms": 0.2})
+    args = (["self-1000"], [128], [(4, 1, 1, 0, 0, 3)], [(4, 1, 1, 0, 0, 2)], 4.0)
+    assert {r["tables"] for r in bench.sweep(*args)} == {"float16"}
+    assert {r["tables"] for r in bench.sweep(*args, table_dtype=torch.float32)} == {"float32"}
+    assert seen == [torch.float16] * 2 + [torch.float32] * 2
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_block_attention.py"), "--sweep-tables", "fp32"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("--sweep-tables applies to --sweep")
+
+
 def _source_page(rows, sampling=True) -> str:
     """An ncu --page source --csv --print-source sass page: a kernel row, the header, instructions."""
     header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
