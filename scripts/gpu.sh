@@ -33,6 +33,10 @@
 #   block-ab, block-partial, gdpa-ab: AB_TREE=<dir> times that tree in place of this one, SM_LIMIT=h200
 #   or a number runs the sweeps under scripts/sm_limit.py; e.g. the proxy's check against the H200's
 #   runs of e2da711 and 4a23c5d: AB_TREE=ring BASE_TREE=base SM_LIMIT=h200 bash scripts/gpu.sh block-ab)
+#   proxy-check  whether an H100 held to an H200's bandwidth per SM (scripts/sm_limit.py --h200, or
+#             SM_LIMIT) ranks the block backward's ring restructure against its base as the H200 did
+#             (10-12% faster there, 2-4% slower on a whole H100): both trees from this copy's git,
+#             swept twice in turn, beside the H200's and the H100's runs (proxy_check.md)
 #   block-partial  this tree's Gluon block-attention sweep (AB_FWD / AB_BWD) of self-1000 and self-4000
 #             beside the same with every length rounded up to whole 64-row blocks (--whole-blocks):
 #             what the partial blocks and the rows past the sequences cost; twice
@@ -125,6 +129,26 @@ ab_trees() {
         | quiet | grep " ms\|us \|copy\|%\|sm_limit" | sed "s/^/$tag /" | tee -a "$OUT/ab_$name.log"
     done
   done
+}
+# proxy_check: the H200 stand-in (scripts/sm_limit.py) against the H200's own runs. The block
+# backward's ring restructure (60f030c; e2da711 has the same SASS) against its base (4a23c5d) was
+# 10-12% faster on the H200 and 2-4% slower on a whole H100 (docs/runs/2026-12-06_sweep_block_bwd_ring_*)
+proxy_check() {
+  local tmp r; tmp=$(mktemp -d) && mkdir -p "$tmp/ring" "$tmp/base"
+  if ! { git archive e2da711 | tar -x -C "$tmp/ring" && git archive 4a23c5d | tar -x -C "$tmp/base"; }; then
+    echo "gpu.sh proxy-check: this copy's git lacks e2da711 or 4a23c5d (git archive failed)" >&2; exit 2
+  fi
+  local -a sweep_py=("${sweep_py[@]}")  # ab_trees sees this one (bash scopes dynamically)
+  [ -n "${SM_LIMIT:-}" ] || sweep_py=(python3 "$PWD/scripts/sm_limit.py" --h200)
+  AB_TREE=$tmp/ring BASE_TREE=$tmp/base ab_trees proxy "$OUT/proxy_block" scripts/bench_block_attention.py --sweep \
+    --only self-1000 self-4000 --fwd-configs 4,1,1,0,0,3 --bwd-configs 4,1,1,0,0,2
+  r=docs/runs/2026-12-06_sweep_block_bwd_ring
+  python3 scripts/compare_sweeps.py --ratio "proxy ring/proxy base" \
+    --group "proxy ring=$OUT/proxy_block_this_1.json,$OUT/proxy_block_this_2.json" \
+    --group "proxy base=$OUT/proxy_block_base_1.json,$OUT/proxy_block_base_2.json" \
+    --group "H200 ring=${r}_1_h200.json,${r}_2_h200.json" --group "H200 base=${r}_base_1_h200.json,${r}_base_2_h200.json" \
+    --group "H100 ring=${r}_1_h100.json,${r}_2_h100.json" --group "H100 base=${r}_base_1_h100.json,${r}_base_2_h100.json" \
+    | tee "$OUT/proxy_check.md"
 }
 # the Gluon block-attention sweep that block-ab and block-partial time (AB_FWD / AB_BWD configs)
 gluon_block_sweep=(scripts/bench_block_attention.py --sweep --only self-1000 self-4000
@@ -238,6 +262,7 @@ for stage in "$@"; do
       ab_trees block "$OUT/ab_block" "${gluon_block_sweep[@]}"
       [ "${AB_TIER:-1}" = 0 ] || GEMCTL_GPU_TEST_TIMEOUT=120 gpu_tier block_ab 16 tests/test_block_attention_triton.py \
         "hopper_gpu or ignores_non_finite or (every_candidate and (0_0_2 or 0_0_3))" ;;
+    proxy-check) proxy_check ;;
     block-partial)
       for round in 1 2; do
         "${sweep_py[@]}" "${gluon_block_sweep[@]}" --whole-blocks --out "$OUT/sweep_block_partial_$round.json" 2>&1 | quiet \
@@ -292,6 +317,6 @@ for stage in "$@"; do
         parallel.topology.gpus_per_node=$ngpu run.name=small_h200-fsdp$ngpu 2>&1 | quiet | tee "$OUT/profile_fsdp$ngpu.log"
       d=$(ls -d runs/small_h200-fsdp$ngpu-profile/* | tail -1)
       cp "$d/profile.json" "$OUT/profile_fsdp$ngpu.json"; cp "$d/breakdown.png" "$OUT/breakdown_fsdp$ngpu.png" ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, sweep-block, block-hopper, block-records, block-ab, block-partial, gdpa-ab, gdpa-probes, gdpa-ws, bench-mx, tests-precision, bench-fp8, bench-fp8-model, ncu, ncu-sass, precision-speed, profile, tests-multi-gpu, scaling, profile-multi-gpu)" >&2; exit 2 ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, sweep-block, block-hopper, block-records, block-ab, block-partial, proxy-check, gdpa-ab, gdpa-probes, gdpa-ws, bench-mx, tests-precision, bench-fp8, bench-fp8-model, ncu, ncu-sass, precision-speed, profile, tests-multi-gpu, scaling, profile-multi-gpu)" >&2; exit 2 ;;
   esac
 done

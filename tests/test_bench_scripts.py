@@ -369,3 +369,37 @@ def test_sm_limit_holds_the_persistent_grids_to_the_sms(tmp_path):
     assert proc.returncode == 0, proc.stderr[-800:]
     grid, limit = proc.stdout.strip().splitlines()[-1].split()[1:]
     assert int(grid) == int(limit) and total // 2 <= int(limit) < total, proc.stdout
+
+
+def test_compare_sweeps_puts_groups_side_by_side(tmp_path, capsys):
+    """compare_sweeps.py: a row per (workload, dim, kind, config), each group's mean over its rounds,
+    the ratio of two groups; bench_gdpa grid files flattened per config; bad input one line, exit 2."""
+    import json
+
+    import compare_sweeps
+
+    def sweep(path, gpu, bwd_ms):
+        rows = [{"workload": "self-1000", "dim": 128, "kind": "bwd", "cfg": [4, 1, 1], "ms": bwd_ms, "pct": 0.1 / bwd_ms},
+                {"workload": "self-1000", "dim": 128, "kind": "fwd", "cfg": [4, 1, 1], "ms": 0.1, "pct": 90.0}]
+        path.write_text(json.dumps({"meta": {"gpu": gpu}, "sweep": rows}))
+        return str(path)
+
+    a = [sweep(tmp_path / f"a{i}.json", "H100", ms) for i, ms in ((1, 0.200), (2, 0.210))]
+    b = [sweep(tmp_path / "b1.json", "H200", 0.300)]
+    compare_sweeps.main(["--group", f"new={','.join(a)}", "--group", f"old={b[0]}", "--ratio", "new/old"])
+    out = capsys.readouterr().out
+    assert "| self-1000 | 128 | bwd | 4,1,1 | 205.0 us, " in out and "(2) | 300.0 us," in out
+    assert "| 1.463x |" in out  # 0.300 / 0.205
+    assert "new: H100" in out and "old: H200" in out
+    grid = tmp_path / "grid.json"
+    grid.write_text(json.dumps({"meta": {"gpu": "H200"}, "rows": [
+        {"workload": "cross-128", "roofline_tflops": 400.0,
+         "grid_sweep": [{"config": [64, 128], "fwd_graph_ms": 0.08, "fwd_graph_tflops": 300.0}]}]}))
+    compare_sweeps.main(["--group", f"g={grid}"])
+    assert "| cross-128 |  | fwd | 64,128 | 80.0 us, 75.0% (1) |" in capsys.readouterr().out
+    for argv, message in ((["--group", "x"], "--group takes LABEL=FILE"),
+                          (["--group", f"x={tmp_path / 'none.json'}"], "none.json: not a sweep file"),
+                          (["--group", f"x={a[0]}", "--ratio", "x/y"], "--ratio takes A/B with two of the labels")):
+        with pytest.raises(SystemExit) as exc:
+            compare_sweeps.main(argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err
