@@ -30,9 +30,9 @@
 #             backward sweeps (AB_FWD / AB_BWD configs, default the Gluon ones; self-1000, self-4000)
 #             alternating between the two trees, twice each, then this tree's Hopper GPU tier
 #   (block-ab, block-partial: AB_TABLES=fp32 (or bf16) times the rope tables in that dtype, not fp16;
-#   block-ab, block-partial, gdpa-ab: AB_TREE=<dir> times that tree in place of this one, SM_LIMIT=h200
-#   or a number runs the sweeps under scripts/sm_limit.py; e.g. the proxy's check against the H200's
-#   runs of e2da711 and 4a23c5d: AB_TREE=ring BASE_TREE=base SM_LIMIT=h200 bash scripts/gpu.sh block-ab)
+#   block-ab, gdpa-ab: AB_TREE=<dir> times that tree in place of this one against BASE_TREE (the GPU
+#   tier after the sweeps stays this tree's; AB_TIER=0 leaves it out); block-ab, block-partial,
+#   gdpa-ab: SM_LIMIT=h200 or a number of SMs runs the sweeps under scripts/sm_limit.py)
 #   proxy-check  whether an H100 held to an H200's bandwidth per SM (scripts/sm_limit.py --h200, or
 #             SM_LIMIT) ranks the block backward's ring restructure against its base as the H200 did
 #             (10-12% faster there, 2-4% slower on a whole H100): both trees from this copy's git,
@@ -107,12 +107,17 @@ export PYTHONUNBUFFERED=1
 # SM_LIMIT=h200 or a number: the A/B sweeps (block-ab, block-partial, gdpa-ab) run under
 # scripts/sm_limit.py, held to the SMs that give this GPU an H200's copy bandwidth per SM (an H100:
 # 94 of 132) or to that many SMs: a proxy for the H200 on an H100 (sm_limit.py says how far to trust it)
-case "${SM_LIMIT:-}" in
-  "") sweep_py=(python3) ;;
-  h200) sweep_py=(python3 "$PWD/scripts/sm_limit.py" --h200) ;;
-  *[!0-9]*) echo "gpu.sh: SM_LIMIT is h200 or a number of SMs, got '$SM_LIMIT'" >&2; exit 2 ;;
-  *) sweep_py=(python3 "$PWD/scripts/sm_limit.py" --sms "$SM_LIMIT") ;;
-esac
+# held_py LIMIT: sweep_py for h200 (resolved once: every run of an A/B holds the same SMs) or N SMs
+held_py() {
+  case "$1" in
+    h200) local n; n=$(python3 "$PWD/scripts/sm_limit.py" --h200 --resolve) || exit 2
+          sweep_py=(python3 "$PWD/scripts/sm_limit.py" --sms "$n") ;;
+    *[!0-9]*|"") echo "gpu.sh: SM_LIMIT is h200 or a number of SMs, got '$1'" >&2; exit 2 ;;
+    *) sweep_py=(python3 "$PWD/scripts/sm_limit.py" --sms "$1") ;;
+  esac
+}
+sweep_py=(python3)
+[ -z "${SM_LIMIT:-}" ] || held_py "$SM_LIMIT"
 quiet() { grep -v 'fbgemm\|WARNING\|\[0m\|\[33m\|^ *$\|determine compat'; }
 # ab_trees NAME PREFIX SCRIPT ARGS...: SCRIPT ARGS in this tree (or AB_TREE, a directory holding
 # another) and in BASE_TREE in turn, twice (PREFIX_{this,base}_{1,2}.json; the lines with times in
@@ -122,6 +127,7 @@ ab_trees() {
   [ -d "${BASE_TREE:-}" ] || { echo "gpu.sh $name-ab: BASE_TREE must name a directory holding the tree to compare with, got '${BASE_TREE:-}'" >&2; exit 2; }
   [ -d "${AB_TREE:-.}" ] || { echo "gpu.sh $name-ab: AB_TREE must name a directory holding a tree, got '$AB_TREE'" >&2; exit 2; }
   local base this; base=$(cd "$BASE_TREE" && pwd); this=$(cd "${AB_TREE:-.}" && pwd)
+  [ "$base" != "$this" ] || { echo "gpu.sh $name-ab: BASE_TREE and the tree timed against it are both $base" >&2; exit 2; }
   for round in 1 2; do
     for tree in "$this" "$base"; do
       tag=$([ "$tree" = "$this" ] && echo this || echo base)
@@ -139,7 +145,7 @@ proxy_check() {
     echo "gpu.sh proxy-check: this copy's git lacks e2da711 or 4a23c5d (git archive failed)" >&2; exit 2
   fi
   local -a sweep_py=("${sweep_py[@]}")  # ab_trees sees this one (bash scopes dynamically)
-  [ -n "${SM_LIMIT:-}" ] || sweep_py=(python3 "$PWD/scripts/sm_limit.py" --h200)
+  [ -n "${SM_LIMIT:-}" ] || held_py h200
   AB_TREE=$tmp/ring BASE_TREE=$tmp/base ab_trees proxy "$OUT/proxy_block" scripts/bench_block_attention.py --sweep \
     --only self-1000 self-4000 --fwd-configs 4,1,1,0,0,3 --bwd-configs 4,1,1,0,0,2
   r=docs/runs/2026-12-06_sweep_block_bwd_ring

@@ -5,7 +5,7 @@
 
 A CUDA green context holds the process to N SMs of the GPU, and the persistent kernels size their
 grids to the N (gemctl.ops.triton.common._sm_count); the benchmarks' result files record N
-(bench_common.base_meta, `sm_limit`).
+(bench_common.base_meta: `sm_limit`, and the GPU named "held to N SMs").
 
 What for: the issues' bars are set on an H200, and the machines lent are mostly H100s. Both have
 132 SMs of the same design and clocks; the H200 feeds them 4.25 TB/s (measured copy,
@@ -16,9 +16,18 @@ meets the same per-SM demand as on the H200. `--h200` picks N that way: SMs x th
 bandwidth measured here / 4.25 TB/s. It is a proxy for developing on an H100, checked against runs
 of the same tree on an H200 before it is trusted; a bar is judged on the card it names.
 
+The driver rounds N up to its SM granularity (a multiple of 8 is assumed: 94 asked, 96 held); the
+limit recorded and used is what a check kernel reaches from the current stream. It must lie between
+N and N rounded up, and a new stream and a CUDA graph replay must reach no more. Tuned configs go to
+a cache of their own (GEMCTL_CACHE_DIR/sm_limit_<N>): picks timed on the held SMs never reach a
+whole-GPU run. The script runs as if launched directly (its directory first on sys.path, then its
+tree's root, as the benchmarks put it): gpu.sh times other trees' scripts through this one, and
+they import their own gemctl and bench_common (whose base_meta is wrapped to label the files when it
+does not read GEMCTL_SM_LIMIT itself, as trees before it did not).
+
 Refused with one line and exit code 2: no CUDA GPU, a torch without CUDA green contexts, an N out
-of range, a script that does not exist, or a green context the work escapes (the SMs the check
-kernel reaches from the current stream, a new stream and a CUDA graph replay must be within N).
+of range, a script that does not exist or whose gemctl does not import, a green context that fails
+or that the work escapes.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import sys
 from pathlib import Path
 
 H200_COPY_TBPS = 4.25  # the H200's measured copy bandwidth (bench_block_attention / bench_gdpa runs)
+GRANULE = 8  # SMs: the green contexts' granularity assumed on sm_90 (N is rounded up to a multiple)
 
 
 def _fail(message: str) -> None:
@@ -46,10 +56,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
                        help=f"N = SMs x copy bandwidth here / {H200_COPY_TBPS} TB/s (an H200's bandwidth per SM)")
     group.add_argument("--like-tbps", type=float, help="N = SMs x copy bandwidth here / TBPS (a GPU of the same "
                        "SM count with TBPS of copy bandwidth)")
-    ap.add_argument("script", help="the Python script to run (its arguments follow)")
+    ap.add_argument("--resolve", action="store_true", help="print the number of SMs asked for and exit (no green "
+                    "context: gpu.sh resolves --h200 once, so every run of an A/B holds the same SMs)")
+    ap.add_argument("script", nargs="?", help="the Python script to run (its arguments follow)")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
-    if not Path(args.script).is_file():
+    if args.script is None and not args.resolve:
+        _fail("a script to run is needed (or --resolve)")
+    if args.script is not None and not Path(args.script).is_file():
         _fail(f"no script at {args.script!r}")
     if args.sms is not None and args.sms < 1:
         _fail(f"--sms must be a positive number of SMs, got {args.sms}")
@@ -159,27 +173,68 @@ def main(argv: list[str] | None = None) -> None:
         n = args.sms
         if n > total:
             _fail(f"--sms must be at most the GPU's {total} SMs, got {n}")
+    if args.resolve:
+        print(n)
+        return
     try:
         green = green_contexts.GreenContext.create(num_sms=n, device_id=device)
-    except Exception as exc:  # noqa: BLE001  (the driver's refusal, in one line)
+        _enter(green)
+        seen = sms_reached(device)
+    except Exception as exc:  # noqa: BLE001  (the driver's refusal or a failed check, in one line)
         _fail(f"no green context of {n} SMs: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
-    _enter(green)
-    seen = sms_reached(device)
-    # the driver may round N up to its SM granularity: the SMs reached from the current stream are
-    # the limit, and the other two launches must stay within them
+    # the SMs reached from the current stream are the limit: N, or N rounded up to the driver's SM
+    # granularity (a multiple of 8 assumed); the other two launches must stay within them
     limit = seen["current stream"]
-    if n < total and (limit >= total or any(v > limit for v in seen.values())):
-        _fail(f"the work escapes the green context of {n} SMs (SMs reached: {seen})")
-    os.environ["GEMCTL_SM_LIMIT"] = str(limit)
-    from gemctl.ops.triton import common
+    rounded = min(total, -(-n // GRANULE) * GRANULE)
+    if n < total and (not n <= limit <= rounded or any(v > limit for v in seen.values())):
+        _fail(f"the green context of {n} SMs does not hold the work to {n}-{rounded} SMs (SMs reached: {seen})")
+    _run_held(args, limit, f"{torch.cuda.get_device_name(device)}, {limit} of {total} SMs "
+              f"({'--sms ' + str(n) if copy_all is None else f'asked {n}: copy {copy_all:.2f} TB/s on all / {args.like_tbps} TB/s'}"
+              f"); SMs reached: {seen}")
 
+
+def _run_held(args, limit: int, line: str) -> None:
+    """Run the script as if launched directly (sys.argv, sys.path[0] its directory), its tree's
+    kernels sized to ``limit`` SMs, tuned configs kept apart from whole-GPU ones, its result files
+    labelled."""
+    script = Path(args.script).resolve()
+    root = script.parents[1] if script.parent.name == "scripts" else script.parent
+    # the target's tree first, as its own sys.path lines would put it, before gemctl is imported
+    # here: gpu.sh times other trees with this script, and those must import their own modules
+    sys.path[0] = str(script.parent)
+    sys.path.insert(1, str(root))
+    os.environ["GEMCTL_SM_LIMIT"] = str(limit)
+    cache = Path(os.environ.get("GEMCTL_CACHE_DIR") or Path.home() / ".cache" / "gemctl")
+    os.environ["GEMCTL_CACHE_DIR"] = str(cache / f"sm_limit_{limit}")  # picks timed on these SMs only
+    try:
+        from gemctl.ops.triton import common
+    except ImportError as exc:
+        _fail(f"cannot import gemctl for {args.script} ({exc}): run it from its tree or set PYTHONPATH")
     common._sm_count = lambda _device: limit  # the persistent grids: one wave on the SMs held
-    how = f"--sms {n}" if copy_all is None else f"{n} of {total} SMs: copy {copy_all:.2f} TB/s on all / {args.like_tbps} TB/s"
-    print(f"sm_limit: {torch.cuda.get_device_name(device)}, {limit} of {total} SMs ({how}); SMs reached: {seen}",
-          flush=True)
+    _label_results(limit)
+    print(f"sm_limit: {line}", flush=True)
     sys.argv = [args.script, *args.args]
-    sys.path.insert(0, str(Path(args.script).resolve().parent))
     runpy.run_path(args.script, run_name="__main__")
+
+
+def _label_results(limit: int) -> None:
+    """The target tree's bench_common.base_meta made to name the limit (trees whose base_meta does
+    not read GEMCTL_SM_LIMIT): every result file then says the GPU was held. No bench_common there:
+    nothing to label."""
+    try:
+        import bench_common
+    except ImportError:
+        return
+    base_meta = bench_common.base_meta
+
+    def labelled(**extra):
+        meta = base_meta(**extra)
+        if "sm_limit" not in meta:
+            meta["sm_limit"] = limit
+            meta["gpu"] = f"{meta.get('gpu', '?')} held to {limit} SMs (sm_limit.py)"
+        return meta
+
+    bench_common.base_meta = labelled
 
 
 if __name__ == "__main__":

@@ -403,3 +403,28 @@ def test_compare_sweeps_puts_groups_side_by_side(tmp_path, capsys):
         with pytest.raises(SystemExit) as exc:
             compare_sweeps.main(argv)
         assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_sm_limit_runs_the_script_against_its_own_tree(tmp_path):
+    """sm_limit's last step (no GPU needed): the script runs as if launched directly, importing its own
+    tree's gemctl and bench_common (gpu.sh times other trees through this one), its persistent grids
+    sized to the limit, tuned configs in a cache of their own, result files labelled."""
+    tree = tmp_path / "tree"
+    (tree / "gemctl" / "ops" / "triton").mkdir(parents=True)
+    (tree / "scripts").mkdir()
+    for pkg in ("gemctl", "gemctl/ops", "gemctl/ops/triton"):
+        (tree / pkg / "__init__.py").write_text("")
+    (tree / "gemctl/ops/triton/common.py").write_text("TREE = 'other'\ndef _sm_count(device):\n    return 132\n")
+    (tree / "scripts/bench_common.py").write_text("def base_meta(**extra):\n    return {'gpu': 'H100', **extra}\n")
+    (tree / "scripts/probe.py").write_text(
+        "import os, sys\nfrom gemctl.ops.triton import common\nimport bench_common\n"
+        "print(common.TREE, common._sm_count(None), sys.argv[1:], bench_common.base_meta()['gpu'],\n"
+        "      os.path.basename(os.environ['GEMCTL_CACHE_DIR']), __name__)\n")
+    code = ("import argparse, sys; sys.path.insert(0, sys.argv[1]); import sm_limit; "
+            "sm_limit._run_held(argparse.Namespace(script=sys.argv[2], args=['--x', '1']), 96, 'test line')")
+    proc = subprocess.run([sys.executable, "-c", code, str(ROOT / "scripts"), str(tree / "scripts/probe.py")],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                          env={**__import__("os").environ, "GEMCTL_CACHE_DIR": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stderr[-800:]
+    assert proc.stdout.splitlines() == ["sm_limit: test line",
+                                        "other 96 ['--x', '1'] H100 held to 96 SMs (sm_limit.py) sm_limit_96 __main__"]

@@ -42,7 +42,8 @@ warps) spilled or lost occupancy. Gluon states the schedule directly:
   stores (a TMA box would write into the next sequence's rows). dq staged in k's tile made the
   next item's v wait for dq's stores: the wait before dp's MMA was the top stall (8% of the
   samples, H100, 2026-12-06); staged in the rope rows' tiles, the tables (L2-resident) wait
-  instead, and the backward is 1.0% faster at self-1000 on an H100.
+  instead, and the backward is 1.0% faster at self-1000 on an H100 with fp16 tables. fp32 tables
+  (one program per SM) measured 3-8% slower with it (docs/benchmarks.md, a patch pending).
 
 Rows past the sequence's end in a partial last block (the TMA boxes read the next sequence's rows,
 or TMA's zero fill at the tensor's end): the backward zeroes q, k and do there in shared memory
