@@ -33,7 +33,7 @@ def _rows(doc: dict) -> list[dict]:
     if isinstance(doc.get("rows"), list):
         return [{"workload": r["workload"], "kind": "fwd", "cfg": g["config"], "ms": g["fwd_graph_ms"],
                  "pct": 100 * g["fwd_graph_tflops"] / r["roofline_tflops"]}
-                for r in doc["rows"] for g in r.get("grid_sweep", [])]
+                for r in doc["rows"] for g in r.get("grid_sweep", []) if "fwd_graph_ms" in g]  # not a failed config
     raise KeyError("no 'sweep' or 'rows' list")
 
 

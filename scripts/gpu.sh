@@ -36,7 +36,9 @@
 #   proxy-check  whether an H100 held to an H200's bandwidth per SM (scripts/sm_limit.py --h200, or
 #             SM_LIMIT) ranks the block backward's ring restructure against its base as the H200 did
 #             (10-12% faster there, 2-4% slower on a whole H100): both trees from this copy's git,
-#             swept twice in turn, beside the H200's and the H100's runs (proxy_check.md)
+#             swept twice in turn, beside the H200's and the H100's runs; then GDPA cross-128's and
+#             cross-32's Gluon forwards on the base tree (71% of the roofline on the H200, 83-84% on
+#             a whole H100) the same way (proxy_check.md)
 #   block-partial  this tree's Gluon block-attention sweep (AB_FWD / AB_BWD) of self-1000 and self-4000
 #             beside the same with every length rounded up to whole 64-row blocks (--whole-blocks):
 #             what the partial blocks and the rows past the sequences cost; twice
@@ -155,6 +157,19 @@ proxy_check() {
     --group "H200 ring=${r}_1_h200.json,${r}_2_h200.json" --group "H200 base=${r}_base_1_h200.json,${r}_base_2_h200.json" \
     --group "H100 ring=${r}_1_h100.json,${r}_2_h100.json" --group "H100 base=${r}_base_1_h100.json,${r}_base_2_h100.json" \
     | tee "$OUT/proxy_check.md"
+  # GDPA cross-128 / cross-32's Gluon forwards on the base tree: 71% of the roofline on the H200,
+  # 83-84% on a whole H100 (docs/runs/2026-12-06_grid_gdpa_record_lanes_base_*)
+  local round
+  for round in 1 2; do
+    (cd "$tmp/base" && PYTHONPATH="/tmp/site:$tmp/base" timeout 150 "${sweep_py[@]}" scripts/bench_gdpa.py --grid-only \
+      --only cross-128 cross-32 --grid-configs 64,128,4,4,1,16,0,0,2,2 64,128,4,2,2,16,0,0,1,1 \
+      --out "$OUT/proxy_gdpa_$round.json") 2>&1 | quiet | grep "sm_limit\|copy" | tee -a "$OUT/ab_proxy.log"
+  done
+  r=docs/runs/2026-12-06_grid_gdpa_record_lanes_base
+  python3 scripts/compare_sweeps.py \
+    --group "proxy base=$OUT/proxy_gdpa_1.json,$OUT/proxy_gdpa_2.json" \
+    --group "H200 base=${r}_1_h200.json,${r}_2_h200.json" --group "H100 base=${r}_1_h100.json,${r}_2_h100.json" \
+    | tee -a "$OUT/proxy_check.md"
 }
 # the Gluon block-attention sweep that block-ab and block-partial time (AB_FWD / AB_BWD configs)
 gluon_block_sweep=(scripts/bench_block_attention.py --sweep --only self-1000 self-4000

@@ -394,9 +394,11 @@ def test_compare_sweeps_puts_groups_side_by_side(tmp_path, capsys):
     grid = tmp_path / "grid.json"
     grid.write_text(json.dumps({"meta": {"gpu": "H200"}, "rows": [
         {"workload": "cross-128", "roofline_tflops": 400.0,
-         "grid_sweep": [{"config": [64, 128], "fwd_graph_ms": 0.08, "fwd_graph_tflops": 300.0}]}]}))
+         "grid_sweep": [{"config": [64, 128], "fwd_graph_ms": 0.08, "fwd_graph_tflops": 300.0},
+                        {"config": [64, 64], "error": "ValueError: does not fit"}]}]}))
     compare_sweeps.main(["--group", f"g={grid}"])
-    assert "| cross-128 |  | fwd | 64,128 | 80.0 us, 75.0% (1) |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| cross-128 |  | fwd | 64,128 | 80.0 us, 75.0% (1) |" in out and "64,64" not in out  # failed: left out
     for argv, message in ((["--group", "x"], "--group takes LABEL=FILE"),
                           (["--group", f"x={tmp_path / 'none.json'}"], "none.json: not a sweep file"),
                           (["--group", f"x={a[0]}", "--ratio", "x/y"], "--ratio takes A/B with two of the labels")):
