@@ -303,14 +303,11 @@ def main() -> None:
     args = ap.parse_args()
     block_kernels._PACKED_ROPE = args.packed_rope
     pins = parse_pins(args.pin, bool(args.profile_step))
-    if args.whole_blocks and not args.sweep:
-        print("--whole-blocks applies to --sweep only (the full benchmark times the issue's workloads as they are)",
-              file=sys.stderr)
-        raise SystemExit(2)
-    if args.sweep_tables and not args.sweep:
-        print("--sweep-tables applies to --sweep only (the full benchmark times fp16 and fp32 tables already)",
-              file=sys.stderr)
-        raise SystemExit(2)
+    for flag, given, why in (("--whole-blocks", args.whole_blocks, "the full benchmark times the issue's workloads as they are"),
+                             ("--sweep-tables", args.sweep_tables, "the full benchmark times fp16 and fp32 tables already")):
+        if given and not args.sweep:
+            print(f"{flag} applies to --sweep only ({why})", file=sys.stderr)
+            raise SystemExit(2)
     if args.profile_step:
         by_name = {v.name: v for w in block_attention_workloads() for v in (w, whole_blocks(w))}
         if args.profile_step not in by_name:

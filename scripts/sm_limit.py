@@ -188,9 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     rounded = min(total, -(-n // GRANULE) * GRANULE)
     if n < total and (not n <= limit <= rounded or any(v > limit for v in seen.values())):
         _fail(f"the green context of {n} SMs does not hold the work to {n}-{rounded} SMs (SMs reached: {seen})")
-    _run_held(args, limit, f"{torch.cuda.get_device_name(device)}, {limit} of {total} SMs "
-              f"({'--sms ' + str(n) if copy_all is None else f'asked {n}: copy {copy_all:.2f} TB/s on all / {args.like_tbps} TB/s'}"
-              f"); SMs reached: {seen}")
+    asked = f"--sms {n}" if copy_all is None else f"asked {n}: copy {copy_all:.2f} TB/s on all / {args.like_tbps} TB/s"
+    _run_held(args, limit, f"{torch.cuda.get_device_name(device)}, {limit} of {total} SMs ({asked}); SMs reached: {seen}")
 
 
 def _run_held(args, limit: int, line: str) -> None:
