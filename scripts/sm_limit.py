@@ -13,8 +13,15 @@ docs/benchmarks.md), the H100 3.0. An H100 held to 94 SMs has about the H200's c
 SM and its bytes per FLOP, so a memory-bound kernel that is short of bytes in flight per SM (the
 block-attention backward, 1.5-2.5 points further from its roofline on the H200 than on an H100)
 meets the same per-SM demand as on the H200. `--h200` picks N that way: SMs x the copy
-bandwidth measured here / 4.25 TB/s. It is a proxy for developing on an H100, checked against runs
-of the same tree on an H200 before it is trusted; a bar is judged on the card it names.
+bandwidth measured here / 4.25 TB/s. It is a proxy for developing on an H100; a bar is judged on
+the card it names.
+
+Checked against the H200 (`gpu.sh proxy-check`, 2026-12-06, docs/benchmarks.md, block_attention):
+held to 96 SMs, an H100 ranks the block backward's ring restructure ahead of its base as the H200
+does (1.05x / 1.01x at self-1000 / self-4000) where the whole H100 ranks it behind (0.96x / 0.98x),
+but the H200 gains 1.10x / 1.12x: the proxy keeps the direction of a change of 5% or more and a
+third or less of its size. It does not show GDPA cross-128's H200 shortfall (80-82% of the roofline
+held, 83-84% whole, 71% on the H200).
 
 The driver rounds N up to its SM granularity (a multiple of 8 is assumed: 94 asked, 96 held); the
 limit recorded and used is what a check kernel reaches from the current stream. It must lie between

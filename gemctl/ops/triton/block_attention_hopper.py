@@ -42,8 +42,13 @@ warps) spilled or lost occupancy. Gluon states the schedule directly:
   stores (a TMA box would write into the next sequence's rows). dq staged in k's tile made the
   next item's v wait for dq's stores: the wait before dp's MMA was the top stall (8% of the
   samples, H100, 2026-12-06); staged in the rope rows' tiles, the tables (L2-resident) wait
-  instead, and the backward is 1.0% faster at self-1000 on an H100 with fp16 tables. fp32 tables
-  (one program per SM) measured 3-8% slower with it (docs/benchmarks.md, a patch pending).
+  instead, and the backward is 1.0% faster at self-1000 on an H100 with fp16 tables (on the H200
+  it is level: 195.8 against 196.4 us, where the rope rows' wait became the top stall, 10.9% of the
+  samples, and the backward without rope takes as long). fp32 tables (one program per SM) measured
+  3-8% slower with it on an H100; their old order back was 2% slower at self-1000 on the H200 and
+  stays a file (docs/runs/2026-12-06_block_bwd_fp32_tables_dq_in_k.patch). The next item's rows
+  requested into L2 a round early (prefetch.global.L2) made both kernels 5-8% slower on an H100,
+  whole or held to 96 SMs (docs/runs/2026-12-06_block_l2_prefetch.patch).
 
 Rows past the sequence's end in a partial last block (the TMA boxes read the next sequence's rows,
 or TMA's zero fill at the tensor's end): the backward zeroes q, k and do there in shared memory
