@@ -241,15 +241,32 @@ def whole_blocks(w, block_size: int = 64):
     return dataclasses.replace(w, name=f"{w.name}-whole", q_lengths=rounded, k_lengths=rounded.clone())
 
 
-def sweep(names, dims, fwd_cfgs, bwd_cfgs, copy_tbps: float, whole: bool = False, table_dtype=None) -> list[dict]:
+def short_tails_halved(w, block_size: int = 64):
+    """``w`` with every other partial last block of at most ``block_size`` / 2 rows dropped (its
+    sequence cut down to a multiple of ``block_size``; named <name>-trimmed): as many (block, head)
+    items as a kernel pairing those blocks two to a tile would run, for a sweep to time what that
+    saving is worth before such a kernel is built."""
+    tail = w.q_lengths % block_size
+    short = (tail > 0) & (tail <= block_size // 2)
+    drop = short & (torch.cumsum(short.long(), 0) % 2 == 0)
+    cut = torch.where(drop, w.q_lengths - tail, w.q_lengths)
+    return dataclasses.replace(w, name=f"{w.name}-trimmed", q_lengths=cut, k_lengths=cut.clone())
+
+
+def sweep(names, dims, fwd_cfgs, bwd_cfgs, copy_tbps: float, whole: bool = False, table_dtype=None,
+          trimmed: bool = False) -> list[dict]:
     """Kernel graph time and % of the roofline of every forced config (block 64, fused RoPE); with
-    ``whole`` each workload is followed by its whole_blocks variant (``names`` select both); the rope
-    tables in ``table_dtype`` (default: what a bf16 layer builds, ops.rope_table_dtype)."""
+    ``whole`` each workload is followed by its whole_blocks variant, with ``trimmed`` by its
+    short_tails_halved one (``names`` select them with it); the rope tables in ``table_dtype``
+    (default: what a bf16 layer builds, ops.rope_table_dtype). Each row records the workload's tokens
+    and blocks."""
     rows = []
-    workloads = block_attention_workloads()
-    for w in [v for w in workloads for v in ((w, whole_blocks(w)) if whole else (w,))]:
-        if names and w.name.removesuffix("-whole") not in names and w.name not in names:
+    variants = [f for f, on in ((whole_blocks, whole), (short_tails_halved, trimmed)) if on]
+    for w in [v for w in block_attention_workloads() for v in (w, *(f(w) for f in variants))]:
+        if names and w.name.removesuffix("-whole").removesuffix("-trimmed") not in names and w.name not in names:
             continue
+        lengths = w.q_lengths.long()
+        shape = {"tokens": int(lengths.sum()), "blocks": int(((lengths + 63) // 64).sum())}
         for dim in dims:
             w_dim = dataclasses.replace(w, head_dim=dim)
             q, k, v, off, _, _, _, grad = make_inputs(w_dim)
@@ -269,7 +286,7 @@ def sweep(names, dims, fwd_cfgs, bwd_cfgs, copy_tbps: float, whole: bool = False
                         continue
                     pct = 100 * roofline_ms(counts[f"{kind}_bytes"], copy_tbps) / ms
                     rows.append({"workload": w.name, "dim": dim, "kind": kind, "cfg": list(cfg), "ms": ms, "pct": pct,
-                                 "tables": str(tables[0].dtype).removeprefix("torch.")})
+                                 "tables": str(tables[0].dtype).removeprefix("torch."), **shape})
                     print(f"{w.name:10s} D={dim:3d} {kind} {str(tuple(cfg)):20s} {ms:.4f} ms {pct:5.1f}% roof", flush=True)
             torch.cuda.empty_cache()
     return rows
@@ -292,6 +309,9 @@ def main() -> None:
     ap.add_argument("--whole-blocks", action="store_true",
                     help="--sweep: also each workload with its lengths rounded up to whole 64-row blocks (<name>-whole): "
                          "what partial blocks and the rows past the sequences cost")
+    ap.add_argument("--trimmed-tails", action="store_true",
+                    help="--sweep: also each workload with every other partial last block of at most 32 rows "
+                         "dropped (<name>-trimmed): the item count of a kernel pairing those blocks")
     ap.add_argument("--sweep-tables", choices=sorted(TABLE_DTYPES),
                     help="--sweep: the rope tables' dtype (default: what a bf16 layer builds, fp16)")
     ap.add_argument("--out", default="bench_block_attention.json")
@@ -304,6 +324,7 @@ def main() -> None:
     block_kernels._PACKED_ROPE = args.packed_rope
     pins = parse_pins(args.pin, bool(args.profile_step))
     for flag, given, why in (("--whole-blocks", args.whole_blocks, "the full benchmark times the issue's workloads as they are"),
+                             ("--trimmed-tails", args.trimmed_tails, "the full benchmark times the issue's workloads as they are"),
                              ("--sweep-tables", args.sweep_tables, "the full benchmark times fp16 and fp32 tables already")):
         if given and not args.sweep:
             print(f"{flag} applies to --sweep only ({why})", file=sys.stderr)
@@ -327,7 +348,7 @@ def main() -> None:
         fwd = _configs(args.fwd_configs) or block_kernels._FWD_CANDIDATES
         bwd = _configs(args.bwd_configs) or block_kernels._BWD_CANDIDATES
         rows = sweep(args.only, [int(d) for d in args.dims.split(",")], fwd, bwd, meta["copy_tbps"],
-                     whole=args.whole_blocks, table_dtype=TABLE_DTYPES.get(args.sweep_tables))
+                     whole=args.whole_blocks, table_dtype=TABLE_DTYPES.get(args.sweep_tables), trimmed=args.trimmed_tails)
         Path(args.out).write_text(json.dumps({"meta": meta, "sweep": rows}, indent=1, default=str))
         return
     rows = []

@@ -223,6 +223,42 @@ def test_block_attention_whole_blocks_variant(monkeypatch):
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("--whole-blocks applies to --sweep")
 
 
+def test_block_attention_trimmed_tails_variant(monkeypatch):
+    """--trimmed-tails: every other partial last block of at most 32 rows dropped, so the variant has
+    as many blocks as a kernel pairing those blocks would run; the sweep records tokens and blocks
+    per row; a sweep option only."""
+    import dataclasses
+
+    import torch
+
+    import bench_block_attention as bench
+    from bench_jagged_attention import make_inputs
+    from workloads import block_attention_workloads
+
+    for w in block_attention_workloads():
+        v = bench.short_tails_halved(w)
+        tail = w.q_lengths % 64
+        short = int(((tail > 0) & (tail <= 32)).sum())
+        assert v.name == f"{w.name}-trimmed" and torch.equal(v.q_lengths, v.k_lengths)
+        cut = w.q_lengths - v.q_lengths
+        assert int((cut > 0).sum()) == short // 2 and torch.equal(cut[cut > 0], tail[cut > 0])
+        assert bench.block_counts(v.q_lengths.tolist(), 64)["blocks"] == (
+            bench.block_counts(w.q_lengths.tolist(), 64)["blocks"] - short // 2)
+    few = [dataclasses.replace(w, q_lengths=torch.tensor([70, 100, 80, 64]), k_lengths=torch.tensor([70, 100, 80, 64]))
+           for w in block_attention_workloads()]
+    monkeypatch.setattr(bench, "block_attention_workloads", lambda: few)
+    monkeypatch.setattr(bench, "make_inputs", lambda w: make_inputs(w, device="cpu"))
+    monkeypatch.setattr(bench, "kernel_times", lambda *a: {"fwd_kernel_ms": 0.1, "bwd_kernel_ms": 0.2})
+    rows = bench.sweep(["self-1000"], [128], [(4, 1, 1, 0, 0, 3)], [(4, 1, 1, 0, 0, 2)], 4.0, trimmed=True)
+    assert [(r["workload"], r["kind"]) for r in rows] == [("self-1000", "fwd"), ("self-1000", "bwd"),
+                                                          ("self-1000-trimmed", "fwd"), ("self-1000-trimmed", "bwd")]
+    # tails 6 and 16 are short (the second is dropped), 36 is not: 7 blocks, then 6
+    assert (rows[0]["tokens"], rows[0]["blocks"]) == (314, 7) and (rows[2]["tokens"], rows[2]["blocks"]) == (298, 6)
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_block_attention.py"), "--trimmed-tails"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("--trimmed-tails applies to --sweep")
+
+
 def test_block_attention_sweep_tables(monkeypatch):
     """--sweep-tables: the sweep's rope tables in the dtype asked (fp32: the one-program-per-SM path
     of the Gluon backward), recorded per row; the default is what a bf16 layer builds; a sweep option
