@@ -139,16 +139,16 @@ PROBE_NAMES = {1: "memory alone", 2: "math alone"}  # gdpa_hopper's PROBE field 
 
 
 def with_probes(configs: list[tuple]) -> list[tuple]:
-    """configs, each resident Gluon one (ninth field 1) followed by its probes (eleventh field 1 and 2), with
-    the probes let through gdpa_hopper.forward."""
+    """configs, each resident Gluon one (ninth field 1, or 2: the warp-specialized resident form)
+    followed by its probes (eleventh field 1 and 2), with the probes let through gdpa_hopper.forward."""
     from gemctl.ops.triton import gdpa_hopper
 
     gdpa_hopper.PROBES = True
     out = []
     for cfg in configs:
         out.append(cfg)
-        # the resident Gluon kernel's (the warp-specialized one has none); a probe is not probed again
-        if common.config_field(cfg, 8) == 1 and not common.config_field(cfg, 10):
+        # the resident Gluon kernels' (the streaming one has none); a probe is not probed again
+        if common.config_field(cfg, 8) in (1, 2) and not common.config_field(cfg, 10):
             fields = (tuple(cfg) + (0,) * 11)[:max(len(cfg), 11)]  # the probe at index 10, later fields kept
             out += [fields[:10] + (probe,) + fields[11:] for probe in (1, 2)]
     return out

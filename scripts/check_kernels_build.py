@@ -192,6 +192,11 @@ def gluon_kernels():
     for probe in (1, 2):
         yield gh._gdpa_fwd_resident, io, dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=128, CHUNK=16, ACT=0, Q_STAGES=2,
                                                LOOKAHEAD=1, FOLD=True, num_warps=4, PROBE=probe)
+    # and the warp-specialized resident form's (cross-128's pick: 4 query slots, 2 K/V buffers)
+    for probe in (1, 2):
+        yield gh._gdpa_fwd_ws, io, dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=128, CHUNK=16, ACT=0, Q_STAGES=4,
+                                        KV_STAGES=2, FOLD=True, CONSUMER_REGS=gh.WS_REGS[0],
+                                        LOADER_REGS=gh.WS_REGS[1], num_warps=4, PROBE=probe)
 
 
 def _source(fn, types: dict, consts: dict, attrs=None):

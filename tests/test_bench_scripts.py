@@ -72,8 +72,9 @@ def test_gdpa_bench_without_a_gpu_exits_2():
 
 
 def test_gdpa_probes_follow_each_gluon_config(monkeypatch):
-    """--probes: each Gluon config (ninth field 1) is followed by its two probes (eleventh field 1, 2),
-    Triton configs and a probe given directly are not probed, and gdpa_hopper then lets probes run."""
+    """--probes: each resident Gluon config (ninth field 1, or 2: warp-specialized) is followed by its
+    two probes (eleventh field 1, 2); Triton configs, the streaming form and a probe given directly
+    are not probed, and gdpa_hopper then lets probes run."""
     pytest.importorskip("triton.experimental.gluon")
     import bench_gdpa
     from gemctl.ops.triton import gdpa_hopper
@@ -81,6 +82,8 @@ def test_gdpa_probes_follow_each_gluon_config(monkeypatch):
     monkeypatch.setattr(gdpa_hopper, "PROBES", False)
     pick, triton_cfg, probe = (64, 128, 4, 2, 2, 16, 0, 0, 1, 1), (64, 32, 4, 2, 0, 0), (64, 128, 4, 2, 2, 16, 0, 0, 1, 0, 2)
     assert bench_gdpa.with_probes([pick, triton_cfg, probe]) == [pick, pick + (1,), pick + (2,), triton_cfg, probe]
+    ws, stream = (64, 128, 4, 4, 1, 16, 0, 0, 2, 2), (64, 64, 4, 4, 1, 0, 0, 0, 3)
+    assert bench_gdpa.with_probes([ws, stream]) == [ws, ws + (1,), ws + (2,), stream]
     assert gdpa_hopper.PROBES
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gdpa.py"), "--probes"],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)

@@ -347,7 +347,7 @@ def _ws_load_q(q_desc, q_smem, q_ready, q_empty, g, row, col, Q_STAGES: gl.const
 @gluon.jit
 def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, RECORDS,
                n_items, num_heads, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr,
-               HEAD_DIM: gl.constexpr, Q_STAGES: gl.constexpr, KV_STAGES: gl.constexpr):
+               HEAD_DIM: gl.constexpr, Q_STAGES: gl.constexpr, KV_STAGES: gl.constexpr, PROBE: gl.constexpr = 0):
     pid = gl.program_id(0)
     n_programs = gl.num_programs(0)
     g = 0  # query tiles loaded
@@ -364,7 +364,8 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
             if KV_STAGES == 1:
                 early = gl.minimum(n_tiles, Q_STAGES)
                 for t in range(0, early):
-                    _ws_load_q(q_desc, q_smem, q_ready, q_empty, g + t, q_start + m0 + t * BLOCK_M, col, Q_STAGES)
+                    _ws_load_q(q_desc, q_smem, q_ready, q_empty, g + t, q_start + m0 + _tile_offset(t, BLOCK_M, PROBE),
+                               col, Q_STAGES)
             buf = j % KV_STAGES
             mbarrier.wait(kv_empty.index(buf), ((j // KV_STAGES) & 1) ^ 1)
             bar = kv_ready.index(buf)
@@ -373,7 +374,8 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
             _tma_load(v_desc, [k_start, col], bar, v_smem.index(buf))
             j += 1
             for t in range(early, n_tiles):
-                _ws_load_q(q_desc, q_smem, q_ready, q_empty, g + t, q_start + m0 + t * BLOCK_M, col, Q_STAGES)
+                _ws_load_q(q_desc, q_smem, q_ready, q_empty, g + t, q_start + m0 + _tile_offset(t, BLOCK_M, PROBE), col,
+                           Q_STAGES)
             g += n_tiles
 
 
@@ -381,7 +383,7 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
 def _ws_consumer(me: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty,
                  o_desc, O, RECORDS, n_items, num_heads, stride_on, scale, HEAD_DIM: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, ACT: gl.constexpr,
-                 FOLD: gl.constexpr, Q_STAGES: gl.constexpr, KV_STAGES: gl.constexpr):
+                 FOLD: gl.constexpr, Q_STAGES: gl.constexpr, KV_STAGES: gl.constexpr, PROBE: gl.constexpr = 0):
     """Consumer warpgroup ``me`` (0 or 1): the tiles g with g % 2 == me of the program's stream.
     Q_STAGES is even, so a slot only ever holds one consumer's tiles: a consumer waiting on a slot
     is never more than one phase behind it (with an odd count it could pass on the other
@@ -408,14 +410,18 @@ def _ws_consumer(me: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
             for t in range((g + me) % 2, n_tiles, 2):  # my tiles: (g + t) % 2 == me
                 slot = (g + t) % Q_STAGES
                 mbarrier.wait(q_ready.index(slot), ((g + t) // Q_STAGES) & 1)
-                s = warpgroup_mma(q_smem.index(slot), k_t, s_zero, use_acc=False, is_async=True)
-                s = warpgroup_mma_wait(0, deps=(s, ))
-                mbarrier.arrive(q_empty.index(slot), count=1)  # the S MMA has read the slot
-                p = _scores(s, k_len, ac, s_layout, BLOCK_N, ACT, FOLD, dtype, p_layout)
-                o = warpgroup_mma(p, v_buf, o_zero, use_acc=False, is_async=True)
-                o = warpgroup_mma_wait(0, deps=(o, ))
-                _store_o(_fwd_out(o, ac, ACT), o_desc, o_smem, O, q_start, m0 + t * BLOCK_M, q_len, col, stride_on,
-                         o_layout, BLOCK_M, HEAD_DIM)
+                if PROBE == 1:  # the memory pipeline alone: no MMA, no activation, zeros stored
+                    mbarrier.arrive(q_empty.index(slot), count=1)
+                    o = o_zero
+                else:
+                    s = warpgroup_mma(q_smem.index(slot), k_t, s_zero, use_acc=False, is_async=True)
+                    s = warpgroup_mma_wait(0, deps=(s, ))
+                    mbarrier.arrive(q_empty.index(slot), count=1)  # the S MMA has read the slot
+                    p = _scores(s, k_len, ac, s_layout, BLOCK_N, ACT, FOLD, dtype, p_layout)
+                    o = warpgroup_mma(p, v_buf, o_zero, use_acc=False, is_async=True)
+                    o = warpgroup_mma_wait(0, deps=(o, ))
+                _store_o(_fwd_out(o, ac, ACT), o_desc, o_smem, O, q_start, m0 + _tile_offset(t, BLOCK_M, PROBE), q_len,
+                         col, stride_on, o_layout, BLOCK_M, HEAD_DIM)
             mbarrier.arrive(kv_empty.index(buf), count=1)  # after my last MMA on this buffer (or its fill)
             g += n_tiles
             j += 1
@@ -428,10 +434,12 @@ def _gdpa_fwd_ws(
     q_desc, k_desc, v_desc, o_desc, O, RECORDS, n_items, num_heads, stride_on, scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, ACT: gl.constexpr,
     Q_STAGES: gl.constexpr, KV_STAGES: gl.constexpr, FOLD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    LOADER_REGS: gl.constexpr, num_warps: gl.constexpr, PROBE: gl.constexpr = 0,
 ):
     # descriptors and RECORDS as _gdpa_fwd_resident's; num_warps = 4 (the default partition is the
-    # first consumer)
+    # first consumer). PROBE: the resident kernel's timing probes (benchmarks only, wrong outputs):
+    # 1 = the loads, waits and stores alone; 2 = the math alone (every query tile of an item read
+    # from, and written to, its first tile's rows, which stay in L2)
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [Q_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [KV_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -444,12 +452,12 @@ def _gdpa_fwd_ws(
     gl.warp_specialize([
         (_ws_consumer, (0, q_smem, k_smem, v_smem, o_smem.index(0), q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
                         RECORDS, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                        CHUNK, ACT, FOLD, Q_STAGES, KV_STAGES)),
+                        CHUNK, ACT, FOLD, Q_STAGES, KV_STAGES, PROBE)),
         (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem.index(1), q_ready, q_empty, kv_ready, kv_empty, o_desc, O,
                         RECORDS, n_items, num_heads, stride_on, scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                        CHUNK, ACT, FOLD, Q_STAGES, KV_STAGES)),
+                        CHUNK, ACT, FOLD, Q_STAGES, KV_STAGES, PROBE)),
         (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, RECORDS,
-                      n_items, num_heads, CHUNK, BLOCK_M, HEAD_DIM, Q_STAGES, KV_STAGES)),
+                      n_items, num_heads, CHUNK, BLOCK_M, HEAD_DIM, Q_STAGES, KV_STAGES, PROBE)),
     ],
                        [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -604,9 +612,9 @@ def descriptors(block_m: int, block_n: int, q, k, v, out):
 def forward(q, k, v, out, records, act: int, scale: float, cfg: tuple, *, fold: bool) -> None:
     """Launch the Gluon forward: ``cfg`` = (block_m, block_n, warps, query-ring stages, programs per
     SM, chunk, 0, 0, kernel at index 8 (1: resident, 2: warp-specialized resident, 3: warp-specialized
-    streaming), then for the resident kernel the look-ahead at index 9 and a timing probe at index
-    10, for the warp-specialized resident one the K/V buffers at index 9; the streaming one's (K, V)
-    ring stages are index 3) as gdpa's configs carry it; ``records`` is common.query_records with
+    streaming), then for the resident kernel the look-ahead at index 9, for the warp-specialized
+    resident one the K/V buffers at index 9, for both a timing probe at index 10; the streaming one's
+    (K, V) ring stages are index 3) as gdpa's configs carry it; ``records`` is common.query_records with
     gdpa.item_rows(cfg) rows per item; ``fold`` the caller's gdpa.fold_scale decision, made once per
     call for every kernel it launches. Raises ValueError where the inputs do not allow the kernel (no
     TMA layout, a head_dim, dtype or config it was not built for, buffers beyond an SM's shared
@@ -630,7 +638,7 @@ def forward(q, k, v, out, records, act: int, scale: float, cfg: tuple, *, fold: 
     if kind == 3:
         _gdpa_fwd_ws_stream[grid](*args, **tiles, KV_STAGES=stages, **ws)
     elif kind == 2:
-        _gdpa_fwd_ws[grid](*args, **tiles, CHUNK=chunk, Q_STAGES=stages, KV_STAGES=kv_stages, **ws)
+        _gdpa_fwd_ws[grid](*args, **tiles, CHUNK=chunk, Q_STAGES=stages, KV_STAGES=kv_stages, **ws, PROBE=probe)
     else:
         _gdpa_fwd_resident[grid](*args, **tiles, CHUNK=chunk, Q_STAGES=stages, LOOKAHEAD=kv_stages, num_warps=warps,
                                  PROBE=probe)
@@ -640,9 +648,9 @@ def _not_built(cfg: tuple, dim: int, size: int) -> str | None:
     """Why no kernel of this module runs ``cfg`` at ``dim`` (``size``-byte elements), or None."""
     block_m, block_n, warps, stages, per_sm, chunk = cfg[:6]
     kind, kv_stages, probe = config_field(cfg, 8), config_field(cfg, 9), config_field(cfg, 10)
-    if probe and (kind != 1 or not PROBES):
+    if probe and (kind not in (1, 2) or not PROBES):
         return (f"config {cfg} is a timing probe (wrong outputs by design); only scripts/bench_gdpa.py --probes "
-                "runs it, on the resident kernel")
+                "runs it, on the resident kernels")
     if dim not in (64, 128) or warps != 4 or block_m != 64 or kind not in (1, 2, 3):
         return f"head_dim {dim} with config {cfg} is not built"
     if kind == 3:  # the streaming kernel: 4 query tiles (2 consumers x 2 items), `stages` (K, V) slots
