@@ -136,6 +136,10 @@ _HOPPER_STREAM_CANDIDATES = [
 # three on cross-128. It passed its GPU tier (5 tests) but ran 85.9 against 84.2 us for the same
 # config without turns on cross-128 (H200, 69.1 against 70.6% of the roofline) and 98.8 against
 # 98.2 us on the H100.
+# Also measured and removed (2026-12-06, H100, its math probe): each consumer issuing its next tile's
+# S MMA right behind this tile's O MMA (waiting for O alone before the store): the math path alone
+# 4-6% slower at cross-128 (312 against 324-333 TF/s), the whole forward level
+# (docs/runs/2026-12-06_gdpa_ws_next_s_behind_o.patch).
 _FWD_CANDIDATES += _HOPPER_FWD_CANDIDATES + _HOPPER_WS_CANDIDATES + _HOPPER_STREAM_CANDIDATES
 # configs with optional fields the GPU tier has passed; the Hopper ones: test_gdpa_hopper_forward_gpu,
 # 28 passed (H200, 2026-12-03: 320 items over 2-3 programs per SM, bf16 D=128 and fp16 D=64, GELU and SiLU)
