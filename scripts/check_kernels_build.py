@@ -155,10 +155,18 @@ def gluon_kernels():
             layout = gh.shared_layout(bh.BLOCK, dim // 2, {"fp16": torch.float16, "fp32": torch.float32}[table_dtype])
             table = f"tensordesc<{table_dtype}[{bh.BLOCK}, {dim // 2}],{layout!r}>"
         rope = table_dtype is not None
+        # 32-row boxes landing in halves of (BLOCK, D/2) tiles: the tiles' layout
+        tile32 = f"tensordesc<bf16[{bh.BLOCK // 2}, {dim // 2}],{gh.shared_layout(bh.BLOCK, dim // 2, torch.bfloat16)!r}>"
+        table32 = tile32
+        if table_dtype:
+            table32 = f"tensordesc<{table_dtype}[{bh.BLOCK // 2}, {dim // 2}],{layout!r}>"
         io = dict(q_desc=tile, k_desc=tile, v_desc=tile, do_desc=tile, dq_desc=tile, dk_desc=tile, dv_desc=tile,
                   cos_desc=table, sin_desc=table, DQ="*bf16", DK="*bf16", DV="*bf16", LSE="*fp32", RECORDS="*i32",
-                  qk_scale="fp32", scale="fp32", zero="i32")
+                  qk_scale="fp32", scale="fp32", zero="i32", q32_desc=tile32, k32_desc=tile32, v32_desc=tile32,
+                  do32_desc=tile32, cos32_desc=table32, sin32_desc=table32, n_single="i32")
         yield bh._block_attn_bwd_hopper, io, dict(HEAD_DIM=dim, BLOCK=bh.BLOCK, ROPE=rope, num_warps=4)
+        if table_dtype == "fp16":  # the paired backward (blocks of at most 32 rows two heads to an item)
+            yield bh._block_attn_bwd_hopper, io, dict(HEAD_DIM=dim, BLOCK=bh.BLOCK, ROPE=rope, num_warps=4, PAIR=True)
         io = dict(q_desc=tile, k_desc=tile, v_desc=tile, o_desc=tile, cos_desc=table, sin_desc=table, O="*bf16",
                   LSE="*fp32", RECORDS="*i32", qk_scale="fp32")
         yield bh._block_attn_fwd_hopper, io, dict(HEAD_DIM=dim, BLOCK=bh.BLOCK, ROPE=rope, num_warps=4)

@@ -7,6 +7,7 @@ PyTorch reference path on the same inputs (plus a small floor); gradients bitwis
 across runs; torch.compile traces the op without a graph break.
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -259,6 +260,35 @@ def test_hopper_configs_wait_for_the_gpu_tier_and_are_refused_off_hopper_cpu():
     # the forward: 65,560 B with fp16 tables at D=128 (three per SM), 49,176 B without rope (four fit,
     # its registers allow three)
     assert bh.resident_programs(128, 2, 2, backward=False) == 3 == bh.resident_programs(128, 2, 0, backward=False)
+
+
+def test_paired_backward_records_put_the_short_blocks_last():
+    """The paired backward's records (PAIR, ninth field of a Gluon backward config): query_records'
+    blocks with those of more than 32 rows first and those of at most 32 last, each group in its
+    order, every block once, and how many come first; its 32-row boxes land in the halves of the
+    (64, D/2) tiles, whose layout they take. Items: one per head for the first, one per two heads
+    for the others."""
+    from gemctl.ops.triton import block_attention_hopper as bh
+
+    lengths = [70, 0, 1, 129, 64, 96, 97, 32, 33, 200]
+    off = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int64)
+    records, n_single = bh.paired_records(off, "cpu")
+    plain = common.query_records(off, off, 64, False, "cpu")
+    rows = (records[:, 3] - records[:, 1] * 64).clamp(max=64)
+    assert sorted(map(tuple, records.tolist())) == sorted(map(tuple, plain.tolist()))
+    assert (rows[:n_single] > 32).all() and (rows[n_single:] <= 32).all()
+    # blocks of at most 32 rows: 70 (6), 1, 129 (1), 96 (32), 32, 200 (8); of more: 70's first, 129's
+    # two, 64, 96's first, 97's two (64 + 33), 33, 200's three
+    assert n_single == 11 and records.shape[0] - n_single == 6
+    plain_rows = (plain[:, 3] - plain[:, 1] * 64).clamp(max=64)
+    keep = [r for r in plain.tolist() if min(64, r[3] - r[1] * 64) > 32]
+    assert records[:n_single].tolist() == keep and plain_rows.numel() == records.shape[0]
+    assert bh.paired_records(off, "cpu")[0] is records  # cached per batch layout
+    x = torch.zeros(128, 4, 64, dtype=torch.bfloat16)
+    d32 = bh.descriptors(x, rows=32)[0]
+    assert d32.block_shape == [32, 32] and d32.layout == bh.descriptors(x)[0].layout
+    tables = torch.zeros(64, 32, dtype=torch.float16)
+    assert bh.table_descriptors(tables, tables, rows=32)[0].block_shape == [32, 32]
 
 
 def _offered(monkeypatch, lengths, heads, dim, dtype):

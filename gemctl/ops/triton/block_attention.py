@@ -177,7 +177,13 @@ _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2,
 # do loads before dq's MMAs and its v while dk's run (they waited for dq's and dk's stores): H100,
 # two alternating sweeps, 268.3 / 268.1 against 273.1 / 273.1 us at self-1000, 218.8 / 219.4
 # against 224.3 / 224.2 us at self-4000 (docs/runs/2026-12-06_sweep_block_bwd_early_*_h100.json).
-_HOPPER_BWD_CANDIDATES = [(4, 1, 1, 0, 0, 2), (4, 1, 1, 0, 0, 1)]
+# PAIR (ninth field 1): the Gluon backward runs each block of at most 32 rows as one item per two
+# heads (one head's rows in each half of every tile; block_attention_hopper.paired_records), 4.1% fewer
+# items at self-1000. The backward's time follows its item count (a whole-block batch with 9.1% more
+# tokens and the same items takes as long), and the same count without such a kernel
+# (bench_block_attention.py --trimmed-tails) took 3.0-3.2% less time on the H200, 80.6-81.2% of
+# self-1000's roofline (docs/benchmarks.md). Pending its GPU tier and timing.
+_HOPPER_BWD_CANDIDATES = [(4, 1, 1, 0, 0, 2), (4, 1, 1, 0, 0, 1), (4, 1, 1, 0, 0, 2, 0, 0, 1)]
 # RECORDS (seventh field): the picks reading their block from a host-resolved record
 # (common.query_records) instead of the work list and then the offsets: one load round trip before
 # the tiles' loads instead of two, in every program (each program is one block and head here).
@@ -605,7 +611,8 @@ def _backward(do, q, k, v, lse, cos, sin, offsets, max_len, block_size, rope_bas
             _gluon_rotation(mode, cfg)
             records = query_records(offsets, offsets, block_size, False, q.device)
             _hopper(q.device).backward(q, k, v, do, lse, dq, dk, dv, cos, sin, records, block_size, rope,
-                                       scale * LOG2E, scale, config_field(cfg, 5))
+                                       scale * LOG2E, scale, config_field(cfg, 5), pair=bool(config_field(cfg, 8)),
+                                       offsets=offsets)
             return
         args = (q, k, v, do, lse, dq, dk, dv, cos, sin, strides)
         descs = _descriptors(cfg, block_size, (q, k), (v, do))

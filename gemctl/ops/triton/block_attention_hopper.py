@@ -59,6 +59,14 @@ sets those keys' scores to -inf by a select and never stores those query rows. S
 Triton kernels' masked loads, nothing there reaches an output or a gradient, not even a non-finite
 value.
 
+Paired backward (PAIR, pending its GPU tier): the backward's time follows its number of items (block,
+head), whole or partial (H200 and H100, docs/benchmarks.md), so each block of at most 32 rows runs
+as one item per two adjacent heads, one head's rows in each half of every tile (32-row TMA boxes;
+paired_records puts those blocks last). Rows are then (row & 31, head + row >> 5), and a pair's
+scores across its two heads are masked like keys past the sequence. sm_90 ptxas (Triton 3.6),
+D=128 with fp16 tables: 255 registers, 4 B of spills (240 and none without PAIR, whose code is
+unchanged: 4,288 SASS instructions either way).
+
 Supported: bf16/fp16, D in {64, 128}, block 64, heads adjacent in memory ([N, H * D] rows with
 16-byte aligned strides, at least one block of rows), sm_90+. No interpreter: the CPU tier compiles
 it for sm_90 (scripts/check_kernels_build.py), the GPU tier checks it against float64
@@ -67,6 +75,7 @@ it for sm_90 (scripts/check_kernels_build.py), the GPU tier checks it against fl
 
 from __future__ import annotations
 
+import numpy as np
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -75,6 +84,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from gemctl.ops import host
+from gemctl.ops.triton import common
 from gemctl.ops.triton.common import _RECORD as RECORD, num_programs, rows_viewable
 from gemctl.ops.triton.gdpa_hopper import (
     SMEM_PER_SM as _SMEM_PER_SM, SMEM_RESERVED as _SMEM_RESERVED,
@@ -87,7 +98,20 @@ _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinter
 
 
 @gluon.jit
-def _record(e, n_items, RECORDS, num_heads):
+def _pair_slot(e, n_items, n_single, num_heads):
+    """PAIR's item e: (record index, first head, whether it is a pair). Items below ``n_single`` are
+    (record, head) as without PAIR; the rest take two adjacent heads of one short block each (the
+    records of short blocks are the last ones: paired_records)."""
+    ec = gl.minimum(e, n_items - 1)
+    paired = ec >= n_single
+    ep = gl.maximum(ec - n_single, 0)
+    pairs = num_heads // 2
+    rec = gl.where(paired, n_single // num_heads + ep // pairs, ec // num_heads)
+    return rec, gl.where(paired, 2 * (ep % pairs), ec % num_heads), paired
+
+
+@gluon.jit
+def _record(e, n_items, RECORDS, num_heads, PAIR: gl.constexpr = False, n_single=0):
     """Item e's record (e clamped to the last item), its loads issued: a round loads the record of
     the item after next and reads its fields (_item) one round later, when they have landed. Each
     lane holds one field: loaded as scalars (or as a tensor every thread holds whole) the compiler
@@ -95,7 +119,11 @@ def _record(e, n_items, RECORDS, num_heads):
     them; for 18% of their stall samples when the record was read in the round that needed it
     (Nsight Compute, H100, 2026-12-05)."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    row = RECORDS + (gl.minimum(e, n_items - 1) // num_heads) * RECORD
+    if PAIR:
+        rec, _, _ = _pair_slot(e, n_items, n_single, num_heads)
+    else:
+        rec = gl.minimum(e, n_items - 1) // num_heads
+    row = RECORDS + rec * RECORD
     return gl.load(row + gl.arange(0, RECORD, layout=layout))
 
 
@@ -113,6 +141,31 @@ def _item(e, n_items, record, num_heads, BLOCK: gl.constexpr, HALF: gl.constexpr
     first = _field(record, 1) * BLOCK
     return (e < n_items, _field(record, 2), _field(record, 3), first,
             (gl.minimum(e, n_items - 1) % num_heads) * (2 * HALF))
+
+
+@gluon.jit
+def _pair_item(e, n_items, n_single, record, num_heads, BLOCK: gl.constexpr, HALF: gl.constexpr):
+    """_item's fields for PAIR, then the item's row mask and head shift: a pair's tile rows i are
+    row i & 31 of the block in head (first head) + (i >> 5); a single's, row i & 63 of its head."""
+    _, head, paired = _pair_slot(e, n_items, n_single, num_heads)
+    return (e < n_items, _field(record, 2), _field(record, 3), _field(record, 1) * BLOCK, head * (2 * HALF),
+            gl.where(paired, BLOCK // 2 - 1, BLOCK - 1), gl.where(paired, 5, 6))
+
+
+@gluon.jit
+def _row_pos(i, rm, PAIR: gl.constexpr):
+    """Tile row i's row within the block: i, or with PAIR i & rm (a pair's second head from row 32)."""
+    if PAIR:
+        return i & rm
+    return i
+
+
+@gluon.jit
+def _row_head(i, sh, PAIR: gl.constexpr):
+    """Tile row i's head after the item's first: 0, or with PAIR i >> sh (1 for a pair's rows 32-63)."""
+    if PAIR:
+        return i >> sh
+    return i * 0
 
 
 @gluon.jit
@@ -136,6 +189,38 @@ def _load_pair(desc, smem, b, bar, row, col, pred, HALF: gl.constexpr):
     """Both halves of a (BS, D) tile into smem[b], smem[b + 1], signalling ``bar`` (one phase)."""
     mbarrier.expect(bar, 2 * desc.block_type.nbytes, pred=pred)
     _copy_pair(desc, smem, b, bar, row, col, pred, HALF)
+
+
+@gluon.jit
+def _load_pair_split(desc, desc32, smem, b, bar, row, col, pred, rm, HALF: gl.constexpr, PAIR: gl.constexpr):
+    """_load_pair, or with PAIR for a pair (rm < 63) its two heads' 32 rows as the tiles' halves
+    [0, 32) and [32, 64): four 32-row boxes of desc32 per (BS, D) tile, the same bytes."""
+    if PAIR:
+        mbarrier.expect(bar, 2 * desc.block_type.nbytes, pred=pred)
+        if rm < 63:
+            for h in gl.static_range(2):
+                _tma_load(desc32, [row, col + h * HALF], bar, smem.index(b + h).slice(0, 32), pred)
+                _tma_load(desc32, [row, col + 2 * HALF + h * HALF], bar, smem.index(b + h).slice(32, 32), pred)
+        else:
+            _copy_pair(desc, smem, b, bar, row, col, pred, HALF)
+    else:
+        _load_pair(desc, smem, b, bar, row, col, pred, HALF)
+
+
+@gluon.jit
+def _load_tables_split(cos_desc, sin_desc, cos32, sin32, cs_smem, bar, position, pred, rm, PAIR: gl.constexpr):
+    """_load_tables, or with PAIR for a pair the 32 rows of its positions into both halves of each
+    table tile (the two heads' rows sit at the same positions)."""
+    if PAIR:
+        mbarrier.expect(bar, 2 * cos_desc.block_type.nbytes, pred=pred)
+        if rm < 63:
+            for t in gl.static_range(2):
+                _tma_load(cos32, [position, 0], bar, cs_smem.index(0).slice(32 * t, 32), pred)
+                _tma_load(sin32, [position, 0], bar, cs_smem.index(1).slice(32 * t, 32), pred)
+        else:
+            _copy_tables(cos_desc, sin_desc, cs_smem, bar, position, pred)
+    else:
+        _load_tables(cos_desc, sin_desc, cs_smem, bar, position, pred)
 
 
 @gluon.jit
@@ -176,7 +261,7 @@ def _rope_rows(cs_smem, layout: gl.constexpr):
 
 @gluon.jit
 def _rotate_pass(q_smem, qb, k_smem, kb, cs_smem, first, length, BLOCK: gl.constexpr, HALF: gl.constexpr,
-                 ROWS: gl.constexpr, MASK: gl.constexpr, num_warps: gl.constexpr):
+                 ROWS: gl.constexpr, MASK: gl.constexpr, num_warps: gl.constexpr, PAIR: gl.constexpr = False, rm=0):
     """_rotate_in_place's pass over the tiles, ROWS rows of q and k at a time; MASK: rows past the
     sequence written as 0."""
     layout: gl.constexpr = _rows_layout(num_warps, HALF)
@@ -190,7 +275,8 @@ def _rotate_pass(q_smem, qb, k_smem, kb, cs_smem, first, length, BLOCK: gl.const
         y1, y2 = q1 * c - q2 * s, q2 * c + q1 * s
         z1, z2 = k1 * c - k2 * s, k2 * c + k1 * s
         if MASK:  # the next sequence's rows (and their rope rows) may hold non-finite values: selected away
-            ok = (first + r + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout)) < length)[:, None]
+            rows = _row_pos(r + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout)), rm, PAIR)
+            ok = (first + rows < length)[:, None]
             y1, y2 = gl.where(ok, y1, 0.0), gl.where(ok, y2, 0.0)
             z1, z2 = gl.where(ok, z1, 0.0), gl.where(ok, z2, 0.0)
         q_smem.index(qb).slice(r, ROWS).store(y1.to(q_smem.dtype))
@@ -201,7 +287,7 @@ def _rotate_pass(q_smem, qb, k_smem, kb, cs_smem, first, length, BLOCK: gl.const
 
 @gluon.jit
 def _rotate_in_place(q_smem, qb, k_smem, kb, cs_smem, first, length, BLOCK: gl.constexpr, HALF: gl.constexpr,
-                     ROWS: gl.constexpr, num_warps: gl.constexpr):
+                     ROWS: gl.constexpr, num_warps: gl.constexpr, PAIR: gl.constexpr = False, rm=0):
     """q's halves (q_smem[qb], [qb + 1]) and k's (k_smem[kb], [kb + 1]) rotated in place by the
     rows' cos and sin (cs_smem[0], [1]): [x1, x2] -> [x1 c - x2 s, x2 c + x1 s], ROWS rows of both
     per pass (each pass reads the tables' rows once); rows past the sequence are written as 0, by
@@ -210,14 +296,14 @@ def _rotate_in_place(q_smem, qb, k_smem, kb, cs_smem, first, length, BLOCK: gl.c
     passes they replace (sm_90, Triton 3.6, D=128). The whole tile at once spilled 60 B per
     thread."""
     if first + BLOCK > length:
-        _rotate_pass(q_smem, qb, k_smem, kb, cs_smem, first, length, BLOCK, HALF, ROWS, True, num_warps)
+        _rotate_pass(q_smem, qb, k_smem, kb, cs_smem, first, length, BLOCK, HALF, ROWS, True, num_warps, PAIR, rm)
     else:
         _rotate_pass(q_smem, qb, k_smem, kb, cs_smem, first, length, BLOCK, HALF, ROWS, False, num_warps)
 
 
 @gluon.jit
 def _zero_rows_past(smem, b, first, length, BLOCK: gl.constexpr, HALF: gl.constexpr, ROWS: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    num_warps: gl.constexpr, PAIR: gl.constexpr = False, rm=0):
     """Rows at or past ``length`` of both halves in smem[b], smem[b + 1] set to 0 (a partial block's TMA
     boxes hold the next sequence's rows there): then 0 * a non-finite value in them cannot reach
     the gradients through the MMAs, as the Triton kernels' masked loads guarantee. The caller
@@ -225,14 +311,15 @@ def _zero_rows_past(smem, b, first, length, BLOCK: gl.constexpr, HALF: gl.conste
     layout: gl.constexpr = _rows_layout(num_warps, HALF)
     for i in gl.static_range(2):
         for r in gl.static_range(0, BLOCK, ROWS):
-            ok = (first + r + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout)) < length)[:, None]
+            rows = _row_pos(r + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout)), rm, PAIR)
+            ok = (first + rows < length)[:, None]
             x = smem.index(b + i).slice(r, ROWS).load(layout)
             smem.index(b + i).slice(r, ROWS).store(gl.where(ok, x, gl.zeros_like(x)))
 
 
 @gluon.jit
 def _store_pair(g1, g2, desc, tiles, b, DST, start, first, length, col, stride, BLOCK: gl.constexpr,
-                HALF: gl.constexpr, num_warps: gl.constexpr):
+                HALF: gl.constexpr, num_warps: gl.constexpr, PAIR: gl.constexpr = False, rm=0, sh=0):
     """A gradient's (BS, D/2) halves staged in tiles[b], tiles[b + 1] (free: the caller waited for
     what read them last) and stored: by TMA when the block is whole (one bulk group each), else by
     masked 16-byte stores of the rows read back (then fenced: the tiles' next writer is TMA)."""
@@ -247,9 +334,11 @@ def _store_pair(g1, g2, desc, tiles, b, DST, start, first, length, col, stride, 
     else:
         layout: gl.constexpr = _rows_layout(num_warps, HALF)
         _cta_barrier()
-        rows = first + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
+        i = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
+        rows = first + _row_pos(i, rm, PAIR)
         cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
-        ptrs = DST + (start + rows).to(gl.int64)[:, None] * stride + col + cols[None, :]
+        ptrs = (DST + (start + rows).to(gl.int64)[:, None] * stride + (col + _row_head(i, sh, PAIR) * (2 * HALF))[:, None]
+                + cols[None, :])
         for h in gl.static_range(2):
             gl.store(ptrs + h * HALF, tiles.index(b + h).load(layout), mask=(rows < length)[:, None])
         fence_async_shared()
@@ -257,21 +346,25 @@ def _store_pair(g1, g2, desc, tiles, b, DST, start, first, length, col, stride, 
 
 @gluon.jit
 def _store_rotated_back(g1, g2, c, s, desc, tiles, b, DST, start, first, length, col, stride, scale,
-                        ROPE: gl.constexpr, BLOCK: gl.constexpr, HALF: gl.constexpr, num_warps: gl.constexpr):
+                        ROPE: gl.constexpr, BLOCK: gl.constexpr, HALF: gl.constexpr, num_warps: gl.constexpr,
+                        PAIR: gl.constexpr = False, rm=0, sh=0):
     """dq or dk: the halves times ``scale``, rotated by -theta when ROPE ([g1 c + g2 s, g2 c - g1 s]),
     stored through tiles[b], tiles[b + 1] (_store_pair)."""
     g1, g2 = g1 * scale, g2 * scale
     if ROPE:
         c, s = c.to(gl.float32), s.to(gl.float32)
         g1, g2 = g1 * c + g2 * s, g2 * c - g1 * s
-    _store_pair(g1, g2, desc, tiles, b, DST, start, first, length, col, stride, BLOCK, HALF, num_warps)
+    _store_pair(g1, g2, desc, tiles, b, DST, start, first, length, col, stride, BLOCK, HALF, num_warps, PAIR, rm, sh)
 
 
 @gluon.jit
-def _lse_rows(LSE, start, first, length, head, num_heads, BLOCK: gl.constexpr, layout: gl.constexpr):
+def _lse_rows(LSE, start, first, length, head, num_heads, BLOCK: gl.constexpr, layout: gl.constexpr,
+              PAIR: gl.constexpr = False, rm=0, sh=0):
     """The block's rows of the forward's log2-sum-exp2 (inf past the sequence: p = 0 there)."""
-    rows = first + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
-    return gl.load(LSE + (start + rows) * num_heads + head, mask=rows < length, other=float("inf"))
+    i = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
+    rows = first + _row_pos(i, rm, PAIR)
+    return gl.load(LSE + (start + rows) * num_heads + head + _row_head(i, sh, PAIR), mask=rows < length,
+                   other=float("inf"))
 
 
 @gluon.jit
@@ -288,18 +381,18 @@ def _first_item(q_desc, k_desc, v_desc, cos_desc, sin_desc, q_smem, k_smem, v_sm
 
 @gluon.jit
 def _scores_of(q_smem, qb, k_smem, kb, cs_smem, first, length, s_zero, BLOCK: gl.constexpr, HALF: gl.constexpr,
-               ROPE: gl.constexpr, ZERO_PAST: gl.constexpr, num_warps: gl.constexpr):
+               ROPE: gl.constexpr, ZERO_PAST: gl.constexpr, num_warps: gl.constexpr, PAIR: gl.constexpr = False, rm=0):
     """With q (q_smem[qb], [qb + 1]) and k (k_smem[kb], [kb + 1]) landed: q~ and k~ in place of them
     (ROPE; rows past the sequence 0, and with ZERO_PAST also without rope), then s = q~ k~^T by two
     wgmma of depth D/2 (raw: unscaled)."""
     if ROPE:
-        _rotate_in_place(q_smem, qb, k_smem, kb, cs_smem, first, length, BLOCK, HALF, 32, num_warps)
+        _rotate_in_place(q_smem, qb, k_smem, kb, cs_smem, first, length, BLOCK, HALF, 32, num_warps, PAIR, rm)
         fence_async_shared()
         _cta_barrier()
     elif ZERO_PAST:
         if first + BLOCK > length:
-            _zero_rows_past(q_smem, qb, first, length, BLOCK, HALF, 32, num_warps)
-            _zero_rows_past(k_smem, kb, first, length, BLOCK, HALF, 32, num_warps)
+            _zero_rows_past(q_smem, qb, first, length, BLOCK, HALF, 32, num_warps, PAIR, rm)
+            _zero_rows_past(k_smem, kb, first, length, BLOCK, HALF, 32, num_warps, PAIR, rm)
             fence_async_shared()
             _cta_barrier()
     sc = warpgroup_mma(q_smem.index(qb), k_smem.index(kb).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -307,12 +400,40 @@ def _scores_of(q_smem, qb, k_smem, kb, cs_smem, first, length, s_zero, BLOCK: gl
     return warpgroup_mma_wait(0, deps=(sc, ))
 
 
+@gluon.jit
+def _bwd_item(e, n_items, n_single, record, num_heads, BLOCK: gl.constexpr, HALF: gl.constexpr, PAIR: gl.constexpr):
+    """The backward's item e: _item's fields, then the row mask and head shift of _pair_item (without
+    PAIR every item is one head: BLOCK - 1 and 6, which the helpers do not read then)."""
+    if PAIR:
+        return _pair_item(e, n_items, n_single, record, num_heads, BLOCK, HALF)
+    valid, start, length, first, col = _item(e, n_items, record, num_heads, BLOCK, HALF)
+    return valid, start, length, first, col, e * 0 + (BLOCK - 1), e * 0 + 6
+
+
+@gluon.jit
+def _key_mask(first, length, rm, sh, BLOCK: gl.constexpr, layout: gl.constexpr, PAIR: gl.constexpr):
+    """(BS, BS) scores kept: keys inside the sequence, and with PAIR of the query row's own head."""
+    keys = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, layout))
+    ok = (first + _row_pos(keys, rm, PAIR) < length)[None, :]
+    if PAIR:
+        rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
+        ok = ok & (_row_head(rows, sh, PAIR)[:, None] == _row_head(keys, sh, PAIR)[None, :])
+    return ok
+
+
 @gluon.jit(do_not_specialize=["n_items", "zero"])
 def _block_attn_bwd_hopper(
     q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, cos_desc, sin_desc, DQ, DK, DV, LSE, RECORDS,
     n_items, num_heads, stride_dqn, stride_dkn, stride_dvn, qk_scale, scale, zero,
+    q32_desc, k32_desc, v32_desc, do32_desc, cos32_desc, sin32_desc, n_single,
     HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, ROPE: gl.constexpr, num_warps: gl.constexpr,
+    PAIR: gl.constexpr = False,
 ):
+    # PAIR: the blocks of at most BLOCK / 2 rows come last in RECORDS (paired_records), each as
+    # num_heads / 2 items of two adjacent heads, one head's rows in each half of every tile (its
+    # 32-row boxes: *32_desc); items below n_single are (block, head) as without PAIR. A pair's
+    # scores across its two heads are masked like keys past the sequence. Without PAIR the *32
+    # descriptors and n_single are placeholders.
     # *_desc: [N, H * D] views in (BLOCK, D/2) boxes (host: descriptors); DQ/DK/DV the same tensors
     # for the partial blocks' masked stores; LSE fp32 [N, H] (log2 units); cos_desc/sin_desc: the
     # rope tables [>= max_len, D/2] in (BLOCK, D/2) boxes (unused unless ROPE); RECORDS int32 [n, 8]
@@ -358,22 +479,23 @@ def _block_attn_bwd_hopper(
 
     pid = gl.program_id(0)
     n_programs = gl.num_programs(0)
-    valid, start, length, first, col = _item(pid, n_items, _record(pid, n_items, RECORDS, num_heads), num_heads, BLOCK,
-                                             HALF)
-    _load_pair(q_desc, q_smem, 0, q_bar, start + first, col, valid, HALF)
-    _load_pair(k_desc, kv_smem, 0, k_bar, start + first, col, valid, HALF)
+    valid, start, length, first, col, rm, sh = _bwd_item(
+        pid, n_items, n_single, _record(pid, n_items, RECORDS, num_heads, PAIR, n_single), num_heads, BLOCK, HALF, PAIR)
+    _load_pair_split(q_desc, q32_desc, q_smem, 0, q_bar, start + first, col, valid, rm, HALF, PAIR)
+    _load_pair_split(k_desc, k32_desc, kv_smem, 0, k_bar, start + first, col, valid, rm, HALF, PAIR)
     if ROPE:
-        _load_tables(cos_desc, sin_desc, cs_smem, cs_bar, first, valid)
-    _load_pair(do_desc, do_smem, 0, do_bar, start + first, col, valid, HALF)
-    _load_pair(v_desc, kv_smem, 2, v_bar, start + first, col, valid, HALF)
-    lse = _lse_rows(LSE, start, first, length, col // HEAD_DIM, num_heads, BLOCK, s_layout)
-    n_record = _record(pid + n_programs, n_items, RECORDS, num_heads)
+        _load_tables_split(cos_desc, sin_desc, cos32_desc, sin32_desc, cs_smem, cs_bar, first, valid, rm, PAIR)
+    _load_pair_split(do_desc, do32_desc, do_smem, 0, do_bar, start + first, col, valid, rm, HALF, PAIR)
+    _load_pair_split(v_desc, v32_desc, kv_smem, 2, v_bar, start + first, col, valid, rm, HALF, PAIR)
+    lse = _lse_rows(LSE, start, first, length, col // HEAD_DIM, num_heads, BLOCK, s_layout, PAIR, rm, sh)
+    n_record = _record(pid + n_programs, n_items, RECORDS, num_heads, PAIR, n_single)
     for r in range(0, gl.cdiv(n_items, n_programs)):
         phase = r & 1
-        n_valid, n_start, n_length, n_first, n_col = _item(pid + (r + 1) * n_programs, n_items, n_record, num_heads,
-                                                           BLOCK, HALF)
-        n_record = _record(pid + (r + 2) * n_programs, n_items, RECORDS, num_heads)
-        n_lse = _lse_rows(LSE, n_start, n_first, n_length, n_col // HEAD_DIM, num_heads, BLOCK, s_layout)
+        n_valid, n_start, n_length, n_first, n_col, n_rm, n_sh = _bwd_item(
+            pid + (r + 1) * n_programs, n_items, n_single, n_record, num_heads, BLOCK, HALF, PAIR)
+        n_record = _record(pid + (r + 2) * n_programs, n_items, RECORDS, num_heads, PAIR, n_single)
+        n_lse = _lse_rows(LSE, n_start, n_first, n_length, n_col // HEAD_DIM, num_heads, BLOCK, s_layout, PAIR, n_rm,
+                          n_sh)
         if valid:
             # z is 0 at run time (zero is), but the compiler cannot tell: p's shared-memory
             # descriptors are formed here, in the round, in uniform registers, instead of being
@@ -391,20 +513,20 @@ def _block_attn_bwd_hopper(
             if ROPE:
                 mbarrier.wait(cs_bar, phase)
             sc = _scores_of(q_smem, qb, kv_smem, kb, cs_smem, first, length, s_zero, BLOCK, HALF, ROPE, True,
-                            num_warps)
+                            num_warps, PAIR, rm)
             # the next item's q: into the other q tile, which staged the last item's dk
             tma.store_wait(0)
             _cta_barrier()
-            _load_pair(q_desc, q_smem, 2 - qb, q_bar, n_row, n_col, n_valid, HALF)
-            k_cols = first + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
+            _load_pair_split(q_desc, q32_desc, q_smem, 2 - qb, q_bar, n_row, n_col, n_valid, n_rm, HALF, PAIR)
+            keys = _key_mask(first, length, rm, sh, BLOCK, s_layout, PAIR)
             p = gl.exp2(sc * qk_scale - lse[:, None])
-            p = gl.where((k_cols < length)[None, :], p, 0.0)  # keys past the sequence: 0
+            p = gl.where(keys, p, 0.0)  # keys past the sequence (and a pair's other head): 0
             p_smem.store(p.to(dtype))
             fence_async_shared()
             _cta_barrier()
             mbarrier.wait(do_bar, phase)
             if partial:  # do's rows past the sequence: 0 before dv's and dp's MMAs read them
-                _zero_rows_past(do_smem, 0, first, length, BLOCK, HALF, 32, num_warps)
+                _zero_rows_past(do_smem, 0, first, length, BLOCK, HALF, 32, num_warps, PAIR, rm)
                 fence_async_shared()
                 _cta_barrier()
             dv1 = warpgroup_mma(p_t, do_smem.index(0), h_zero, use_acc=False, is_async=True)
@@ -415,19 +537,19 @@ def _block_attn_bwd_hopper(
             dp = warpgroup_mma(do_smem.index(1), kv_smem.index(vb + 1).permute((1, 0)), dp, is_async=True)
             dv1, dv2, dp = warpgroup_mma_wait(0, deps=(dv1, dv2, dp))
             if partial:  # v's rows past the sequence (not zeroed in shared memory): their dp columns 0
-                dp = gl.where((k_cols < length)[None, :], dp, 0.0)
+                dp = gl.where(keys, dp, 0.0)
             # v's tile is read: the next item's k loads there; dv is staged in do's tile
             _cta_barrier()
-            _load_pair(k_desc, kv_smem, vb, k_bar, n_row, n_col, n_valid, HALF)
+            _load_pair_split(k_desc, k32_desc, kv_smem, vb, k_bar, n_row, n_col, n_valid, n_rm, HALF, PAIR)
             _store_pair(dv1, dv2, dv_desc, do_smem, 0, DV, start, first, length, col, stride_dvn, BLOCK, HALF,
-                        num_warps)
+                        num_warps, PAIR, rm, sh)
             delta = gl.sum(p * dp, 1)  # the whole softmax row is in the block
             ds = p * (dp - delta[:, None])
             p_smem.store(ds.to(dtype))  # p's MMAs (dv) are complete
             fence_async_shared()
             tma.store_wait(0)  # dv's stores have read do's tile: the next item's do loads there
             _cta_barrier()
-            _load_pair(do_desc, do_smem, 0, do_bar, n_row, n_col, n_valid, HALF)
+            _load_pair_split(do_desc, do32_desc, do_smem, 0, do_bar, n_row, n_col, n_valid, n_rm, HALF, PAIR)
             dq1 = warpgroup_mma(p_smem, kv_smem.index(kb), h_zero, use_acc=False, is_async=True)
             dq2 = warpgroup_mma(p_smem, kv_smem.index(kb + 1), h_zero, use_acc=False, is_async=True)
             dq1, dq2 = warpgroup_mma_wait(0, deps=(dq1, dq2))
@@ -435,11 +557,11 @@ def _block_attn_bwd_hopper(
             if ROPE:  # read once for both gradients
                 c, s = _rope_rows(cs_smem, h_layout)
             _cta_barrier()  # k's tile is read: the next item's v loads there now
-            _load_pair(v_desc, kv_smem, kb, v_bar, n_row, n_col, n_valid, HALF)
+            _load_pair_split(v_desc, v32_desc, kv_smem, kb, v_bar, n_row, n_col, n_valid, n_rm, HALF, PAIR)
             # dq is staged in the rope rows' tiles (read now), not in k's: v, needed early in the next
             # item, does not wait for dq's stores; the rope rows (L2-resident tables) do
             _store_rotated_back(dq1, dq2, c, s, dq_desc, dq_tiles, 0, DQ, start, first, length, col, stride_dqn, scale,
-                                ROPE, BLOCK, HALF, num_warps)
+                                ROPE, BLOCK, HALF, num_warps, PAIR, rm, sh)
             # dk's MMAs issued before dq is stored (4 accumulators and the tables live) spilled 268 B per
             # thread with rope (sm_90 ptxas, Triton 3.6, D=128), so they start after it
             dk1 = warpgroup_mma(p_t, q_smem.index(qb), h_zero, use_acc=False, is_async=True)
@@ -447,11 +569,12 @@ def _block_attn_bwd_hopper(
             if ROPE:
                 tma.store_wait(0)  # dq's stores have read the rope rows' tiles: the next item's rows load there
                 _cta_barrier()
-                _load_tables(cos_desc, sin_desc, cs_smem, cs_bar, n_first, n_valid)
+                _load_tables_split(cos_desc, sin_desc, cos32_desc, sin32_desc, cs_smem, cs_bar, n_first, n_valid, n_rm,
+                                   PAIR)
             dk1, dk2 = warpgroup_mma_wait(0, deps=(dk1, dk2))
             _store_rotated_back(dk1, dk2, c, s, dk_desc, q_smem, qb, DK, start, first, length, col, stride_dkn, scale,
-                                ROPE, BLOCK, HALF, num_warps)
-        valid, start, length, first, col, lse = n_valid, n_start, n_length, n_first, n_col, n_lse
+                                ROPE, BLOCK, HALF, num_warps, PAIR, rm, sh)
+        valid, start, length, first, col, lse, rm, sh = n_valid, n_start, n_length, n_first, n_col, n_lse, n_rm, n_sh
     tma.store_wait(0)
     mbarrier.invalidate(q_bar)
     mbarrier.invalidate(k_bar)
@@ -560,23 +683,24 @@ def tables_viewable(cos, sin) -> bool:
                    for t in (cos, sin))
 
 
-def descriptors(*tensors):
-    """TMA descriptors of [N, H, D] tensors as [N, H * D] in (BLOCK, D/2) boxes, or None where
+def descriptors(*tensors, rows: int = BLOCK):
+    """TMA descriptors of [N, H, D] tensors as [N, H * D] in (rows, D/2) boxes (the paired backward's
+    32-row boxes land in halves of (BLOCK, D/2) tiles, whose layout they take), or None where
     tiles_viewable says no."""
     if not tiles_viewable(*tensors):
         return None
     half = tensors[0].shape[2] // 2
-    return [TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [BLOCK, half],
+    return [TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [rows, half],
                              shared_layout(BLOCK, half, t.dtype)) for t in tensors]
 
 
-def table_descriptors(cos, sin):
-    """TMA descriptors of the rope tables in (BLOCK, D/2) boxes, or None where tables_viewable says
+def table_descriptors(cos, sin, rows: int = BLOCK):
+    """TMA descriptors of the rope tables in (rows, D/2) boxes, or None where tables_viewable says
     no (fp32 tables: one backward program per SM, resident_programs)."""
     if not tables_viewable(cos, sin):
         return None
     layout = shared_layout(BLOCK, cos.shape[1], cos.dtype)
-    return [TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [BLOCK, t.shape[1]], layout) for t in (cos, sin)]
+    return [TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [rows, t.shape[1]], layout) for t in (cos, sin)]
 
 
 def resident_programs(dim: int, size: int, table_size: int, backward: bool = True) -> int:
@@ -634,12 +758,44 @@ def forward(q, k, v, out, lse, cos, sin, records, block_size: int, rope: bool, q
 
 
 def backward(q, k, v, do, lse, dq, dk, dv, cos, sin, records, block_size: int, rope: bool, qk_scale: float,
-             scale: float, per_sm: int) -> None:
+             scale: float, per_sm: int, pair: bool = False, offsets=None) -> None:
     """Launch the Gluon backward over ``records`` (every block, as forward), ``per_sm`` programs per SM
-    (at most what fits); ``cos``/``sin`` the rope tables (ignored without ``rope``)."""
+    (at most what fits); ``cos``/``sin`` the rope tables (ignored without ``rope``). ``pair`` (with the
+    batch's ``offsets``, an even number of heads): the blocks of at most BLOCK / 2 rows run two heads
+    to an item (paired_records), so the backward runs fewer items; ignored for an odd head count."""
     descs, tables = _checked(block_size, rope, cos, sin, q, k, v, do, dq, dk, dv)
-    n_items, grid = _grid(records, q, cos, rope, per_sm, True)
+    heads = q.shape[1]
+    pair = bool(pair) and heads % 2 == 0
+    if pair:
+        if offsets is None:
+            raise ValueError("block_attention (Hopper): the paired backward needs the batch's offsets")
+        records, n_single_blocks = paired_records(offsets, q.device)
+        n_single = n_single_blocks * heads
+        n_items = n_single + (records.shape[0] - n_single_blocks) * (heads // 2)
+        halves = descriptors(q, k, v, do, rows=BLOCK // 2)
+        halves += table_descriptors(cos, sin, rows=BLOCK // 2) if rope else halves[:2]
+    else:
+        n_single, n_items = 0, records.shape[0] * heads
+        halves = descs[:4] + tables  # placeholders, never read
+    per_sm = min(per_sm, resident_programs(q.shape[2], q.element_size(), cos.element_size() if rope else 0, True))
     if n_items:
-        _block_attn_bwd_hopper[grid](*descs, *tables, dq, dk, dv, lse, records, n_items, q.shape[1],
-                                     dq.stride(0), dk.stride(0), dv.stride(0), qk_scale, scale, 0, HEAD_DIM=q.shape[2],
-                                     BLOCK=BLOCK, ROPE=bool(rope), num_warps=4)
+        _block_attn_bwd_hopper[(num_programs(n_items, per_sm, q.device),)](
+            *descs, *tables, dq, dk, dv, lse, records, n_items, heads, dq.stride(0), dk.stride(0), dv.stride(0),
+            qk_scale, scale, 0, *halves, n_single, HEAD_DIM=q.shape[2], BLOCK=BLOCK, ROPE=bool(rope), num_warps=4,
+            PAIR=pair)
+
+
+def paired_records(offsets, device):
+    """(records, n_single): common.query_records' blocks (block 64) with those of more than 32 rows
+    first, in their order, then those of at most 32 (in theirs), and how many come first. The
+    paired backward runs each of the first as one item per head and each of the others as one item
+    per two heads. Built on the host from the offsets' host copy, cached per batch layout."""
+    def build():
+        work = common._query_work_host(offsets, offsets, BLOCK, False)
+        rec = common.work_records(work, offsets, offsets)
+        rows = np.minimum(BLOCK, rec[:, 3] - rec[:, 1] * BLOCK)
+        short = rows <= BLOCK // 2
+        order = np.concatenate([np.flatnonzero(~short), np.flatnonzero(short)])
+        return common._to_device(np.ascontiguousarray(rec[order]), device), int((~short).sum())
+
+    return host.cached_plan(offsets, ("paired block records", BLOCK), build)
