@@ -211,19 +211,32 @@ def test_block_attention_whole_blocks_variant(monkeypatch):
     # the sweep times each selected workload, then its whole-block variant (kernel times stubbed)
     import dataclasses
 
-    from bench_jagged_attention import make_inputs
-
     few = [dataclasses.replace(w, q_lengths=w.q_lengths[:3], k_lengths=w.k_lengths[:3]) for w in block_attention_workloads()]
-    monkeypatch.setattr(bench, "block_attention_workloads", lambda: few)
-    monkeypatch.setattr(bench, "make_inputs", lambda w: make_inputs(w, device="cpu"))
-    monkeypatch.setattr(bench, "kernel_times", lambda *a: {"fwd_kernel_ms": 0.1, "bwd_kernel_ms": 0.2})
-    rows = bench.sweep(["self-1000"], [128], [(4, 1, 1, 0, 0, 3)], [(4, 1, 1, 0, 0, 2)], 4.0, whole=True)
+    rows = _block_sweep_stubbed(monkeypatch, few, whole=True)
     assert [(r["workload"], r["kind"]) for r in rows] == [("self-1000", "fwd"), ("self-1000", "bwd"),
                                                           ("self-1000-whole", "fwd"), ("self-1000-whole", "bwd")]
     assert rows[2]["pct"] > rows[0]["pct"]  # more tokens in the same stubbed time
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_block_attention.py"), "--whole-blocks"],
+    _refused_without_sweep("--whole-blocks")
+
+
+def _block_sweep_stubbed(monkeypatch, workloads, **variants):
+    """bench_block_attention.sweep of self-1000 over ``workloads`` on the CPU with the variants asked
+    (whole=, trimmed=), the kernel times stubbed (0.1 ms forward, 0.2 ms backward)."""
+    import bench_block_attention as bench
+    from bench_jagged_attention import make_inputs
+
+    monkeypatch.setattr(bench, "block_attention_workloads", lambda: workloads)
+    monkeypatch.setattr(bench, "make_inputs", lambda w: make_inputs(w, device="cpu"))
+    monkeypatch.setattr(bench, "kernel_times", lambda *a: {"fwd_kernel_ms": 0.1, "bwd_kernel_ms": 0.2})
+    return bench.sweep(["self-1000"], [128], [(4, 1, 1, 0, 0, 3)], [(4, 1, 1, 0, 0, 2)], 4.0, **variants)
+
+
+def _refused_without_sweep(flag: str, *values: str) -> None:
+    """bench_block_attention.py refuses a sweep-only ``flag`` (with its ``values``) given without
+    --sweep: one line, exit code 2."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_block_attention.py"), flag, *values],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("--whole-blocks applies to --sweep")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(f"{flag} applies to --sweep")
 
 
 def test_block_attention_trimmed_tails_variant(monkeypatch):
@@ -235,7 +248,6 @@ def test_block_attention_trimmed_tails_variant(monkeypatch):
     import torch
 
     import bench_block_attention as bench
-    from bench_jagged_attention import make_inputs
     from workloads import block_attention_workloads
 
     for w in block_attention_workloads():
@@ -249,17 +261,12 @@ def test_block_attention_trimmed_tails_variant(monkeypatch):
             bench.block_counts(w.q_lengths.tolist(), 64)["blocks"] - short // 2)
     few = [dataclasses.replace(w, q_lengths=torch.tensor([70, 100, 80, 64]), k_lengths=torch.tensor([70, 100, 80, 64]))
            for w in block_attention_workloads()]
-    monkeypatch.setattr(bench, "block_attention_workloads", lambda: few)
-    monkeypatch.setattr(bench, "make_inputs", lambda w: make_inputs(w, device="cpu"))
-    monkeypatch.setattr(bench, "kernel_times", lambda *a: {"fwd_kernel_ms": 0.1, "bwd_kernel_ms": 0.2})
-    rows = bench.sweep(["self-1000"], [128], [(4, 1, 1, 0, 0, 3)], [(4, 1, 1, 0, 0, 2)], 4.0, trimmed=True)
+    rows = _block_sweep_stubbed(monkeypatch, few, trimmed=True)
     assert [(r["workload"], r["kind"]) for r in rows] == [("self-1000", "fwd"), ("self-1000", "bwd"),
                                                           ("self-1000-trimmed", "fwd"), ("self-1000-trimmed", "bwd")]
     # tails 6 and 16 are short (the second is dropped), 36 is not: 7 blocks, then 6
     assert (rows[0]["tokens"], rows[0]["blocks"]) == (314, 7) and (rows[2]["tokens"], rows[2]["blocks"]) == (298, 6)
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_block_attention.py"), "--trimmed-tails"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("--trimmed-tails applies to --sweep")
+    _refused_without_sweep("--trimmed-tails")
 
 
 def test_block_attention_sweep_tables(monkeypatch):
@@ -284,9 +291,7 @@ def test_block_attention_sweep_tables(monkeypatch):
     assert {r["tables"] for r in bench.sweep(*args)} == {"float16"}
     assert {r["tables"] for r in bench.sweep(*args, table_dtype=torch.float32)} == {"float32"}
     assert seen == [torch.float16] * 2 + [torch.float32] * 2
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_block_attention.py"), "--sweep-tables", "fp32"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("--sweep-tables applies to --sweep")
+    _refused_without_sweep("--sweep-tables", "fp32")
 
 
 def _source_page(rows, sampling=True) -> str:
