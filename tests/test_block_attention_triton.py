@@ -289,6 +289,12 @@ def test_paired_backward_records_put_the_short_blocks_last():
     assert d32.block_shape == [32, 32] and d32.layout == bh.descriptors(x)[0].layout
     tables = torch.zeros(64, 32, dtype=torch.float16)
     assert bh.table_descriptors(tables, tables, rows=32)[0].block_shape == [32, 32]
+    # an odd head count or no offsets: refused before anything is built (autotuning skips the config)
+    x3 = torch.zeros(128, 3, 64, dtype=torch.bfloat16)
+    for t, offsets_given in ((x3, off), (x, None)):
+        with pytest.raises(ValueError, match="even number of heads and the batch's offsets"):
+            bh.backward(t, t, t, t, None, t, t, t, None, None, None, 64, False, 1.0, 1.0, 2, pair=True,
+                        offsets=offsets_given)
 
 
 def _offered(monkeypatch, lengths, heads, dim, dtype):

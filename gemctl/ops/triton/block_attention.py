@@ -609,10 +609,10 @@ def _backward(do, q, k, v, lse, cos, sin, offsets, max_len, block_size, rope_bas
     def run(cfg):
         if config_field(cfg, 5):  # the Gluon kernel for Hopper
             _gluon_rotation(mode, cfg)
-            records = query_records(offsets, offsets, block_size, False, q.device)
+            pair = bool(config_field(cfg, 8))  # the paired backward builds its own records
+            records = None if pair else query_records(offsets, offsets, block_size, False, q.device)
             _hopper(q.device).backward(q, k, v, do, lse, dq, dk, dv, cos, sin, records, block_size, rope,
-                                       scale * LOG2E, scale, config_field(cfg, 5), pair=bool(config_field(cfg, 8)),
-                                       offsets=offsets)
+                                       scale * LOG2E, scale, config_field(cfg, 5), pair=pair, offsets=offsets)
             return
         args = (q, k, v, do, lse, dq, dk, dv, cos, sin, strides)
         descs = _descriptors(cfg, block_size, (q, k), (v, do))

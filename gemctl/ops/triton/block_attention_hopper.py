@@ -337,8 +337,8 @@ def _store_pair(g1, g2, desc, tiles, b, DST, start, first, length, col, stride, 
         i = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
         rows = first + _row_pos(i, rm, PAIR)
         cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
-        ptrs = (DST + (start + rows).to(gl.int64)[:, None] * stride + (col + _row_head(i, sh, PAIR) * (2 * HALF))[:, None]
-                + cols[None, :])
+        heads = col + _row_head(i, sh, PAIR) * (2 * HALF)  # the tile row's head column
+        ptrs = DST + (start + rows).to(gl.int64)[:, None] * stride + heads[:, None] + cols[None, :]
         for h in gl.static_range(2):
             gl.store(ptrs + h * HALF, tiles.index(b + h).load(layout), mask=(rows < length)[:, None])
         fence_async_shared()
@@ -421,7 +421,7 @@ def _key_mask(first, length, rm, sh, BLOCK: gl.constexpr, layout: gl.constexpr, 
     return ok
 
 
-@gluon.jit(do_not_specialize=["n_items", "zero"])
+@gluon.jit(do_not_specialize=["n_items", "zero", "n_single"])  # per-batch counts: one compile
 def _block_attn_bwd_hopper(
     q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, cos_desc, sin_desc, DQ, DK, DV, LSE, RECORDS,
     n_items, num_heads, stride_dqn, stride_dkn, stride_dvn, qk_scale, scale, zero,
@@ -761,14 +761,15 @@ def backward(q, k, v, do, lse, dq, dk, dv, cos, sin, records, block_size: int, r
              scale: float, per_sm: int, pair: bool = False, offsets=None) -> None:
     """Launch the Gluon backward over ``records`` (every block, as forward), ``per_sm`` programs per SM
     (at most what fits); ``cos``/``sin`` the rope tables (ignored without ``rope``). ``pair`` (with the
-    batch's ``offsets``, an even number of heads): the blocks of at most BLOCK / 2 rows run two heads
-    to an item (paired_records), so the backward runs fewer items; ignored for an odd head count."""
+    batch's ``offsets`` and an even number of heads, else ValueError): the blocks of at most BLOCK / 2
+    rows run two heads to an item (paired_records, built here: ``records`` may be None then)."""
     descs, tables = _checked(block_size, rope, cos, sin, q, k, v, do, dq, dk, dv)
     heads = q.shape[1]
-    pair = bool(pair) and heads % 2 == 0
     if pair:
-        if offsets is None:
-            raise ValueError("block_attention (Hopper): the paired backward needs the batch's offsets")
+        if heads % 2 or offsets is None:  # the autotuner then takes the next candidate; a pinned config raises
+            given = "given" if offsets is not None else "None"
+            raise ValueError(f"block_attention (Hopper): the paired backward takes an even number of heads and the "
+                             f"batch's offsets (got {heads} heads, offsets {given})")
         records, n_single_blocks = paired_records(offsets, q.device)
         n_single = n_single_blocks * heads
         n_items = n_single + (records.shape[0] - n_single_blocks) * (heads // 2)
