@@ -43,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import (  # noqa: E402
-    add_pin_argument, base_meta, graph_bench, parse_pins, picked_configs, profile_step,
+    add_configs_argument, add_pin_argument, base_meta, graph_bench, parse_configs, parse_pins, picked_configs,
+    profile_step,
 )
 from bench_gdpa import ceilings, timings  # noqa: E402
 from bench_jagged_attention import make_inputs  # noqa: E402
@@ -292,20 +293,17 @@ def sweep(names, dims, fwd_cfgs, bwd_cfgs, copy_tbps: float, whole: bool = False
     return rows
 
 
-def _configs(text):
-    return [tuple(int(x) for x in c.split(",")) for c in text.split()] if text else None
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="only time forced configs (block 64, fused RoPE)")
     ap.add_argument("--dims", default="128", help="head dims of the sweep, e.g. '128,64'")
-    ap.add_argument("--fwd-configs", default="", help="forward configs of the sweep, e.g. '4,1,1 8,1,1' "
-                    "(default: the candidate list)")
+    add_configs_argument(ap, "--fwd-configs", "forward configs of the sweep, e.g. 4,1,1 8,1,1 (separate arguments or one "
+                         "quoted list; default: the candidate list)")
     ap.add_argument("--packed-rope", action="store_true",
                     help="both passes rotate bf16 q and k in packed bf16x2 on sm_90+, not in fp32 (the "
                     "Triton kernels only; a benchmark of the two rotations; off by default, see _PACKED_ROPE)")
-    ap.add_argument("--bwd-configs", default="", help="backward configs of the sweep (default: the candidate list)")
+    add_configs_argument(ap, "--bwd-configs", "backward configs of the sweep, as --fwd-configs (default: the candidate "
+                         "list)")
     ap.add_argument("--whole-blocks", action="store_true",
                     help="--sweep: also each workload with its lengths rounded up to whole 64-row blocks (<name>-whole): "
                          "what partial blocks and the rows past the sequences cost")
@@ -321,6 +319,9 @@ def main() -> None:
                     "stop (ncu), nothing else; <name>-whole profiles the workload rounded up to whole blocks")
     add_pin_argument(ap)
     args = ap.parse_args()
+    # malformed configs are refused before any GPU work
+    fwd_configs, bwd_configs = (parse_configs(f, v) for f, v in (("--fwd-configs", args.fwd_configs),
+                                                                 ("--bwd-configs", args.bwd_configs)))
     block_kernels._PACKED_ROPE = args.packed_rope
     pins = parse_pins(args.pin, bool(args.profile_step))
     for flag, given, why in (("--whole-blocks", args.whole_blocks, "the full benchmark times the issue's workloads as they are"),
@@ -345,8 +346,8 @@ def main() -> None:
     meta = {**base_meta(dtype="bfloat16", rope_base=ROPE_BASE, rope_math=rope_math), **ceilings()}
     print(meta, flush=True)
     if args.sweep:
-        fwd = _configs(args.fwd_configs) or block_kernels._FWD_CANDIDATES
-        bwd = _configs(args.bwd_configs) or block_kernels._BWD_CANDIDATES
+        fwd = fwd_configs or block_kernels._FWD_CANDIDATES
+        bwd = bwd_configs or block_kernels._BWD_CANDIDATES
         rows = sweep(args.only, [int(d) for d in args.dims.split(",")], fwd, bwd, meta["copy_tbps"],
                      whole=args.whole_blocks, table_dtype=TABLE_DTYPES.get(args.sweep_tables), trimmed=args.trimmed_tails)
         Path(args.out).write_text(json.dumps({"meta": meta, "sweep": rows}, indent=1, default=str))

@@ -46,6 +46,26 @@ def add_pin_argument(ap) -> None:
                     "benchmark did (repeatable)")
 
 
+def add_configs_argument(ap, flag: str, help: str) -> None:
+    """A list of kernel configs for ``flag``: as separate arguments or in one quoted string, both split
+    on spaces (``--grid-configs 64,32,4,2 64,128,4,4`` and ``--grid-configs "64,32,4,2 64,128,4,4"``
+    are one list); parse_configs reads it."""
+    ap.add_argument(flag, nargs="*", default=[], metavar="CFG", help=help)
+
+
+def parse_configs(flag: str, items: list[str]) -> list[tuple[int, ...]]:
+    """The configs add_configs_argument's ``flag`` received, each comma-separated integers; a
+    malformed one prints one line naming the flag and the config, exit code 2."""
+    configs = []
+    for item in " ".join(items).split():
+        try:
+            configs.append(tuple(int(x) for x in item.split(",")))
+        except ValueError:
+            print(f"{flag}: {item!r} is not a config (comma-separated integers, e.g. 64,32,4,2,0,0)", file=sys.stderr)
+            raise SystemExit(2) from None
+    return configs
+
+
 def parse_pins(items: list[str], profiling: bool) -> dict:
     """``["gdpa_fwd=64,32,4,3,0,0", ...]`` -> {"gdpa_fwd": (64, 32, 4, 3, 0, 0)}. A malformed item,
     or pins without --profile-step, print one line and exit 2."""

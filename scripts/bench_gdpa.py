@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import (  # noqa: E402
-    add_pin_argument, base_meta, graph_bench, parse_pins, picked_configs, profile_step,
+    add_configs_argument, add_pin_argument, base_meta, graph_bench, parse_configs, parse_pins, picked_configs,
+    profile_step,
 )
 from bench_jagged_attention import bench, make_inputs, tflops  # noqa: E402
 from gemctl import ops  # noqa: E402
@@ -177,8 +178,8 @@ def main() -> None:
     ap.add_argument("--grids", action="store_true", help="also time the forward under every candidate config")
     ap.add_argument("--grid-only", action="store_true",
                     help="time the forward configs (--grid-configs, default all) and the softmax jagged forward, nothing else")
-    ap.add_argument("--grid-configs", nargs="*", default=[], metavar="CFG",
-                    help="with --grids or --grid-only: these forward configs only (comma-separated fields, e.g. 64,32,4,2,0,0,0,128)")
+    add_configs_argument(ap, "--grid-configs", "with --grids or --grid-only: these forward configs only (comma-separated "
+                         "fields, e.g. 64,32,4,2,0,0,0,128; separate arguments or one quoted list)")
     ap.add_argument("--only", nargs="*", help="workload names to run (default: all)")
     ap.add_argument("--profile-step", metavar="WORKLOAD",
                     help="one GDPA forward+backward of WORKLOAD between profiler start and stop (ncu), nothing else")
@@ -193,11 +194,7 @@ def main() -> None:
     add_pin_argument(ap)
     args = ap.parse_args()
     gdpa_kernels._PENDING_AUTOTUNE = args.pending
-    try:
-        grid_configs = [tuple(int(f) for f in c.split(",")) for c in args.grid_configs]
-    except ValueError:
-        ap.error(f"--grid-configs {' '.join(args.grid_configs)}: each config is comma-separated integers, "
-                 "e.g. 64,32,4,2,0,0,0,128")  # one line, exit code 2
+    grid_configs = parse_configs("--grid-configs", args.grid_configs)
     pins = parse_pins(args.pin, bool(args.profile_step))
     if args.probes and not ((args.grid_only and grid_configs) or args.profile_step):
         ap.error("--probes: give it with --grid-only and --grid-configs (the Gluon configs to probe), or with "

@@ -90,6 +90,30 @@ def test_gdpa_probes_follow_each_gluon_config(monkeypatch):
     assert proc.returncode == 2 and "--probes: give it with --grid-only and --grid-configs" in proc.stderr
 
 
+def test_config_lists_take_separate_arguments_or_one_quoted_list():
+    """The benchmarks' config lists (--grid-configs, --fwd-configs, --bwd-configs) read the same from
+    separate arguments and from one quoted string; a malformed config is one line naming the flag
+    and the config, exit code 2, in both scripts."""
+    import argparse
+
+    import bench_common
+
+    ap = argparse.ArgumentParser()
+    bench_common.add_configs_argument(ap, "--grid-configs", "configs")
+    for argv in (["--grid-configs", "64,32,4,2", "64,128,4,4,1"], ["--grid-configs", "64,32,4,2 64,128,4,4,1"]):
+        assert bench_common.parse_configs("--grid-configs", ap.parse_args(argv).grid_configs) == [
+            (64, 32, 4, 2), (64, 128, 4, 4, 1)]
+    assert bench_common.parse_configs("--grid-configs", ap.parse_args([]).grid_configs) == []
+    for script, flag in (("bench_gdpa.py", "--grid-configs"), ("bench_block_attention.py", "--bwd-configs")):
+        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--grid-only", flag, "4,1,1 4,x,1"]
+                              if script == "bench_gdpa.py" else
+                              [sys.executable, str(ROOT / "scripts" / script), "--sweep", flag, "4,1,1", "4,x,1"],
+                              capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip().splitlines() == [f"{flag}: '4,x,1' is not a config (comma-separated integers, "
+                                                    "e.g. 64,32,4,2,0,0)"]
+
+
 def test_gdpa_ab_rounds_alternate_and_summarize(monkeypatch):
     """--ab N: ours and the softmax forward timed in alternating rounds; medians, the per-round
     ratio's range and how many rounds ours won (timings stubbed)."""
