@@ -266,8 +266,7 @@ def sweep(names, dims, fwd_cfgs, bwd_cfgs, copy_tbps: float, whole: bool = False
     for w in [v for w in block_attention_workloads() for v in (w, *(f(w) for f in variants))]:
         if names and w.name.removesuffix("-whole").removesuffix("-trimmed") not in names and w.name not in names:
             continue
-        lengths = w.q_lengths.long()
-        shape = {"tokens": int(lengths.sum()), "blocks": int(((lengths + 63) // 64).sum())}
+        shape = {"tokens": int(w.q_lengths.sum()), "blocks": block_counts(w.q_lengths.tolist(), 64)["blocks"]}
         for dim in dims:
             w_dim = dataclasses.replace(w, head_dim=dim)
             q, k, v, off, _, _, _, grad = make_inputs(w_dim)
@@ -324,8 +323,8 @@ def main() -> None:
                                                                  ("--bwd-configs", args.bwd_configs)))
     block_kernels._PACKED_ROPE = args.packed_rope
     pins = parse_pins(args.pin, bool(args.profile_step))
-    for flag, given, why in (("--whole-blocks", args.whole_blocks, "the full benchmark times the issue's workloads as they are"),
-                             ("--trimmed-tails", args.trimmed_tails, "the full benchmark times the issue's workloads as they are"),
+    as_is = "the full benchmark times the issue's workloads as they are"
+    for flag, given, why in (("--whole-blocks", args.whole_blocks, as_is), ("--trimmed-tails", args.trimmed_tails, as_is),
                              ("--sweep-tables", args.sweep_tables, "the full benchmark times fp16 and fp32 tables already")):
         if given and not args.sweep:
             print(f"{flag} applies to --sweep only ({why})", file=sys.stderr)

@@ -61,20 +61,21 @@ def parse_configs(flag: str, items: list[str]) -> list[tuple[int, ...]]:
         try:
             configs.append(tuple(int(x) for x in item.split(",")))
         except ValueError:
-            print(f"{flag}: {item!r} is not a config (comma-separated integers, e.g. 64,32,4,2,0,0)", file=sys.stderr)
-            raise SystemExit(2) from None
+            _refuse(f"{flag}: {item!r} is not a config (comma-separated integers, e.g. 64,32,4,2,0,0)")
     return configs
+
+
+def _refuse(msg: str):
+    """A bad command line: one line on stderr, exit code 2."""
+    print(msg, file=sys.stderr)
+    raise SystemExit(2)
 
 
 def parse_pins(items: list[str], profiling: bool) -> dict:
     """``["gdpa_fwd=64,32,4,3,0,0", ...]`` -> {"gdpa_fwd": (64, 32, 4, 3, 0, 0)}. A malformed item,
     or pins without --profile-step, print one line and exit 2."""
-    def fail(msg: str):
-        print(msg, file=sys.stderr)
-        raise SystemExit(2)
-
     if items and not profiling:
-        fail("--pin applies to --profile-step only (benchmarks time autotuned configs; the sweeps pin their own)")
+        _refuse("--pin applies to --profile-step only (benchmarks time autotuned configs; the sweeps pin their own)")
     pins = {}
     for item in items:
         name, _, cfg = item.partition("=")
@@ -83,7 +84,7 @@ def parse_pins(items: list[str], profiling: bool) -> dict:
         except ValueError:
             values = ()
         if name not in PINNABLE or not values:
-            fail(f"--pin: expected KERNEL=INT,INT,... with KERNEL one of {', '.join(PINNABLE)}, got {item!r}")
+            _refuse(f"--pin: expected KERNEL=INT,INT,... with KERNEL one of {', '.join(PINNABLE)}, got {item!r}")
         pins[name] = values
     return pins
 

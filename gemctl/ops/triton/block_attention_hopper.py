@@ -75,7 +75,6 @@ it for sm_90 (scripts/check_kernels_build.py), the GPU tier checks it against fl
 
 from __future__ import annotations
 
-import numpy as np
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -84,9 +83,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from gemctl.ops import host
-from gemctl.ops.triton import common
-from gemctl.ops.triton.common import _RECORD as RECORD, num_programs, rows_viewable
+from gemctl.ops.triton.common import _RECORD as RECORD, num_programs, records_short_last, rows_viewable
 from gemctl.ops.triton.gdpa_hopper import (
     SMEM_PER_SM as _SMEM_PER_SM, SMEM_RESERVED as _SMEM_RESERVED,
     _GL_DTYPES, ELEMENT_TYPES, _acc_layout, _cta_barrier, _tma_load, _tma_store, shared_layout,
@@ -739,10 +736,10 @@ def _checked(block_size: int, rope: bool, cos, sin, *tensors):
     return descs, tables
 
 
-def _grid(records, q, cos, rope: bool, per_sm: int, backward: bool):
-    n_items = records.shape[0] * q.shape[1]
+def _grid(n_items: int, q, cos, rope: bool, per_sm: int, backward: bool):
+    """The persistent grid of ``n_items`` items: ``per_sm`` programs per SM, at most what fits."""
     per_sm = min(per_sm, resident_programs(q.shape[2], q.element_size(), cos.element_size() if rope else 0, backward))
-    return n_items, (num_programs(n_items, per_sm, q.device),)
+    return (num_programs(n_items, per_sm, q.device),)
 
 
 def forward(q, k, v, out, lse, cos, sin, records, block_size: int, rope: bool, qk_scale: float,
@@ -751,7 +748,8 @@ def forward(q, k, v, out, lse, cos, sin, records, block_size: int, rope: bool, q
     block_size rows), ``per_sm`` programs per SM (at most what fits); writes ``out`` and ``lse``
     (log2 units, as the Triton forward)."""
     descs, tables = _checked(block_size, rope, cos, sin, q, k, v, out)
-    n_items, grid = _grid(records, q, cos, rope, per_sm, False)
+    n_items = records.shape[0] * q.shape[1]
+    grid = _grid(n_items, q, cos, rope, per_sm, False)
     if n_items:
         _block_attn_fwd_hopper[grid](*descs, *tables, out, lse, records, n_items, q.shape[1], out.stride(0),
                                      qk_scale, HEAD_DIM=q.shape[2], BLOCK=BLOCK, ROPE=bool(rope), num_warps=4)
@@ -778,25 +776,15 @@ def backward(q, k, v, do, lse, dq, dk, dv, cos, sin, records, block_size: int, r
     else:
         n_single, n_items = 0, records.shape[0] * heads
         halves = descs[:4] + tables  # placeholders, never read
-    per_sm = min(per_sm, resident_programs(q.shape[2], q.element_size(), cos.element_size() if rope else 0, True))
     if n_items:
-        _block_attn_bwd_hopper[(num_programs(n_items, per_sm, q.device),)](
+        _block_attn_bwd_hopper[_grid(n_items, q, cos, rope, per_sm, True)](
             *descs, *tables, dq, dk, dv, lse, records, n_items, heads, dq.stride(0), dk.stride(0), dv.stride(0),
             qk_scale, scale, 0, *halves, n_single, HEAD_DIM=q.shape[2], BLOCK=BLOCK, ROPE=bool(rope), num_warps=4,
             PAIR=pair)
 
 
 def paired_records(offsets, device):
-    """(records, n_single): common.query_records' blocks (block 64) with those of more than 32 rows
-    first, in their order, then those of at most 32 (in theirs), and how many come first. The
-    paired backward runs each of the first as one item per head and each of the others as one item
-    per two heads. Built on the host from the offsets' host copy, cached per batch layout."""
-    def build():
-        work = common._query_work_host(offsets, offsets, BLOCK, False)
-        rec = common.work_records(work, offsets, offsets)
-        rows = np.minimum(BLOCK, rec[:, 3] - rec[:, 1] * BLOCK)
-        short = rows <= BLOCK // 2
-        order = np.concatenate([np.flatnonzero(~short), np.flatnonzero(short)])
-        return common._to_device(np.ascontiguousarray(rec[order]), device), int((~short).sum())
-
-    return host.cached_plan(offsets, ("paired block records", BLOCK), build)
+    """(records, n_single): the blocks (BLOCK rows) with those of more than BLOCK / 2 rows first and
+    the others last (common.records_short_last). The paired backward runs each of the first as one
+    item per head and each of the others as one item per two heads."""
+    return records_short_last(offsets, BLOCK, device)

@@ -466,6 +466,20 @@ def query_records(q_offsets, k_offsets, block_m: int, causal: bool, device) -> t
     return host.cached_plan(q_offsets, ("q records", _identity(k_offsets), block_m, causal), build)
 
 
+def records_short_last(offsets, block: int, device) -> tuple[torch.Tensor, int]:
+    """query_records of the self-attention tiles of ``block`` rows (``offsets`` on both sides) with the
+    tiles of more than block / 2 rows first and the others last, each group in query_records' order,
+    and how many come first (block attention's paired backward runs each of the last as one item
+    per two heads). Built on the host from the offsets' host copy, cached per batch layout."""
+    def build():
+        rec = work_records(_query_work_host(offsets, offsets, block, False), offsets, offsets)
+        short = np.minimum(block, rec[:, 3] - rec[:, 1] * block) <= block // 2
+        order = np.concatenate([np.flatnonzero(~short), np.flatnonzero(short)])
+        return _to_device(np.ascontiguousarray(rec[order]), device), int((~short).sum())
+
+    return host.cached_plan(offsets, ("q records, short last", block), build)
+
+
 def _query_work_host(q_offsets, k_offsets, block_m: int, causal: bool) -> np.ndarray:
     def build():
         lq, lk = _lengths(q_offsets), _lengths(k_offsets)
