@@ -198,14 +198,15 @@ def test_cast_nan_inf_rows_and_columns():
     assert not torch.isnan(dr[0].float()).any() and not torch.isnan(dt[7, :4].float()).any()
 
 
-def check_norm_cast(x: torch.Tensor, chunk: int) -> None:
+def check_norm_cast(x: torch.Tensor, chunk: int, weight_dtype: torch.dtype = torch.float32) -> None:
     """fp8_rmsnorm_cast_rows against RMSNorm computed in torch from the kernel's rstd (float32, one
     rounding to x's dtype) then cast by fp8_cast_rows: the same bytes; rstd against float64; the
-    column cast with norm=(rstd, w) against the column cast of that RMSNorm output."""
+    column cast with norm=(rstd, w) against the column cast of that RMSNorm output. The weight in
+    ``weight_dtype`` (a float32 weight is rounded to x's dtype as the unfused norm applies it)."""
     from gemctl.ops.triton.fp8_gemm import fp8_rmsnorm_cast_rows
 
     g = torch.Generator().manual_seed(x.shape[1])
-    w = (torch.randn(x.shape[1], generator=g) * 2).to(x.device)
+    w = (torch.randn(x.shape[1], generator=g) * 2).to(x.device, weight_dtype)
     eps = 1e-6
     amax_rows = max(2, chunk // 4)
     data, scale, rstd, part = fp8_rmsnorm_cast_rows(x, w, eps, col_amax=True, amax_rows=amax_rows)
@@ -228,6 +229,8 @@ def test_rmsnorm_cast_bit_exact(shape, chunk, dtype):
         x[1] = 0.0  # the hostile rows' subnormals overflow x^2's float32 range the other way: a zero row
         x[2, shape[1] // 2] = 1e18  # x^2 stays finite in float32
     check_norm_cast(x, chunk)
+    if dtype == torch.bfloat16 and shape[0] > 2:  # a bf16 weight (the model's under bf16 params)
+        check_norm_cast(x, chunk, torch.bfloat16)
 
 
 def test_rmsnorm_cast_rejects_bad_inputs():
@@ -989,7 +992,8 @@ def test_rmsnorm_cast_bit_exact_gpu():
     g = torch.Generator().manual_seed(5)
     for shape in ((8192, 1024), (300, 768), (7, 70)):
         x = (torch.randn(*shape, generator=g) * 3).to("cuda", torch.bfloat16)
-        check_norm_cast(x, 4096 if shape[0] > 4096 else 64)
+        for weight_dtype in (torch.float32, torch.bfloat16):
+            check_norm_cast(x, 4096 if shape[0] > 4096 else 64, weight_dtype)
 
 
 @pytest.mark.gpu

@@ -52,7 +52,6 @@ from gemctl.ops.triton.common import (
     INTERPRET, bucket_len, cdiv, config_field, gpu_checked, next_pow2, num_programs, pick_config,
 )
 from gemctl.ops.triton.mx_quant import _block_scales, _quantize_elems
-from gemctl.ops.triton.rms_norm import applied_weight
 
 EPILOGUES = {"none": 0, "silu_bwd": 2}
 PROMOTE_EVERY = 4096  # contraction values summed on the tensor cores before a float32 add (long K)
@@ -173,16 +172,44 @@ def _load_act(ptrs, mask, ACT: tl.constexpr, IN_BF16: tl.constexpr):
 
 @triton.jit
 def _normed(X, x, rstd, nw, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr):
-    """RMSNorm's output (x * rstd) * nw (rows x columns, float32) rounded to X's element type (bf16
-    when IN_BF16: X then holds int16 bit patterns), as the unfused norm would have stored it."""
-    y = (x * rstd[:, None]) * nw[None, :]
-    if IN_BF16 and not BIT_CAST:  # the hardware conversion rounds to nearest even (cvt.rn.bf16x2.f32)
+    """RMSNorm's output (x * rstd) * nw (rows x columns, float32; nw from _norm_weight) rounded to
+    X's element type (bf16 when IN_BF16: X then holds int16 bit patterns), as the unfused norm would
+    have stored it."""
+    return _as_stored(X, (x * rstd[:, None]) * nw[None, :], IN_BF16, BIT_CAST)
+
+
+@triton.jit
+def _as_stored(X, y, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr):
+    """float32 y rounded (to nearest even) to X's element type and widened back: the value a tensor
+    of that type would hold."""
+    if IN_BF16 and not BIT_CAST and _GPU_ASM:
+        # two values per conversion (cvt.rn.bf16x2.f32), widened by a shift and a mask: 1.5
+        # instructions per value where y.to(bf16).to(float32) compiles to a conversion and a widening
+        # each (sm_90 SASS: F2F.BF16.F32 + IMAD.U32 per value)
+        bits = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 p;
+            cvt.rn.bf16x2.f32 p, $3, $2;
+            shl.b32 $0, p, 16;
+            and.b32 $1, p, 0xffff0000;
+            }""",
+            "=r,=r,r,r", [y.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=True, pack=2)
+        return bits.to(tl.float32, bitcast=True)
+    if IN_BF16 and not BIT_CAST:  # the hardware conversion rounds to nearest even (cvt.rn.bf16.f32)
         return y.to(tl.bfloat16).to(tl.float32)
     if IN_BF16:  # round to nearest even on the bits (the interpreter's bf16 conversion does not)
         bits = y.to(tl.int32, bitcast=True)
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
         return tl.where(y != y, y, rounded)
     return y.to(X.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _norm_weight(X, NW, cc, cmask, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr):
+    """The norm's weight NW [Cn] (any float dtype) at columns cc as the unfused norm applies it: in
+    X's element type, then float32 (rms_norm.applied_weight, here without a conversion kernel of
+    its own before each cast)."""
+    return _as_stored(X, tl.load(NW + cc, mask=cmask, other=0.0).to(tl.float32), IN_BF16, BIT_CAST)
 
 
 @triton.jit
@@ -376,8 +403,8 @@ def _cast_rows_kernel(
     byte over the program's ITERS * BLOCK_R rows, PART [programs, Cn] uint8, from which the column
     cast takes its chunk scales without a sweep of its own (RCEIL's byte grows with the amax, so
     the byte of a chunk is the largest of its runs' bytes). NORM (ONE_SWEEP, ACT 0): the
-    rows are RMS-normalized first, y = x * rstd * NW (float32 NW [Cn]), rounded to X's dtype
-    (what the unfused norm would store), and rstd = 1 / sqrt(mean(x^2) + eps) goes to RSTD [R].
+    rows are RMS-normalized first, y = x * rstd * NW (NW [Cn] as _norm_weight applies it),
+    rounded to X's dtype (what the unfused norm would store), and rstd = 1 / sqrt(mean(x^2) + eps) goes to RSTD [R].
     DEPTH (ITERS > 1): blocks of rows in flight while one is reduced and stored. ATOMIC (with
     COL_AMAX): one block of BLOCK_R rows per program, ITERS programs per run of rows, each
     folding its column bytes into the run's by an atomic max on PART [runs, Cn] int32 (zeroed
@@ -386,7 +413,7 @@ def _cast_rows_kernel(
     if ONE_SWEEP and ATOMIC:
         cc = tl.arange(0, BLOCK_C)
         cmask = (cc < Cn)[None, :]
-        nw = tl.load(NW + cc, mask=cc < Cn, other=0.0) if NORM else 0.0
+        nw = _norm_weight(X, NW, cc, cc < Cn, IN_BF16, BIT_CAST) if NORM else 0.0
         rr = pid * BLOCK_R + tl.arange(0, BLOCK_R)
         raw = _load_raw(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], (rr < R)[:, None] & cmask)
         bits = _cast_row_block(X, DATA, SCALE, RSTD, raw, rr, cc, cmask, nw, R, Cn, stride_dr, eps, ACT, IN_BF16,
@@ -397,7 +424,7 @@ def _cast_rows_kernel(
     elif ONE_SWEEP:
         cc = tl.arange(0, BLOCK_C)
         cmask = (cc < Cn)[None, :]
-        nw = tl.load(NW + cc, mask=cc < Cn, other=0.0) if NORM else 0.0
+        nw = _norm_weight(X, NW, cc, cc < Cn, IN_BF16, BIT_CAST) if NORM else 0.0
         # Column maxima accumulate element-wise over the iterations (no cross-thread reduction,
         # hence no barrier, inside the loop); one reduction over the BLOCK_R rows at the end.
         col = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.int32)
@@ -460,7 +487,7 @@ def _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, c
     any jagged R not a multiple of 16 made them byte stores (sm_90 PTX: 33 st.global.b8 for 2
     st.global.v4.b32; H200, [89569, 3072]: 1.45 ms, 7x the copy time)."""
     tl.store(SCALE + cc.to(tl.int64) * stride_sc + g, byte.to(tl.uint8), mask=cmask & (cc * 0 + split == 0))
-    nw = tl.load(NW + cc, mask=cmask, other=0.0) if NORM else 0.0
+    nw = _norm_weight(X, NW, cc, cmask, IN_BF16, BIT_CAST) if NORM else 0.0
     for r0 in range(start, end, BLOCK_R):
         rr = r0 + tl.arange(0, BLOCK_R)
         mask = (rr[:, None] < end) & cmask[None, :]
@@ -494,7 +521,7 @@ def _cast_cols_kernel(
     cmask = cc < Cn
     amax = tl.zeros((BLOCK_C,), dtype=tl.int32)
     end = tl.minimum(g * CHUNK + CHUNK, R)
-    nw = tl.load(NW + cc, mask=cmask, other=0.0) if NORM else 0.0
+    nw = _norm_weight(X, NW, cc, cmask, IN_BF16, BIT_CAST) if NORM else 0.0
     for r0 in range(g * CHUNK, end, BLOCK_R):
         rr = r0 + tl.arange(0, BLOCK_R)
         mask = (rr[:, None] < end) & cmask[None, :]
@@ -595,7 +622,7 @@ def fp8_rmsnorm_cast_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, *, 
                          f"{tuple(weight.shape)}")
     if x.shape[1] > _ROWS_IN_REGISTERS:
         raise ValueError(f"fp8_rmsnorm_cast_rows: rows of at most {_ROWS_IN_REGISTERS} values, got {x.shape[1]}")
-    norm = (applied_weight(weight, x), float(eps))
+    norm = (weight.detach().contiguous(), float(eps))  # applied as the norm applies it: _norm_weight
     data, scale, rstd, part = _cast_rows(x, None, col_amax, amax_rows, bit_cast, norm)
     return (data, scale, rstd, part) if col_amax else (data, scale, rstd)
 
@@ -672,7 +699,7 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
         raise ValueError(f"fp8_cast_cols: part {tuple(part.shape)} does not belong to x {tuple(x.shape)} "
                          f"with amax_rows={amax_rows}")
     # placeholders the kernels do not read without NORM
-    rstd, nw = (norm[0], applied_weight(norm[1], x)) if norm is not None else (scale, scale)
+    rstd, nw = (norm[0], norm[1].detach().contiguous()) if norm is not None else (scale, scale)
     if x.numel():
         def run(cfg):
             br, bc, warps, split = cfg

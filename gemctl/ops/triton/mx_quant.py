@@ -132,14 +132,17 @@ def _block_scales(amax_bits, EMAX: tl.constexpr, RCEIL: tl.constexpr):
 @triton.jit
 def _quantize_elems(x, inv, nan, ELEM_MAX: tl.constexpr, E5M2: tl.constexpr, BIT_CAST: tl.constexpr):
     """FP8 bytes of float32 ``x`` scaled by ``inv``; ``inv`` and ``nan`` broadcast against x."""
-    q = x * inv
-    if BIT_CAST:  # the integer rounding needs finite values in the element range
-        q = tl.where(nan, 0.0, q)
-        q = tl.minimum(tl.maximum(q, -ELEM_MAX), ELEM_MAX)
-    # else: cvt.rn.satfinite saturates by itself (the same as clamping first), and a NaN block's
-    # bytes are replaced below whatever the conversion made of them
-    code = _fp8_bits(q, E5M2, BIT_CAST)
-    return tl.where(nan, 0x7F, code).to(tl.uint8)  # the spec: a NaN scale makes the block NaN
+    if not BIT_CAST:
+        # cvt.rn.satfinite saturates by itself (the same as clamping first) and converts a NaN to
+        # the canonical NaN byte 0x7F (E4M3 and E5M2 alike), which the spec gives every element of a
+        # NaN-scaled block: a NaN factor for those blocks (per block, not per element) makes every
+        # product NaN. Selecting 0x7F per element instead unpacked the converter's byte pairs (sm_90
+        # SASS: a shift, a select and a byte permute per element on top of the conversion).
+        return _fp8_bits(x * tl.where(nan, float("nan"), inv), E5M2, BIT_CAST)
+    # the integer rounding needs finite values in the element range
+    q = tl.where(nan, 0.0, x * inv)
+    q = tl.minimum(tl.maximum(q, -ELEM_MAX), ELEM_MAX)
+    return tl.where(nan, 0x7F, _fp8_bits(q, E5M2, BIT_CAST)).to(tl.uint8)  # the spec: a NaN scale makes the block NaN
 
 
 @triton.jit

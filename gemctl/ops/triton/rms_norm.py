@@ -60,7 +60,8 @@ def _rms_norm_bwd_kernel(
 
 def applied_weight(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The norm's weight as the unfused norm applies it (gemctl.model.norm): in x's dtype, then
-    float32 for the kernels' math (the fused forward casts and this backward alike)."""
+    float32 for this backward's math. The fused forward casts apply the same values in their kernels
+    (fp8_gemm._norm_weight), without a conversion kernel of their own."""
     return weight.detach().to(x.dtype).float().contiguous()
 
 
