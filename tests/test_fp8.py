@@ -198,7 +198,7 @@ def test_cast_nan_inf_rows_and_columns():
     assert not torch.isnan(dr[0].float()).any() and not torch.isnan(dt[7, :4].float()).any()
 
 
-def check_norm_cast(x: torch.Tensor, chunk: int, weight_dtype: torch.dtype = torch.float32) -> None:
+def check_norm_cast(x: torch.Tensor, chunk: int, weight_dtype: torch.dtype = torch.float32, eps: float = 1e-6) -> None:
     """fp8_rmsnorm_cast_rows against RMSNorm computed in torch from the kernel's rstd (float32, one
     rounding to x's dtype) then cast by fp8_cast_rows: the same bytes; rstd against float64; the
     column cast with norm=(rstd, w) against the column cast of that RMSNorm output. The weight in
@@ -207,7 +207,6 @@ def check_norm_cast(x: torch.Tensor, chunk: int, weight_dtype: torch.dtype = tor
 
     g = torch.Generator().manual_seed(x.shape[1])
     w = (torch.randn(x.shape[1], generator=g) * 2).to(x.device, weight_dtype)
-    eps = 1e-6
     amax_rows = max(2, chunk // 4)
     data, scale, rstd, part = fp8_rmsnorm_cast_rows(x, w, eps, col_amax=True, amax_rows=amax_rows)
     want_rstd = torch.rsqrt(x.double().pow(2).mean(-1) + eps)
@@ -231,6 +230,13 @@ def test_rmsnorm_cast_bit_exact(shape, chunk, dtype):
     check_norm_cast(x, chunk)
     if dtype == torch.bfloat16 and shape[0] > 2:  # a bf16 weight (the model's under bf16 params)
         check_norm_cast(x, chunk, torch.bfloat16)
+
+
+def test_rmsnorm_cast_eps_zero_keeps_the_rows_past_the_end_out():
+    """eps = 0: the zero rows a block loads past R have rstd = Inf, and must not reach the column
+    maxima (0 * Inf is NaN): 37 rows, runs of 4 rows, the last block partial."""
+    x = torch.randn(37, 70, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    check_norm_cast(x, 16, eps=0.0)
 
 
 def test_rmsnorm_cast_rejects_bad_inputs():
