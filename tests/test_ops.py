@@ -387,7 +387,7 @@ def test_tuned_configs_persist_on_disk(monkeypatch, tmp_path):
 
     # a module's file depends on its own source, common's and the kernel modules it imports (gdpa's
     # Gluon forward for Hopper among them)
-    fp8_sources = ["fp8_gemm.py", "common.py", "mx_quant.py", "rms_norm.py"]
+    fp8_sources = ["fp8_gemm.py", "common.py", "mx_quant.py"]
     assert [p.name for p in common._kernel_sources(fp8_gemm.__file__)] == fp8_sources
     assert [p.name for p in common._kernel_sources(gdpa.__file__)] == ["gdpa.py", "common.py", "gdpa_hopper.py"]
 
