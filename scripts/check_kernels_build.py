@@ -106,6 +106,9 @@ def kernels():
                                                 ITERS=64 if col_amax else 1, COL_AMAX=col_amax)
     yield f8._cast_rows_kernel, f8_io, dict(ACT=0, IN_BF16=True, BIT_CAST=False, BLOCK_R=1, BLOCK_C=1024,
                                             ONE_SWEEP=True, ITERS=64, COL_AMAX=True, NORM=True)  # RMSNorm fused
+    yield f8._cast_rows_kernel, dict(f8_io, NW="*i16"), dict(ACT=0, IN_BF16=True, BIT_CAST=False, BLOCK_R=2,
+                                                             BLOCK_C=1024, ONE_SWEEP=True, ITERS=1, COL_AMAX=False,
+                                                             NORM=True)  # a bf16 weight, as int16 bits
     yield f8._cast_rows_kernel, f8_io, dict(ACT=1, IN_BF16=True, BIT_CAST=False, BLOCK_R=2, BLOCK_C=1024,
                                             ONE_SWEEP=True, ITERS=32, COL_AMAX=True, DEPTH=2)  # two blocks in flight
     yield f8._cast_rows_kernel, dict(f8_io, PART="*i32"), dict(ACT=1, IN_BF16=True, BIT_CAST=False, BLOCK_R=8,

@@ -198,7 +198,8 @@ def test_cast_nan_inf_rows_and_columns():
     assert not torch.isnan(dr[0].float()).any() and not torch.isnan(dt[7, :4].float()).any()
 
 
-def check_norm_cast(x: torch.Tensor, chunk: int, weight_dtype: torch.dtype = torch.float32, eps: float = 1e-6) -> None:
+def check_norm_cast(x: torch.Tensor, chunk: int, weight_dtype: torch.dtype = torch.float32, eps: float = 1e-6,
+                    weight_scale: float = 2.0) -> None:
     """fp8_rmsnorm_cast_rows against RMSNorm computed in torch from the kernel's rstd (float32, one
     rounding to x's dtype) then cast by fp8_cast_rows: the same bytes; rstd against float64; the
     column cast with norm=(rstd, w) against the column cast of that RMSNorm output. The weight in
@@ -206,7 +207,7 @@ def check_norm_cast(x: torch.Tensor, chunk: int, weight_dtype: torch.dtype = tor
     from gemctl.ops.triton.fp8_gemm import fp8_rmsnorm_cast_rows
 
     g = torch.Generator().manual_seed(x.shape[1])
-    w = (torch.randn(x.shape[1], generator=g) * 2).to(x.device, weight_dtype)
+    w = (torch.randn(x.shape[1], generator=g) * weight_scale).to(x.device, weight_dtype)
     amax_rows = max(2, chunk // 4)
     data, scale, rstd, part = fp8_rmsnorm_cast_rows(x, w, eps, col_amax=True, amax_rows=amax_rows)
     want_rstd = torch.rsqrt(x.double().pow(2).mean(-1) + eps)
@@ -230,6 +231,7 @@ def test_rmsnorm_cast_bit_exact(shape, chunk, dtype):
     check_norm_cast(x, chunk)
     if dtype == torch.bfloat16 and shape[0] > 2:  # a bf16 weight (the model's under bf16 params)
         check_norm_cast(x, chunk, torch.bfloat16)
+        check_norm_cast(x, chunk, torch.bfloat16, weight_scale=1e-39)  # subnormal bf16 weights
 
 
 def test_rmsnorm_cast_eps_zero_keeps_the_rows_past_the_end_out():

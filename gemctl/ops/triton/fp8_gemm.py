@@ -158,8 +158,9 @@ def _scale_from_amax(amax_bits):
 
 @triton.jit
 def _scales_from_byte(byte):
-    """_scale_from_amax's triple from the E8M0 byte alone (a NaN/Inf block's 255 gives the same
-    2^-shared as its amax does: the exponent clamps at 127)."""
+    """_scale_from_amax's triple from the E8M0 byte alone. A NaN/Inf block's 255 gives 2^-shared =
+    0.0 here, where its amax gives 2^-120 or so; either is unused (_quantize_elems makes that
+    block's bytes NaN)."""
     b = byte.to(tl.int32)
     return byte, ((254 - tl.minimum(b, 254)) << 23).to(tl.float32, bitcast=True), b == 255
 
@@ -206,10 +207,16 @@ def _as_stored(X, y, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr):
 
 @triton.jit
 def _norm_weight(X, NW, cc, cmask, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr):
-    """The norm's weight NW [Cn] (any float dtype) at columns cc as the unfused norm applies it: in
-    X's element type, then float32 (rms_norm.applied_weight, here without a conversion kernel of
-    its own before each cast)."""
-    return _as_stored(X, tl.load(NW + cc, mask=cmask, other=0.0).to(tl.float32), IN_BF16, BIT_CAST)
+    """The norm's weight NW [Cn] at columns cc as the unfused norm applies it: in X's element type,
+    then float32 (rms_norm.applied_weight, here without a conversion kernel of its own before each
+    cast). NW is float32, float16, or bf16 passed as int16 bit patterns (_weight_arg): widened by a
+    shift, exact, where the interpreter's bf16 conversion widens subnormals wrongly."""
+    raw = tl.load(NW + cc, mask=cmask, other=0)
+    if NW.dtype.element_ty == tl.int16:
+        w = (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        w = raw.to(tl.float32)
+    return _as_stored(X, w, IN_BF16, BIT_CAST)
 
 
 @triton.jit
@@ -581,6 +588,12 @@ def _as_kernel_input(x: torch.Tensor, act) -> torch.Tensor:
     return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
 
 
+def _weight_arg(weight: torch.Tensor) -> torch.Tensor:
+    """The norm's weight as the fused casts read it (_norm_weight): contiguous, bf16 as int16 bits."""
+    w = weight.detach().contiguous()
+    return w.view(torch.int16) if w.dtype == torch.bfloat16 else w
+
+
 def _bit_cast(bit_cast) -> bool:
     return INTERPRET if bit_cast is None else bool(bit_cast)
 
@@ -626,7 +639,7 @@ def fp8_rmsnorm_cast_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, *, 
                          f"{tuple(weight.shape)}")
     if x.shape[1] > _ROWS_IN_REGISTERS:
         raise ValueError(f"fp8_rmsnorm_cast_rows: rows of at most {_ROWS_IN_REGISTERS} values, got {x.shape[1]}")
-    norm = (weight.detach().contiguous(), float(eps))  # applied as the norm applies it: _norm_weight
+    norm = (_weight_arg(weight), float(eps))  # applied as the norm applies it: _norm_weight
     data, scale, rstd, part = _cast_rows(x, None, col_amax, amax_rows, bit_cast, norm)
     return (data, scale, rstd, part) if col_amax else (data, scale, rstd)
 
@@ -703,7 +716,7 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
         raise ValueError(f"fp8_cast_cols: part {tuple(part.shape)} does not belong to x {tuple(x.shape)} "
                          f"with amax_rows={amax_rows}")
     # placeholders the kernels do not read without NORM
-    rstd, nw = (norm[0], norm[1].detach().contiguous()) if norm is not None else (scale, scale)
+    rstd, nw = (norm[0], _weight_arg(norm[1])) if norm is not None else (scale, scale)
     if x.numel():
         def run(cfg):
             br, bc, warps, split = cfg

@@ -78,8 +78,9 @@ def _shared_exponent(amax_bits, EMAX: tl.constexpr, RCEIL: tl.constexpr):
 
 @triton.jit
 def _fp8_bits(q, E5M2: tl.constexpr, BIT_CAST: tl.constexpr):
-    """FP8 byte of float32 ``q`` (finite, already clamped to the element range), round to
-    nearest even."""
+    """FP8 byte of float32 ``q``, round to nearest even. BIT_CAST (integer rounding): q finite and
+    already clamped to the element range. The hardware conversion (cvt.rn.satfinite) saturates by
+    itself and gives a NaN the byte 0x7F."""
     if not BIT_CAST:
         if E5M2:
             return q.to(tl.float8e5).to(tl.uint8, bitcast=True)
