@@ -234,6 +234,55 @@ def test_rmsnorm_cast_bit_exact(shape, chunk, dtype):
         check_norm_cast(x, chunk, torch.bfloat16, weight_scale=1e-39)  # subnormal bf16 weights
 
 
+def check_rounding_to_the_input_dtype(device: str, bit_casts) -> None:
+    """The fused norm's two roundings (fp8_gemm._as_stored: its output, _norm_weight: its weight)
+    against torch's ``.to(dtype).float()`` on 65,536 random float32 bit patterns plus ties,
+    subnormals, Inf and -0: every input dtype, every weight dtype, each conversion path (BIT_CAST:
+    the integer rounding; else the hardware one, bf16 pairs through inline PTX on a GPU)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(X, NW, Y, OUT_W, OUT_Y, n, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr, B: tl.constexpr):
+        cc = tl.program_id(0) * B + tl.arange(0, B)
+        m = cc < n
+        tl.store(OUT_W + cc, fp8_kernels._norm_weight(X, NW, cc, m, IN_BF16, BIT_CAST), mask=m)
+        y = tl.load(Y + cc, mask=m, other=0.0)
+        tl.store(OUT_Y + cc, fp8_kernels._as_stored(X, y, IN_BF16, BIT_CAST), mask=m)
+
+    g = torch.Generator().manual_seed(1)
+    n = 1 << 16
+    f32 = torch.randint(-2**31, 2**31 - 1, (n,), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    f32 = torch.where(torch.isnan(f32), torch.zeros_like(f32), f32)
+    f32[:9] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3.3e38, 1e-39, 7e-45, float("inf"), -0.0, 65520.0])
+
+    def same(got, want):
+        return bool(((got == want) | (torch.isnan(got) & torch.isnan(want))).all())
+
+    for bit_cast in bit_casts:
+        for x_dtype in (torch.bfloat16, torch.float16, torch.float32):
+            x = torch.zeros(1, 2, dtype=x_dtype, device=device)
+            xin = x.view(torch.int16) if x_dtype == torch.bfloat16 else x
+            y = f32.to(device)
+            for w_dtype in (torch.float32, torch.bfloat16, torch.float16):
+                w = f32.to(w_dtype).to(device)
+                out_w, out_y = torch.empty(n, device=device), torch.empty(n, device=device)
+                kernel[(triton.cdiv(n, 1024),)](xin, fp8_kernels._weight_arg(w), y, out_w, out_y, n,
+                                                IN_BF16=x_dtype == torch.bfloat16, BIT_CAST=bit_cast, B=1024)
+                where = f"x {x_dtype}, weight {w_dtype}, bit_cast={bit_cast}"
+                assert same(out_w, w.to(x_dtype).float()), where
+                assert same(out_y, y.to(x_dtype).float()), where
+
+
+def test_norm_roundings_match_torch():
+    check_rounding_to_the_input_dtype("cpu", [True])
+
+
+@pytest.mark.gpu
+def test_norm_roundings_match_torch_gpu():
+    check_rounding_to_the_input_dtype("cuda", [False, True])
+
+
 def test_rmsnorm_cast_eps_zero_keeps_the_rows_past_the_end_out():
     """eps = 0: the zero rows a block loads past R have rstd = Inf, and must not reach the column
     maxima (0 * Inf is NaN): 37 rows, runs of 4 rows, the last block partial."""
