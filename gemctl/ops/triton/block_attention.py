@@ -182,7 +182,11 @@ _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2,
 # items at self-1000. The backward's time follows its item count (a whole-block batch with 9.1% more
 # tokens and the same items takes as long), and the same count without such a kernel
 # (bench_block_attention.py --trimmed-tails) took 3.0-3.2% less time on the H200, 80.6-81.2% of
-# self-1000's roofline (docs/benchmarks.md). Pending its GPU tier and timing.
+# self-1000's roofline (docs/benchmarks.md). GPU tier on an H100, 2026-12-06: 22 passed. Two H100
+# sweeps: 261.4 / 260.4 us at self-1000 against 263.0 / 262.3 us unpaired, 219.9 / 219.6 us at
+# self-4000 against 217.3 / 216.8 us: a pair costs more than a single item, and autotuning's key
+# does not tell the two length mixes apart. Left out of autotuning (_BWD_CHECKED) until the H200
+# says (docs/runs/2026-12-06_block_pair_autotuned.patch puts it in).
 _HOPPER_BWD_CANDIDATES = [(4, 1, 1, 0, 0, 2), (4, 1, 1, 0, 0, 1), (4, 1, 1, 0, 0, 2, 0, 0, 1)]
 # RECORDS (seventh field): the picks reading their block from a host-resolved record
 # (common.query_records) instead of the work list and then the offsets: one load round trip before
