@@ -211,11 +211,7 @@ def _norm_weight(X, NW, cc, cmask, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr
     then float32 (rms_norm.applied_weight, here without a conversion kernel of its own before each
     cast). NW is float32, float16, or bf16 passed as int16 bit patterns (_weight_arg): widened by a
     shift, exact, where the interpreter's bf16 conversion widens subnormals wrongly."""
-    raw = tl.load(NW + cc, mask=cmask, other=0)
-    if NW.dtype.element_ty == tl.int16:
-        w = (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        w = raw.to(tl.float32)
+    w = _widen_act(_load_raw(NW + cc, cmask), 0, NW.dtype.element_ty == tl.int16)
     return _as_stored(X, w, IN_BF16, BIT_CAST)
 
 
