@@ -295,6 +295,49 @@ def test_tuning_time_is_counted_once_per_key(monkeypatch):
         common.set_autotune(None)
 
 
+def test_autotuning_times_near_ties_again(monkeypatch):
+    """One timing ranks the candidates; those within FINAL_MARGIN of the fastest (at most
+    FINAL_SIZE) are timed FINAL_ROUNDS more times in turn and the lowest median wins: a candidate
+    whose first timing caught a fast spell loses to one that is faster in the repeats, a clearly
+    slower one is not timed again, and equal medians go to the earlier candidate in the list."""
+    from gemctl.ops.triton import common
+
+    monkeypatch.setattr(common, "INTERPRET", False)
+    monkeypatch.setattr(common, "_config_cache", {})
+    monkeypatch.setattr(common, "_disk", {})
+    monkeypatch.setenv("GEMCTL_AUTOTUNE_CACHE", "0")
+    spells = {}
+    order = []
+
+    def fake_time(fn):
+        fn()
+        cfg = order[-1]
+        return spells[cfg].pop(0)
+
+    monkeypatch.setattr(common, "_time", fake_time)
+    common.set_autotune(True)
+    try:
+        # a: a fast first timing, slower after; b: 5% slower first, fastest after; c: 2x, never again
+        spells.update(a=[1.00, 1.30, 1.30], b=[1.05, 1.00, 1.00], c=[2.0])
+        assert common.pick_config(("near", 1), ["c", "a", "b"], order.append) == "b"
+        assert order == ["c", "a", "b", "a", "b", "a", "b"]
+        # equal medians: the earlier in the list
+        order.clear()
+        spells.update(a=[1.0, 1.0, 1.0], b=[1.0, 1.0, 1.0])
+        assert common.pick_config(("near", 2), ["b", "a"], order.append) == "b"
+        # nothing near the fastest: one timing each
+        order.clear()
+        spells.update(a=[1.0], b=[1.5])
+        assert common.pick_config(("near", 3), ["a", "b"], order.append) == "a" and order == ["a", "b"]
+        # at most FINAL_SIZE finalists, the fastest ones
+        order.clear()
+        spells.update({name: [1.0 + i / 100] * 3 for i, name in enumerate("pqrst")})
+        assert common.pick_config(("near", 4), list("tsrqp"), order.append) == "p"
+        assert sorted(set(order[5:])) == ["p", "q", "r"] and len(order) == 5 + 2 * common.FINAL_SIZE
+    finally:
+        common.set_autotune(None)
+
+
 @pytest.mark.gpu
 def test_autotuning_ranks_by_gpu_time_not_host_time_gpu():
     """_time measures a candidate's kernels, not its launch: a call that spends 3 ms on the host
