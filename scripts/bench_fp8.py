@@ -237,10 +237,13 @@ def mlp_rows(tokens: int, only=None, widths=None) -> list[dict]:
 AMAX_SWEEP = (16, 32, 64, 128)  # rows per column scale byte, timed for the plain row cast
 
 
-def cast_rows(tokens: int, copy: float, widths=(1024, 4096, 8192)) -> list[dict]:
+def cast_rows(tokens: int, copy: float, widths=(1024, 4096, 8192), amax_sweep: bool = False) -> list[dict]:
     """Bytes: read 2 B (bf16), write 1 B per element, 1 B per scale; the column scale bytes a row
     cast leaves for the column cast (1 B per column and run of amax_rows_for rows, the run length
-    the linears use) are written by one and read by the other."""
+    the linears use) are written by one and read by the other. ``amax_sweep``: the SiLU and
+    RMSNorm row casts with column maxima, and the column casts from their maxima, at every run
+    length of AMAX_SWEEP too (the plain row cast sweeps them always): which run length the fused
+    MLP's casts should take."""
     out = _Rows()
     runs = amax_rows_for(TOKEN_CHUNK, tokens)
     for cols in widths:
@@ -275,6 +278,23 @@ def cast_rows(tokens: int, copy: float, widths=(1024, 4096, 8192)) -> list[dict]
                                                         3 * n + 5 * tokens + part_bytes)
         cases[f"cols transposed, RMSNorm recomputed, {TOKEN_CHUNK}-token chunks, from column maxima"] = (
             lambda: fp8_cast_cols(x, norm=(rstd, nw), part=npart), 3 * n + col_scales + part_bytes + 4 * tokens)
+        for ar in (a for a in AMAX_SWEEP if a != runs and amax_sweep and npart is not None):
+            ar_part = cols * -(-tokens // ar)
+            spart = fp8_cast_rows(x, act="silu", col_amax=True, amax_rows=ar)[2]
+            _, _, _, rpart = fp8_rmsnorm_cast_rows(x, nw, 1e-6, col_amax=True, amax_rows=ar)
+            cases[f"cols transposed, {TOKEN_CHUNK}-token chunks, from {ar}-row column maxima"] = (
+                lambda ar=ar, p=fp8_cast_rows(x, col_amax=True, amax_rows=ar)[2]: fp8_cast_cols(x, part=p, amax_rows=ar),
+                3 * n + col_scales + ar_part)
+            cases[f"rows + column maxima, silu on the fly, {ar}-row runs"] = (
+                lambda ar=ar: fp8_cast_rows(x, act="silu", col_amax=True, amax_rows=ar), 3 * n + tokens + ar_part)
+            cases[f"cols transposed, silu on the fly, {TOKEN_CHUNK}-token chunks, from {ar}-row column maxima"] = (
+                lambda ar=ar, p=spart: fp8_cast_cols(x, act="silu", part=p, amax_rows=ar), 3 * n + col_scales + ar_part)
+            cases[f"rows + column maxima, RMSNorm fused, {ar}-row runs"] = (
+                lambda ar=ar: fp8_rmsnorm_cast_rows(x, nw, 1e-6, col_amax=True, amax_rows=ar),
+                3 * n + 5 * tokens + ar_part)
+            cases[f"cols transposed, RMSNorm recomputed, {TOKEN_CHUNK}-token chunks, from {ar}-row column maxima"] = (
+                lambda ar=ar, p=rpart: fp8_cast_cols(x, norm=(rstd, nw), part=p, amax_rows=ar),
+                3 * n + col_scales + ar_part + 4 * tokens)
         for name, (fn, nbytes) in cases.items():
             # Python call (launch included) and CUDA-graph replay (the kernel's GPU time, which
             # the bandwidth bar is about: launches cost a C=1024 cast a visible share)
@@ -433,6 +453,9 @@ def main() -> None:
     ap.add_argument("--widths", default="",
                     help="comma-separated model widths d of the gemm, mlp and profile sections (default: all)")
     ap.add_argument("--cast-widths", default="1024,4096,8192", help="comma-separated row widths of the cast section")
+    ap.add_argument("--cast-amax-sweep", action="store_true",
+                    help="cast section: the SiLU and RMSNorm casts with column maxima, and the column casts from "
+                         "them, at every run length (16, 32, 64, 128 rows per column byte)")
     ap.add_argument("--pending", action="store_true",
                     help="autotune the cast and GEMM configs the GPU tier has not passed yet too (fp8_gemm._GPU_CHECKED)")
     args = ap.parse_args()
@@ -447,7 +470,7 @@ def main() -> None:
     widths = int_list("--widths", args.widths)
     cast_widths = int_list("--cast-widths", args.cast_widths)
     sections = {"accuracy": accuracy_rows, "outliers": outlier_rows, "accumulation": accumulation_rows,
-                "cast": lambda: cast_rows(args.tokens, meta["copy_tbps"], cast_widths),
+                "cast": lambda: cast_rows(args.tokens, meta["copy_tbps"], cast_widths, args.cast_amax_sweep),
                 "gemm": lambda: gemm_rows(args.tokens, args.grans.split(","), widths),
                 "mlp": lambda: mlp_rows(args.tokens, [v for v in args.mlp.split(",") if v], widths),
                 "profile": lambda: profile_rows(args.tokens, widths)}
