@@ -185,8 +185,10 @@ _FWD_CANDIDATES = [(4, 1, 1), (8, 1, 1), (4, 2, 0), (8, 2, 0), (4, 3, 0), (4, 2,
 # self-1000's roofline (docs/benchmarks.md). GPU tier on an H100, 2026-12-06: 22 passed. Two H100
 # sweeps: 261.4 / 260.4 us at self-1000 against 263.0 / 262.3 us unpaired, 219.9 / 219.6 us at
 # self-4000 against 217.3 / 216.8 us: a pair costs more than a single item, and autotuning's key
-# does not tell the two length mixes apart. Left out of autotuning (_BWD_CHECKED) until the H200
-# says (docs/runs/2026-12-06_block_pair_autotuned.patch puts it in).
+# does not tell the two length mixes apart. H200, two sweeps (2026-12-06): 192.9 / 193.3 us at
+# self-1000 against 193.9 / 194.3 us (0.5% less), 164.7 / 165.6 us at self-4000 against 161.6 /
+# 161.1 us (2-3% more). Left out of autotuning (_BWD_CHECKED); docs/runs/2026-12-06_block_pair_autotuned.patch
+# puts it in.
 _HOPPER_BWD_CANDIDATES = [(4, 1, 1, 0, 0, 2), (4, 1, 1, 0, 0, 1), (4, 1, 1, 0, 0, 2, 0, 0, 1)]
 # RECORDS (seventh field): the picks reading their block from a host-resolved record
 # (common.query_records) instead of the work list and then the offsets: one load round trip before
