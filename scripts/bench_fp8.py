@@ -278,13 +278,14 @@ def cast_rows(tokens: int, copy: float, widths=(1024, 4096, 8192), amax_sweep: b
                                                         3 * n + 5 * tokens + part_bytes)
         cases[f"cols transposed, RMSNorm recomputed, {TOKEN_CHUNK}-token chunks, from column maxima"] = (
             lambda: fp8_cast_cols(x, norm=(rstd, nw), part=npart), 3 * n + col_scales + part_bytes + 4 * tokens)
-        for ar in (a for a in AMAX_SWEEP if a != runs and amax_sweep and npart is not None):
+        sweep = [a for a in AMAX_SWEEP if a != runs] if amax_sweep and npart is not None else []
+        for ar in sweep:
             ar_part = cols * -(-tokens // ar)
+            ppart = fp8_cast_rows(x, col_amax=True, amax_rows=ar)[2]
             spart = fp8_cast_rows(x, act="silu", col_amax=True, amax_rows=ar)[2]
-            _, _, _, rpart = fp8_rmsnorm_cast_rows(x, nw, 1e-6, col_amax=True, amax_rows=ar)
+            rpart = fp8_rmsnorm_cast_rows(x, nw, 1e-6, col_amax=True, amax_rows=ar)[3]
             cases[f"cols transposed, {TOKEN_CHUNK}-token chunks, from {ar}-row column maxima"] = (
-                lambda ar=ar, p=fp8_cast_rows(x, col_amax=True, amax_rows=ar)[2]: fp8_cast_cols(x, part=p, amax_rows=ar),
-                3 * n + col_scales + ar_part)
+                lambda ar=ar, p=ppart: fp8_cast_cols(x, part=p, amax_rows=ar), 3 * n + col_scales + ar_part)
             cases[f"rows + column maxima, silu on the fly, {ar}-row runs"] = (
                 lambda ar=ar: fp8_cast_rows(x, act="silu", col_amax=True, amax_rows=ar), 3 * n + tokens + ar_part)
             cases[f"cols transposed, silu on the fly, {TOKEN_CHUNK}-token chunks, from {ar}-row column maxima"] = (

@@ -51,7 +51,7 @@ from gemctl.ops.ranges import profiled
 from gemctl.ops.triton.common import (
     INTERPRET, bucket_len, cdiv, config_field, gpu_checked, next_pow2, num_programs, pick_config,
 )
-from gemctl.ops.triton.mx_quant import _block_scales, _quantize_elems
+from gemctl.ops.triton.mx_quant import _block_scales, _quantize_elems, bf16_bits
 
 EPILOGUES = {"none": 0, "silu_bwd": 2}
 PROMOTE_EVERY = 4096  # contraction values summed on the tensor cores before a float32 add (long K)
@@ -581,13 +581,12 @@ def _as_kernel_input(x: torch.Tensor, act) -> torch.Tensor:
         raise ValueError(f"fp8 cast: x must be a 2-D bf16/fp16/fp32 tensor, got {x.dtype} {tuple(x.shape)}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+    return bf16_bits(x)
 
 
 def _weight_arg(weight: torch.Tensor) -> torch.Tensor:
     """The norm's weight as the fused casts read it (_norm_weight): contiguous, bf16 as int16 bits."""
-    w = weight.detach().contiguous()
-    return w.view(torch.int16) if w.dtype == torch.bfloat16 else w
+    return bf16_bits(weight.detach().contiguous())
 
 
 def _bit_cast(bit_cast) -> bool:

@@ -271,6 +271,12 @@ def _rmsnorm_mx_quant_kernel(
 # Host launchers.
 
 
+def bf16_bits(t: torch.Tensor) -> torch.Tensor:
+    """A bf16 tensor as its int16 bit patterns (same strides), any other unchanged: the kernels
+    widen bf16 by a shift (IN_BF16), exact where the interpreter's bf16 conversion is not."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
 def _elem_args(elem, scale_rule: str, block: int, bit_cast):
     if elem not in _ELEMS:
         raise ValueError(f"MX element dtype {elem} is not supported; allowed: torch.float8_e4m3fn, torch.float8_e5m2")
@@ -315,7 +321,7 @@ def mx_quantize(x: torch.Tensor, block: int = 32, elem: torch.dtype = torch.floa
     if x.numel() == 0:
         return data.view(elem), scale
     in_bf16 = x.dtype == torch.bfloat16
-    xin = x.view(torch.int16) if in_bf16 else x  # same strides
+    xin = bf16_bits(x)
 
     def run(cfg):
         block_r, blocks_c, warps = cfg
@@ -335,11 +341,12 @@ def _mx_quantize_axis0(x: torch.Tensor, consts: dict, elem: torch.dtype) -> tupl
     data = torch.empty((rows, cols), dtype=torch.uint8, device=x.device)
     scale = torch.empty((cdiv(rows, block), cols), dtype=torch.uint8, device=x.device)
     in_bf16 = x.dtype == torch.bfloat16
+    xin = bf16_bits(x)
 
     def run(cfg):
         block_c, chunk, warps = cfg
         grid = (cdiv(rows, block), cdiv(cols, block_c))
-        _mx_quant_axis0_kernel[grid](x.view(torch.int16) if in_bf16 else x, data, scale, rows, cols, x.stride(0),
+        _mx_quant_axis0_kernel[grid](xin, data, scale, rows, cols, x.stride(0),
                                      data.stride(0), scale.stride(0), BLOCK_C=block_c, CHUNK=min(chunk, block),
                                      IN_BF16=in_bf16, num_warps=warps, **consts)
 
@@ -370,11 +377,12 @@ def rmsnorm_mx_quantize(x: torch.Tensor, weight: torch.Tensor | None, eps: float
     normed = torch.empty((rows, cols) if return_normed else (1, 1), dtype=x.dtype, device=x.device)
     if rows and cols:
         w = weight if weight is not None else x  # never read without HAS_W
+        xin = bf16_bits(x)
 
         def run(cfg):
             block_r, warps = cfg
             _rmsnorm_mx_quant_kernel[(cdiv(rows, block_r),)](
-                x.view(torch.int16) if x.dtype == torch.bfloat16 else x, w, normed, data, scale, rows, cols, n_blocks, eps,
+                xin, w, normed, data, scale, rows, cols, n_blocks, eps,
                 x.stride(0), normed.stride(0), data.stride(0), scale.stride(0),
                 WRITE_Y=return_normed, HAS_W=weight is not None, IN_BF16=x.dtype == torch.bfloat16, BLOCK_R=block_r,
                 BLOCKS_C=next_pow2(n_blocks), num_warps=warps, **consts)
