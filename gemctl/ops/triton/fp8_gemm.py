@@ -548,20 +548,21 @@ def _cast_cols_amax_kernel(
     NORM: tl.constexpr = False, SPLIT: tl.constexpr = 1,
 ):
     """As _cast_cols_kernel, the chunk's column scales taken from the PARTS scale bytes the row
-    cast left in PART (CHUNK / PARTS rows each), PART_BLOCK runs per load (each load waits for
-    the one before: keep the runs few, see amax_rows_for): one read of the chunk instead of two.
-    The scales need no pass over the chunk, so SPLIT programs (program_id 2) share its rows: at
-    C=1024 one program per (64 columns, 4096-row chunk) is 256 programs at 65,536 rows, two per SM."""
+    cast left in PART (CHUNK / PARTS rows each): one read of the chunk instead of two. The bytes
+    come in PARTS / PART_BLOCK loads of PART_BLOCK runs, unrolled and folded element-wise (no
+    cross-thread reduction, hence no barrier, between them), so every load is in flight at once;
+    one reduction over the runs follows. The scales need no pass over the chunk, so SPLIT
+    programs (program_id 2) share its rows: at C=1024 one program per (64 columns, 4096-row
+    chunk) is 256 programs at 65,536 rows, two per SM."""
     cc = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     g = tl.program_id(1)
     cmask = cc < Cn
-    col = tl.zeros((BLOCK_C,), dtype=tl.int32)  # the reduction of uint8 bytes comes back as int32
-    for p0 in range(g * PARTS, g * PARTS + PARTS, PART_BLOCK):
-        pp = p0 + tl.arange(0, PART_BLOCK)
-        part = tl.load(PART + pp.to(tl.int64)[:, None] * stride_p + cc[None, :],
-                       mask=(pp[:, None] < n_part) & cmask[None, :], other=0)
-        col = tl.maximum(col, tl.max(part, axis=0).to(tl.int32))
-    byte, inv, nan = _scales_from_byte(col)
+    col = tl.zeros((PART_BLOCK, BLOCK_C), dtype=PART.dtype.element_ty)
+    for i in tl.static_range(PARTS // PART_BLOCK):
+        pp = g * PARTS + i * PART_BLOCK + tl.arange(0, PART_BLOCK)
+        col = tl.maximum(col, tl.load(PART + pp.to(tl.int64)[:, None] * stride_p + cc[None, :],
+                                      mask=(pp[:, None] < n_part) & cmask[None, :], other=0))
+    byte, inv, nan = _scales_from_byte(tl.max(col, axis=0).to(tl.int32))
     split = tl.program_id(2)
     start = g * CHUNK + split * (CHUNK // SPLIT)
     stop = start + CHUNK // SPLIT
