@@ -990,6 +990,13 @@ def test_cast_bit_exact_gpu():
     for shape in ((4096, 1024), (300, 4100), (7, 70), (5000, 9000)):
         for dtype in (torch.bfloat16, torch.float32):
             check_cast(_hostile(*shape, dtype, device="cuda"), 4096 if shape[0] > 4096 else 64)
+    # 256 runs of 16 rows per 4096-row chunk (the default at 65,536 tokens): four unrolled loads of
+    # run bytes per column program, a partial last chunk
+    x = _hostile(8192 + 37, 1024, torch.bfloat16, device="cuda")
+    want = fp8_cast_cols(x, 4096)
+    got = fp8_cast_cols(x, 4096, part=fp8_cast_rows(x, col_amax=True, amax_rows=16)[2], amax_rows=16)
+    for g, w in zip(got, want):
+        assert torch.equal(_bytes(g), _bytes(w))
 
 
 @pytest.mark.gpu
@@ -1129,8 +1136,8 @@ def test_amax_rows_for():
     from gemctl.ops.triton.fp8_gemm import AMAX_ROWS, amax_rows_for
 
     assert amax_rows_for(4096, 10**6) == AMAX_ROWS  # large batches: the fewest column maxima
-    assert amax_rows_for(4096, 65536) == 64  # ~1024 row-cast programs
-    assert amax_rows_for(4096, 16384) == 16
+    assert amax_rows_for(4096, 262144) == 64  # ~4096 row-cast programs
+    assert amax_rows_for(4096, 65536) == 16
     assert amax_rows_for(4096, 100) == 16  # never below the row cast's largest BLOCK_R
     assert amax_rows_for(384, 10**6) == 0  # 3 x 128: not a power-of-two number of runs per chunk
     assert amax_rows_for(8, 10**6) == 0  # runs shorter than 16 rows
