@@ -114,6 +114,9 @@ def kernels():
     yield f8._cast_rows_kernel, dict(f8_io, PART="*i32"), dict(ACT=1, IN_BF16=True, BIT_CAST=False, BLOCK_R=8,
                                                                BLOCK_C=1024, ONE_SWEEP=True, ITERS=8, COL_AMAX=True,
                                                                ATOMIC=True)  # column bytes by atomic max
+    for act, norm in ((1, False), (0, True)):  # a row per warp (Gluon): silu, RMSNorm fused
+        yield f8._cast_rows_warp_kernel, dict(f8_io, NW="*i16"), dict(ACT=act, IN_BF16=True, BIT_CAST=False,
+                                                                      BLOCK_R=8, BLOCK_C=1024, ITERS=2, NORM=norm)
     cast = dict(ACT=1, IN_BF16=True, BIT_CAST=False, CHUNK=4096, BLOCK_R=64, BLOCK_C=64)
     yield f8._cast_cols_kernel, f8_io, cast
     yield f8._cast_cols_amax_kernel, f8_io, dict(cast, PARTS=256, PART_BLOCK=64)  # runs of 16 rows: 4 loads

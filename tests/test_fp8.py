@@ -1025,6 +1025,30 @@ def test_cast_rows_atomic_gpu(cfg):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cfg", fp8_kernels._ROWS_WARP, ids=lambda c: f"{c[0]}_{c[1]}")
+def test_cast_rows_warp_gpu(cfg):
+    """Each row-per-warp candidate (Gluon) pinned, on hostile values, 16-row runs and a partial last
+    run, 1024 and 768 columns (a block padded to 1024): the looping cast's codes, scales and run
+    bytes, plain and silu; with the RMSNorm, whose sum of squares runs in another order, rstd
+    within 1e-6 and the outputs of RMSNorm computed from that rstd, then cast."""
+    for cols in (1024, 768):
+        x = _hostile(8192 + 37, cols, torch.bfloat16, device="cuda")
+        for act, norm in ((None, False), ("silu", False), (None, True)):
+            got = _rows_outputs(x, (*cfg, 0, 0, 1), act, norm, amax_rows=16)
+            want = _rows_outputs(x, (2, 4, 0), act, norm, amax_rows=16)
+            if norm:
+                assert torch.allclose(got[2], want[2], rtol=1e-6, atol=0), cols
+                w = torch.linspace(0.5, 2.0, cols, device="cuda").to(x.dtype).float()
+                y = ((x.float() * got[2][:, None]) * w).to(x.dtype)
+                with forced_config({"fp8_cast_rows": (2, 4, 0)}):
+                    want = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+                            for t in fp8_cast_rows(y, col_amax=True, amax_rows=16)]
+                got = got[:2] + got[3:]
+            for g, w in zip(got, want):
+                assert torch.equal(g, w), (cols, act, norm)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("cfg", fp8_kernels._COLS_CANDIDATES, ids=lambda c: "_".join(map(str, c)))
 def test_cast_cols_split_chunks_gpu(cfg):
     """Each column-cast candidate with 4 programs per chunk pinned, from the row cast's bytes: the

@@ -45,6 +45,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gemctl.ops.ranges import profiled
@@ -101,6 +103,11 @@ _ROWS_DEEP = [(2, 4), (1, 4), (4, 8), (2, 8), (1, 8), (1, 2), (1, 1)]  # (1, 8):
 # and (8, 16) 61-64, (8, 8) 117-122, (16, 16) 109-111, no spills (plain, silu, RMSNorm); (16, 8)
 # 229-238 and (32, 8) 255 with spills are left out. Not yet timed: pinned-only (_GPU_CHECKED).
 _ROWS_ATOMIC = [(4, 8), (8, 8), (8, 16), (16, 16), (8, 4)]
+# ... or a row per warp, (rows per block, warps) -> (rows, warps, 0, 0, 1): _cast_rows_warp_kernel
+# (Gluon, GPU only; rows a multiple of the warps, at least 256 columns). A Triton version with
+# [G, rows, 256] blocks did not keep the warps on the rows (sm_90, Triton 3.9: three layouts,
+# 22-73 bar.sync against 2-4 for the looping cast); the Gluon one compiles to none.
+_ROWS_WARP = [(4, 4), (8, 4), (8, 8), (16, 8), (2, 2), (4, 2), (16, 4)]
 _ROWS_INTERPRET = (2, 1, 0)
 # Chunked column casts: (BLOCK_R, BLOCK_C, warps).
 _COLS_CANDIDATES = [(64, 64, 4), (128, 32, 4), (64, 128, 8), (32, 128, 4), (128, 64, 8), (256, 32, 8), (128, 128, 8),
@@ -481,6 +488,39 @@ def _cast_rows_kernel(
         tl.store(SCALE + rr, byte.to(tl.uint8), mask=rmask)
 
 
+@gluon.jit(do_not_specialize=["R"])  # per-batch sizes: common.py, "Specialization"
+def _cast_rows_warp_kernel(
+    X, DATA, SCALE, PART, NW, RSTD, R, Cn, stride_xr, stride_dr, stride_p, eps,
+    ACT: gl.constexpr, IN_BF16: gl.constexpr, BIT_CAST: gl.constexpr,
+    BLOCK_R: gl.constexpr, BLOCK_C: gl.constexpr, ITERS: gl.constexpr, NORM: gl.constexpr,
+):
+    """_cast_rows_kernel's ONE_SWEEP + COL_AMAX loop (the same per-block helper, the same outputs;
+    the RMSNorm's sum of squares in another order) with each row inside one warp: Gluon's layout
+    puts the warps on the rows (BLOCK_R a multiple of the warps) and a warp's 32 lanes x 8 values on
+    the columns (BLOCK_C a multiple of 256), so a row's maxima and sum are shuffles within its warp.
+    Triton lays the warps along the columns first: its multi-warp programs take a block barrier per
+    block of rows (two with the norm), and its one-warp programs cap an SM at 32 programs' warps.
+    The column maxima accumulate element-wise and cross the warps once, after the loop."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+    pid = gl.program_id(0)
+    cc = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, layout))
+    cmask = (cc < Cn)[None, :]
+    nw = _norm_weight(X, NW, cc, cc < Cn, IN_BF16, BIT_CAST) if NORM else 0.0
+    col = gl.zeros((BLOCK_R, BLOCK_C), gl.int32, layout)
+    rr = pid * ITERS * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, layout))
+    raw = _load_raw(X + rr.to(gl.int64)[:, None] * stride_xr + cc[None, :], (rr < R)[:, None] & cmask)
+    for i in range(ITERS):
+        nxt = rr + BLOCK_R  # the next block requested before this one is reduced: one in flight
+        raw_next = _load_raw(X + nxt.to(gl.int64)[:, None] * stride_xr + cc[None, :],
+                             (nxt < R)[:, None] & cmask & (i + 1 < ITERS))
+        bits = _cast_row_block(X, DATA, SCALE, RSTD, raw, rr, cc, cmask, nw, R, Cn, stride_dr, eps, ACT, IN_BF16,
+                               BIT_CAST, NORM)
+        col = gl.maximum(col, bits)
+        rr, raw = nxt, raw_next
+    col_byte, _, _ = _scale_from_amax(gl.max(col, axis=0))
+    gl.store(PART + pid.to(gl.int64) * stride_p + cc, col_byte, mask=cc < Cn)
+
+
 @triton.jit
 def _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g, start, end, store_end, split,
                                stride_xr, stride_dt, stride_sc, ACT: tl.constexpr, IN_BF16: tl.constexpr,
@@ -665,6 +705,13 @@ def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
             if with_part:  # the atomic configs fold their bytes into zeroed int32 maxima
                 part = (torch.zeros((n_runs, c), dtype=torch.int32, device=x.device) if atomic
                         else torch.empty((n_runs, c), dtype=torch.uint8, device=x.device))
+            if with_part and config_field(cfg, 4):  # a row per warp (Gluon; the column bytes' loop only)
+                _cast_rows_warp_kernel[(cdiv(r, br * iters),)](
+                    xin, data, scale, part, nw, rstd if norm else scale, r, c, xin.stride(0), data.stride(0),
+                    part.stride(0), eps, ACT=ACTS[act], IN_BF16=x.dtype == torch.bfloat16,
+                    BIT_CAST=_bit_cast(bit_cast), BLOCK_R=br, BLOCK_C=next_pow2(c), ITERS=iters,
+                    NORM=norm is not None, num_warps=warps)
+                return
             _cast_rows_kernel[(cdiv(r, br) if atomic else cdiv(r, br * iters),)](
                 xin, data, scale, part if with_part else scale, nw, rstd if norm else scale, r, c, xin.stride(0),
                 data.stride(0), part.stride(0) if with_part else 0, eps, ACT=ACTS[act],
@@ -677,7 +724,9 @@ def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
         def candidates():
             deep = [(br, w, 1) for br, w in _ROWS_DEEP if amax_rows // br > 1] if with_part else []
             atomic = [(br, w, 0, 1) for br, w in _ROWS_ATOMIC if amax_rows % br == 0] if with_part else []
-            return gpu_checked([(br, w, 0) for br, w in _ROWS_CANDIDATES] + deep + atomic, 2, _GPU_CHECKED,
+            warp = ([(br, w, 0, 0, 1) for br, w in _ROWS_WARP if amax_rows % br == 0]
+                    if with_part and c >= 256 and not INTERPRET else [])
+            return gpu_checked([(br, w, 0) for br, w in _ROWS_CANDIDATES] + deep + atomic + warp, 2, _GPU_CHECKED,
                                _PENDING_AUTOTUNE)
 
         run(pick_config(key, candidates, run, _ROWS_INTERPRET))
