@@ -106,7 +106,11 @@ _ROWS_ATOMIC = [(4, 8), (8, 8), (8, 16), (16, 16), (8, 4)]
 # ... or a row per warp, (rows per block, warps) -> (rows, warps, 0, 0, 1): _cast_rows_warp_kernel
 # (Gluon, GPU only; rows a multiple of the warps, at least 256 columns). A Triton version with
 # [G, rows, 256] blocks did not keep the warps on the rows (sm_90, Triton 3.9: three layouts,
-# 22-73 bar.sync against 2-4 for the looping cast); the Gluon one compiles to none.
+# 22-73 bar.sync against 2-4 for the looping cast); the Gluon loop compiles to none. Its first
+# form reduced the column maxima across the warps in place: 31 bar.sync after the loop, and on an
+# H100 at [65536, 1024], 16-row runs (2c933cb; GPU tier passed) it took 85-96 us at 2 warps,
+# 162-183 at 4 and 300-370 at 8, against 71-75 us for the autotuned looping cast: the time grew
+# with the warps, not the rows. The maxima now change layout first (3-7 bar.sync); not yet timed.
 _ROWS_WARP = [(4, 4), (8, 4), (8, 8), (16, 8), (2, 2), (4, 2), (16, 4)]
 _ROWS_INTERPRET = (2, 1, 0)
 # Chunked column casts: (BLOCK_R, BLOCK_C, warps).
@@ -517,8 +521,12 @@ def _cast_rows_warp_kernel(
                                BIT_CAST, NORM)
         col = gl.maximum(col, bits)
         rr, raw = nxt, raw_next
-    col_byte, _, _ = _scale_from_amax(gl.max(col, axis=0))
-    gl.store(PART + pid.to(gl.int64) * stride_p + cc, col_byte, mask=cc < Cn)
+    # the column maxima cross the warps once: every row of a column into one thread (a layout change
+    # through shared memory), then an in-thread reduction
+    by_cols: gl.constexpr = gl.BlockedLayout([BLOCK_R, 8], [1, 32], [1, gl.num_warps()], [1, 0])
+    col_byte, _, _ = _scale_from_amax(gl.max(gl.convert_layout(col, by_cols), axis=0))
+    cb = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, by_cols))
+    gl.store(PART + pid.to(gl.int64) * stride_p + cb, col_byte, mask=cb < Cn)
 
 
 @triton.jit
