@@ -114,8 +114,10 @@ def kernels():
     yield f8._cast_rows_kernel, dict(f8_io, PART="*i32"), dict(ACT=1, IN_BF16=True, BIT_CAST=False, BLOCK_R=8,
                                                                BLOCK_C=1024, ONE_SWEEP=True, ITERS=8, COL_AMAX=True,
                                                                ATOMIC=True)  # column bytes by atomic max
+    from gemctl.ops.triton import fp8_cast_hopper as f8h
+
     for act, norm in ((1, False), (0, True)):  # a row per warp (Gluon): silu, RMSNorm fused
-        yield f8._cast_rows_warp_kernel, dict(f8_io, NW="*i16"), dict(ACT=act, IN_BF16=True, BIT_CAST=False,
+        yield f8h._cast_rows_warp_kernel, dict(f8_io, NW="*i16"), dict(ACT=act, IN_BF16=True, BIT_CAST=False,
                                                                       BLOCK_R=8, BLOCK_C=1024, ITERS=2, NORM=norm)
     cast = dict(ACT=1, IN_BF16=True, BIT_CAST=False, CHUNK=4096, BLOCK_R=64, BLOCK_C=64)
     yield f8._cast_cols_kernel, f8_io, cast
@@ -256,6 +258,7 @@ def column_cast_stores(target) -> list[str]:
 PER_BATCH = {  # module: {kernel: its integer arguments that change with every batch}
     "fp8_gemm": {"_fp8_gemm_kernel": ("M",), "_fp8_gemm_tma_kernel": ("M", "K"), "_cast_rows_kernel": ("R",),
                  "_cast_cols_kernel": ("R",), "_cast_cols_amax_kernel": ("R", "n_part")},
+    "fp8_cast_hopper": {"_cast_rows_warp_kernel": ("R",)},
     "gdpa": {"_gdpa_fwd": ("n_items",), "_gdpa_bwd_dkdv": ("n_items",), "_gdpa_bwd_dq": ("n_items",)},
     "rms_norm": {"_rms_norm_bwd_kernel": ("R",)},
     "mx_quant": {"_mx_quant_kernel": ("rows",), "_mx_quant_axis0_kernel": ("rows",), "_rmsnorm_mx_quant_kernel": ("rows",)},

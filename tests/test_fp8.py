@@ -82,6 +82,26 @@ def test_cast_cols_from_many_runs():
     assert torch.equal(_bytes(dt), _bytes(cd.t().contiguous())) and torch.equal(sc, cs.t())
 
 
+def test_cast_cols_from_runs_past_the_unrolled_loads():
+    """1024 runs of 2 rows per 2048-row chunk: more loads of run bytes than the column cast unrolls
+    (_UNROLLED_PART_LOADS), so it loops over them, the partial last chunk included."""
+    x = _hostile(2100, 24, torch.bfloat16)
+    _, _, part = fp8_cast_rows(x, col_amax=True, amax_rows=2)
+    dt, sc = fp8_cast_cols(x, 2048, part=part, amax_rows=2)
+    cd, cs = quantize_mx(x, block=2048, axis=0, scale_rule="rceil")
+    assert torch.equal(_bytes(dt), _bytes(cd.t().contiguous())) and torch.equal(sc, cs.t())
+
+
+def test_row_per_warp_config_checks():
+    """A pinned row-per-warp config names what it needs: rows a multiple of the warps, and an
+    sm_90+ GPU (its kernel is Gluon); the autotuner never offers it off such a GPU."""
+    x = torch.randn(64, 256)
+    with forced_config({"fp8_cast_rows": (4, 8, 0, 0, 1)}), pytest.raises(ValueError, match="multiple of the warps"):
+        fp8_cast_rows(x, col_amax=True, amax_rows=16)
+    with forced_config({"fp8_cast_rows": (4, 4, 0, 0, 1)}), pytest.raises(ValueError, match="sm_90"):
+        fp8_cast_rows(x, col_amax=True, amax_rows=16)
+
+
 def _same_values(a, b):
     """Equal tensors, the run bytes compared as integers (uint8, or int32 from the atomic configs)."""
     if a.dtype != b.dtype and not a.is_floating_point() and not b.is_floating_point():

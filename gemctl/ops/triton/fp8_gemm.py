@@ -45,13 +45,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gemctl.ops.ranges import profiled
 from gemctl.ops.triton.common import (
-    INTERPRET, bucket_len, cdiv, config_field, gpu_checked, next_pow2, num_programs, pick_config,
+    INTERPRET, bucket_len, cdiv, config_field, gluon_module, gluon_runs, gpu_checked, next_pow2, num_programs,
+    pick_config,
 )
 from gemctl.ops.triton.mx_quant import _block_scales, _quantize_elems, bf16_bits
 
@@ -103,14 +102,15 @@ _ROWS_DEEP = [(2, 4), (1, 4), (4, 8), (2, 8), (1, 8), (1, 2), (1, 1)]  # (1, 8):
 # and (8, 16) 61-64, (8, 8) 117-122, (16, 16) 109-111, no spills (plain, silu, RMSNorm); (16, 8)
 # 229-238 and (32, 8) 255 with spills are left out. Not yet timed: pinned-only (_GPU_CHECKED).
 _ROWS_ATOMIC = [(4, 8), (8, 8), (8, 16), (16, 16), (8, 4)]
-# ... or a row per warp, (rows per block, warps) -> (rows, warps, 0, 0, 1): _cast_rows_warp_kernel
-# (Gluon, GPU only; rows a multiple of the warps, at least 256 columns). A Triton version with
-# [G, rows, 256] blocks did not keep the warps on the rows (sm_90, Triton 3.9: three layouts,
-# 22-73 bar.sync against 2-4 for the looping cast); the Gluon loop compiles to none. Its first
-# form reduced the column maxima across the warps in place: 31 bar.sync after the loop, and on an
-# H100 at [65536, 1024], 16-row runs (2c933cb; GPU tier passed) it took 85-96 us at 2 warps,
-# 162-183 at 4 and 300-370 at 8, against 71-75 us for the autotuned looping cast: the time grew
-# with the warps, not the rows. The maxima now change layout first (3-7 bar.sync); not yet timed.
+# ... or a row per warp, (rows per block, warps) -> (rows, warps, 0, 0, 1): fp8_cast_hopper's
+# _cast_rows_warp_kernel (Gluon, sm_90+; rows a multiple of the warps, more than 128 columns). A
+# Triton version with [G, rows, 256] blocks did not keep the warps on the rows (sm_90, Triton 3.9:
+# three layouts, 22-73 bar.sync against 2-4 for the looping cast); the Gluon loop compiles to none.
+# Its first form reduced the column maxima across the warps in place: 31 bar.sync after the loop,
+# and on an H100 at [65536, 1024], 16-row runs (2c933cb; GPU tier passed) it took 85-96 us at 2
+# warps, 162-183 at 4 and 300-370 at 8, against 71-75 us for the autotuned looping cast: the time
+# grew with the warps, not the rows. The maxima now change layout first (3-15 bar.sync, all after
+# the loop); neither timed nor through the GPU tier yet.
 _ROWS_WARP = [(4, 4), (8, 4), (8, 8), (16, 8), (2, 2), (4, 2), (16, 4)]
 _ROWS_INTERPRET = (2, 1, 0)
 # Chunked column casts: (BLOCK_R, BLOCK_C, warps).
@@ -124,6 +124,7 @@ _COLS_INTERPRET = (8, 16, 1, 0)
 _GPU_CHECKED: set = {(128, 128, 128, 4, 3, True, 2)}
 _PENDING_AUTOTUNE = False
 _ROWS_IN_REGISTERS = 8192
+_UNROLLED_PART_LOADS = tl.constexpr(8)  # the column cast's loads of run bytes unrolled up to this many
 
 
 _GPU_ASM = tl.constexpr(not INTERPRET)  # inline PTX (the interpreter runs no PTX)
@@ -492,43 +493,6 @@ def _cast_rows_kernel(
         tl.store(SCALE + rr, byte.to(tl.uint8), mask=rmask)
 
 
-@gluon.jit(do_not_specialize=["R"])  # per-batch sizes: common.py, "Specialization"
-def _cast_rows_warp_kernel(
-    X, DATA, SCALE, PART, NW, RSTD, R, Cn, stride_xr, stride_dr, stride_p, eps,
-    ACT: gl.constexpr, IN_BF16: gl.constexpr, BIT_CAST: gl.constexpr,
-    BLOCK_R: gl.constexpr, BLOCK_C: gl.constexpr, ITERS: gl.constexpr, NORM: gl.constexpr,
-):
-    """_cast_rows_kernel's ONE_SWEEP + COL_AMAX loop (the same per-block helper, the same outputs;
-    the RMSNorm's sum of squares in another order) with each row inside one warp: Gluon's layout
-    puts the warps on the rows (BLOCK_R a multiple of the warps) and a warp's 32 lanes x 8 values on
-    the columns (BLOCK_C a multiple of 256), so a row's maxima and sum are shuffles within its warp.
-    Triton lays the warps along the columns first: its multi-warp programs take a block barrier per
-    block of rows (two with the norm), and its one-warp programs cap an SM at 32 programs' warps.
-    The column maxima accumulate element-wise and cross the warps once, after the loop."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
-    pid = gl.program_id(0)
-    cc = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, layout))
-    cmask = (cc < Cn)[None, :]
-    nw = _norm_weight(X, NW, cc, cc < Cn, IN_BF16, BIT_CAST) if NORM else 0.0
-    col = gl.zeros((BLOCK_R, BLOCK_C), gl.int32, layout)
-    rr = pid * ITERS * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, layout))
-    raw = _load_raw(X + rr.to(gl.int64)[:, None] * stride_xr + cc[None, :], (rr < R)[:, None] & cmask)
-    for i in range(ITERS):
-        nxt = rr + BLOCK_R  # the next block requested before this one is reduced: one in flight
-        raw_next = _load_raw(X + nxt.to(gl.int64)[:, None] * stride_xr + cc[None, :],
-                             (nxt < R)[:, None] & cmask & (i + 1 < ITERS))
-        bits = _cast_row_block(X, DATA, SCALE, RSTD, raw, rr, cc, cmask, nw, R, Cn, stride_dr, eps, ACT, IN_BF16,
-                               BIT_CAST, NORM)
-        col = gl.maximum(col, bits)
-        rr, raw = nxt, raw_next
-    # the column maxima cross the warps once: every row of a column into one thread (a layout change
-    # through shared memory), then an in-thread reduction
-    by_cols: gl.constexpr = gl.BlockedLayout([BLOCK_R, 8], [1, 32], [1, gl.num_warps()], [1, 0])
-    col_byte, _, _ = _scale_from_amax(gl.max(gl.convert_layout(col, by_cols), axis=0))
-    cb = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, by_cols))
-    gl.store(PART + pid.to(gl.int64) * stride_p + cb, col_byte, mask=cb < Cn)
-
-
 @triton.jit
 def _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g, start, end, store_end, split,
                                stride_xr, stride_dt, stride_sc, ACT: tl.constexpr, IN_BF16: tl.constexpr,
@@ -597,19 +561,26 @@ def _cast_cols_amax_kernel(
 ):
     """As _cast_cols_kernel, the chunk's column scales taken from the PARTS scale bytes the row
     cast left in PART (CHUNK / PARTS rows each): one read of the chunk instead of two. The bytes
-    come in PARTS / PART_BLOCK loads of PART_BLOCK runs, unrolled and folded element-wise (no
-    cross-thread reduction, hence no barrier, between them), so every load is in flight at once;
-    one reduction over the runs follows. The scales need no pass over the chunk, so SPLIT
+    come in PARTS / PART_BLOCK loads of PART_BLOCK runs (a tile of at most 4 KB), folded
+    element-wise (no cross-thread reduction, hence no barrier, between them) and unrolled up to
+    _UNROLLED_PART_LOADS loads, so they can be in flight together; one reduction over the runs
+    follows. The scales need no pass over the chunk, so SPLIT
     programs (program_id 2) share its rows: at C=1024 one program per (64 columns, 4096-row
     chunk) is 256 programs at 65,536 rows, two per SM."""
     cc = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     g = tl.program_id(1)
     cmask = cc < Cn
     col = tl.zeros((PART_BLOCK, BLOCK_C), dtype=PART.dtype.element_ty)
-    for i in tl.static_range(PARTS // PART_BLOCK):
-        pp = g * PARTS + i * PART_BLOCK + tl.arange(0, PART_BLOCK)
-        col = tl.maximum(col, tl.load(PART + pp.to(tl.int64)[:, None] * stride_p + cc[None, :],
-                                      mask=(pp[:, None] < n_part) & cmask[None, :], other=0))
+    if PARTS // PART_BLOCK <= _UNROLLED_PART_LOADS:
+        for i in tl.static_range(PARTS // PART_BLOCK):
+            pp = g * PARTS + i * PART_BLOCK + tl.arange(0, PART_BLOCK)
+            col = tl.maximum(col, tl.load(PART + pp.to(tl.int64)[:, None] * stride_p + cc[None, :],
+                                          mask=(pp[:, None] < n_part) & cmask[None, :], other=0))
+    else:  # long chunks (token_chunk >> 4096): a loop, whose compile time does not grow with them
+        for p0 in range(g * PARTS, g * PARTS + PARTS, PART_BLOCK):
+            pp = p0 + tl.arange(0, PART_BLOCK)
+            col = tl.maximum(col, tl.load(PART + pp.to(tl.int64)[:, None] * stride_p + cc[None, :],
+                                          mask=(pp[:, None] < n_part) & cmask[None, :], other=0))
     byte, inv, nan = _scales_from_byte(tl.max(col, axis=0).to(tl.int32))
     split = tl.program_id(2)
     start = g * CHUNK + split * (CHUNK // SPLIT)
@@ -714,7 +685,11 @@ def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
                 part = (torch.zeros((n_runs, c), dtype=torch.int32, device=x.device) if atomic
                         else torch.empty((n_runs, c), dtype=torch.uint8, device=x.device))
             if with_part and config_field(cfg, 4):  # a row per warp (Gluon; the column bytes' loop only)
-                _cast_rows_warp_kernel[(cdiv(r, br * iters),)](
+                if br % warps or c <= 128:
+                    raise ValueError(f"fp8_cast_rows: a row per warp needs rows ({br}) a multiple of the warps "
+                                     f"({warps}) and more than 128 columns, got {c}")
+                hopper = gluon_module("fp8_cast_hopper", "fp8_cast_rows", x.device)
+                hopper._cast_rows_warp_kernel[(cdiv(r, br * iters),)](
                     xin, data, scale, part, nw, rstd if norm else scale, r, c, xin.stride(0), data.stride(0),
                     part.stride(0), eps, ACT=ACTS[act], IN_BF16=x.dtype == torch.bfloat16,
                     BIT_CAST=_bit_cast(bit_cast), BLOCK_R=br, BLOCK_C=next_pow2(c), ITERS=iters,
@@ -733,7 +708,7 @@ def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
             deep = [(br, w, 1) for br, w in _ROWS_DEEP if amax_rows // br > 1] if with_part else []
             atomic = [(br, w, 0, 1) for br, w in _ROWS_ATOMIC if amax_rows % br == 0] if with_part else []
             warp = ([(br, w, 0, 0, 1) for br, w in _ROWS_WARP if amax_rows % br == 0]
-                    if with_part and c >= 256 and not INTERPRET else [])
+                    if with_part and c > 128 and gluon_runs("fp8_cast_hopper", x.device) else [])
             return gpu_checked([(br, w, 0) for br, w in _ROWS_CANDIDATES] + deep + atomic + warp, 2, _GPU_CHECKED,
                                _PENDING_AUTOTUNE)
 
@@ -783,7 +758,7 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
                     raise ValueError(f"fp8_cast_cols: {split} programs per chunk do not divide its {chunk} rows")
                 _cast_cols_amax_kernel[(*grid, split)](
                     xin, data, scale, part, nw, rstd, r, r_pad, c, part.shape[0], xin.stride(0), data.stride(0), scale.stride(0),
-                    part.stride(0), PARTS=parts, PART_BLOCK=min(parts, 64), SPLIT=split, **common)
+                    part.stride(0), PARTS=parts, PART_BLOCK=min(parts, 64, 4096 // bc), SPLIT=split, **common)
             else:
                 _cast_cols_kernel[grid](xin, data, scale, nw, rstd, r, r_pad, c, xin.stride(0), data.stride(0),
                                         scale.stride(0), **common)
