@@ -72,23 +72,15 @@ def test_cast_bit_exact(shape, chunk, dtype):
     check_cast(_hostile(*shape, dtype), chunk)
 
 
-def test_cast_cols_from_many_runs():
-    """128 runs of 2 rows per 256-row chunk: the column cast combines its runs' bytes 64 at a time
-    (the partial last chunk's missing runs too)."""
-    x = _hostile(300, 24, torch.bfloat16)
+@pytest.mark.parametrize("rows,chunk", [(300, 256), (2100, 2048)])
+def test_cast_cols_from_many_runs(rows, chunk):
+    """Runs of 2 rows: 128 per 256-row chunk, combined 64 at a time (unrolled loads), and 1024 per
+    2048-row chunk, more loads than the column cast unrolls (_UNROLLED_PART_LOADS), so it loops
+    over them; the partial last chunk's missing runs too."""
+    x = _hostile(rows, 24, torch.bfloat16)
     dr, sr, part = fp8_cast_rows(x, col_amax=True, amax_rows=2)
-    dt, sc = fp8_cast_cols(x, 256, part=part, amax_rows=2)
-    cd, cs = quantize_mx(x, block=256, axis=0, scale_rule="rceil")
-    assert torch.equal(_bytes(dt), _bytes(cd.t().contiguous())) and torch.equal(sc, cs.t())
-
-
-def test_cast_cols_from_runs_past_the_unrolled_loads():
-    """1024 runs of 2 rows per 2048-row chunk: more loads of run bytes than the column cast unrolls
-    (_UNROLLED_PART_LOADS), so it loops over them, the partial last chunk included."""
-    x = _hostile(2100, 24, torch.bfloat16)
-    _, _, part = fp8_cast_rows(x, col_amax=True, amax_rows=2)
-    dt, sc = fp8_cast_cols(x, 2048, part=part, amax_rows=2)
-    cd, cs = quantize_mx(x, block=2048, axis=0, scale_rule="rceil")
+    dt, sc = fp8_cast_cols(x, chunk, part=part, amax_rows=2)
+    cd, cs = quantize_mx(x, block=chunk, axis=0, scale_rule="rceil")
     assert torch.equal(_bytes(dt), _bytes(cd.t().contiguous())) and torch.equal(sc, cs.t())
 
 
