@@ -46,6 +46,10 @@
 #             the Gluon configs (AB_GDPA; default the warp-specialized and resident forwards, the
 #             streaming one) in both trees in turn, twice, then this tree's Hopper GPU tier
 #             (AB_TIER=0 leaves both stages' GPU tier out: the sweeps of both first, the tiers later)
+#   cast-ab   the FP8 casts of this tree against those of BASE_TREE: bench_fp8.py --only cast at
+#             [65536, AB_CAST_WIDTHS (default 1024)] in both trees in turn, twice, each tree with its own
+#             autotune cache (AB_PENDING=1 adds --pending: the pinned-only cast configs timed too),
+#             then this tree's GPU tier of the casts
 #   gdpa-probes  bench_gdpa.py's timing probes of the Gluon cross-128 forward (memory alone, math
 #             alone, against the pick) and the self-1000 forward against the softmax one, 10 A/B rounds
 #   gdpa-ws   the warp-specialized GDPA forwards (gdpa_hopper._gdpa_fwd_ws, _gdpa_fwd_ws_stream): their
@@ -133,7 +137,9 @@ ab_trees() {
   for round in 1 2; do
     for tree in "$this" "$base"; do
       tag=$([ "$tree" = "$this" ] && echo this || echo base)
-      (cd "$tree" && PYTHONPATH="/tmp/site:$tree" timeout 150 "${sweep_py[@]}" "$@" --out "${prefix}_${tag}_$round.json") 2>&1 \
+      # each tree its own autotune cache: the same key in both would hand one tree the other's picks
+      (cd "$tree" && PYTHONPATH="/tmp/site:$tree" GEMCTL_CACHE_DIR="/tmp/gemctl_ab_cache_$tag" timeout 150 \
+        "${sweep_py[@]}" "$@" --out "${prefix}_${tag}_$round.json") 2>&1 \
         | quiet | grep " ms\|us \|copy\|%\|sm_limit" | sed "s/^/$tag /" | tee -a "$OUT/ab_$name.log"
     done
   done
@@ -289,6 +295,11 @@ for stage in "$@"; do
         "${sweep_py[@]}" "${gluon_block_sweep[@]}" --whole-blocks --out "$OUT/sweep_block_partial_$round.json" 2>&1 | quiet \
           | tee -a "$OUT/sweep_block_partial.log"
       done ;;
+    cast-ab)
+      # shellcheck disable=SC2046  # --pending: one word or none
+      ab_trees cast "$OUT/ab_cast" scripts/bench_fp8.py --only cast --cast-widths "${AB_CAST_WIDTHS:-1024}" \
+        $([ "${AB_PENDING:-0}" = 1 ] && echo --pending)
+      [ "${AB_TIER:-1}" = 0 ] || gpu_tier cast_ab 8 tests/test_fp8.py "cast or norm or amax or warp" ;;
     gdpa-ab)
       # shellcheck disable=SC2086  # AB_GDPA: words, one config each
       ab_trees gdpa "$OUT/ab_gdpa" scripts/bench_gdpa.py --grid-only --only cross-128 cross-32 self-1000 \
@@ -338,6 +349,6 @@ for stage in "$@"; do
         parallel.topology.gpus_per_node=$ngpu run.name=small_h200-fsdp$ngpu 2>&1 | quiet | tee "$OUT/profile_fsdp$ngpu.log"
       d=$(ls -d runs/small_h200-fsdp$ngpu-profile/* | tail -1)
       cp "$d/profile.json" "$OUT/profile_fsdp$ngpu.json"; cp "$d/breakdown.png" "$OUT/breakdown_fsdp$ngpu.png" ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, sweep-block, block-hopper, block-records, block-ab, block-partial, proxy-check, gdpa-ab, gdpa-probes, gdpa-ws, bench-mx, tests-precision, bench-fp8, bench-fp8-model, ncu, ncu-sass, precision-speed, profile, tests-multi-gpu, scaling, profile-multi-gpu)" >&2; exit 2 ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, sweep-block, block-hopper, block-records, block-ab, block-partial, proxy-check, cast-ab, gdpa-ab, gdpa-probes, gdpa-ws, bench-mx, tests-precision, bench-fp8, bench-fp8-model, ncu, ncu-sass, precision-speed, profile, tests-multi-gpu, scaling, profile-multi-gpu)" >&2; exit 2 ;;
   esac
 done
