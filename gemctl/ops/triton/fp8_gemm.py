@@ -552,6 +552,15 @@ def _cast_cols_kernel(
                                BIT_CAST, BLOCK_R, NORM)
 
 
+@triton.jit
+def _fold_parts(col, PART, p0, cc, cmask, n_part, stride_p, PART_BLOCK: tl.constexpr):
+    """col [PART_BLOCK, columns] with the run bytes of runs [p0, p0 + PART_BLOCK) folded in by an
+    element-wise max (runs past n_part read as 0)."""
+    pp = p0 + tl.arange(0, PART_BLOCK)
+    return tl.maximum(col, tl.load(PART + pp.to(tl.int64)[:, None] * stride_p + cc[None, :],
+                                   mask=(pp[:, None] < n_part) & cmask[None, :], other=0))
+
+
 @triton.jit(do_not_specialize=["R", "n_part"])  # per-batch sizes: common.py, "Specialization"
 def _cast_cols_amax_kernel(
     X, DATA_T, SCALE, PART, NW, RSTD, R, R_PAD, Cn, n_part, stride_xr, stride_dt, stride_sc, stride_p,
@@ -573,14 +582,10 @@ def _cast_cols_amax_kernel(
     col = tl.zeros((PART_BLOCK, BLOCK_C), dtype=PART.dtype.element_ty)
     if PARTS // PART_BLOCK <= _UNROLLED_PART_LOADS:
         for i in tl.static_range(PARTS // PART_BLOCK):
-            pp = g * PARTS + i * PART_BLOCK + tl.arange(0, PART_BLOCK)
-            col = tl.maximum(col, tl.load(PART + pp.to(tl.int64)[:, None] * stride_p + cc[None, :],
-                                          mask=(pp[:, None] < n_part) & cmask[None, :], other=0))
+            col = _fold_parts(col, PART, g * PARTS + i * PART_BLOCK, cc, cmask, n_part, stride_p, PART_BLOCK)
     else:  # long chunks (token_chunk >> 4096): a loop, whose compile time does not grow with them
         for p0 in range(g * PARTS, g * PARTS + PARTS, PART_BLOCK):
-            pp = p0 + tl.arange(0, PART_BLOCK)
-            col = tl.maximum(col, tl.load(PART + pp.to(tl.int64)[:, None] * stride_p + cc[None, :],
-                                          mask=(pp[:, None] < n_part) & cmask[None, :], other=0))
+            col = _fold_parts(col, PART, p0, cc, cmask, n_part, stride_p, PART_BLOCK)
     byte, inv, nan = _scales_from_byte(tl.max(col, axis=0).to(tl.int32))
     split = tl.program_id(2)
     start = g * CHUNK + split * (CHUNK // SPLIT)
@@ -684,24 +689,21 @@ def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
             if with_part:  # the atomic configs fold their bytes into zeroed int32 maxima
                 part = (torch.zeros((n_runs, c), dtype=torch.int32, device=x.device) if atomic
                         else torch.empty((n_runs, c), dtype=torch.uint8, device=x.device))
+            # the arguments both row-cast kernels take (the Triton one and the row-per-warp Gluon one)
+            args = (xin, data, scale, part if with_part else scale, nw, rstd if norm else scale, r, c, xin.stride(0),
+                    data.stride(0), part.stride(0) if with_part else 0, eps)
+            consts = dict(ACT=ACTS[act], IN_BF16=x.dtype == torch.bfloat16, BIT_CAST=_bit_cast(bit_cast), BLOCK_R=br,
+                          ITERS=iters, NORM=norm is not None, num_warps=warps)
             if with_part and config_field(cfg, 4):  # a row per warp (Gluon; the column bytes' loop only)
                 if br % warps or c <= 128:
                     raise ValueError(f"fp8_cast_rows: a row per warp needs rows ({br}) a multiple of the warps "
                                      f"({warps}) and more than 128 columns, got {c}")
                 hopper = gluon_module("fp8_cast_hopper", "fp8_cast_rows", x.device)
-                hopper._cast_rows_warp_kernel[(cdiv(r, br * iters),)](
-                    xin, data, scale, part, nw, rstd if norm else scale, r, c, xin.stride(0), data.stride(0),
-                    part.stride(0), eps, ACT=ACTS[act], IN_BF16=x.dtype == torch.bfloat16,
-                    BIT_CAST=_bit_cast(bit_cast), BLOCK_R=br, BLOCK_C=next_pow2(c), ITERS=iters,
-                    NORM=norm is not None, num_warps=warps)
+                hopper._cast_rows_warp_kernel[(cdiv(r, br * iters),)](*args, BLOCK_C=next_pow2(c), **consts)
                 return
             _cast_rows_kernel[(cdiv(r, br) if atomic else cdiv(r, br * iters),)](
-                xin, data, scale, part if with_part else scale, nw, rstd if norm else scale, r, c, xin.stride(0),
-                data.stride(0), part.stride(0) if with_part else 0, eps, ACT=ACTS[act],
-                IN_BF16=x.dtype == torch.bfloat16, BIT_CAST=_bit_cast(bit_cast), BLOCK_R=br,
-                BLOCK_C=next_pow2(c) if one_sweep else 2048, ONE_SWEEP=one_sweep, ITERS=iters,
-                COL_AMAX=with_part, NORM=norm is not None, DEPTH=2 if deep and iters > 1 and not atomic else 1,
-                ATOMIC=bool(atomic), num_warps=warps)
+                *args, BLOCK_C=next_pow2(c) if one_sweep else 2048, ONE_SWEEP=one_sweep, COL_AMAX=with_part,
+                DEPTH=2 if deep and iters > 1 and not atomic else 1, ATOMIC=bool(atomic), **consts)
 
         key = ("fp8_cast_rows", bucket_len(r), bucket_len(c), x.dtype, act, with_part and amax_rows, norm is not None)
         def candidates():
