@@ -5,7 +5,7 @@ Triton casts working and only leaves these configs out.
 A row per warp: fp8_gemm._cast_rows_kernel lays a block's warps along the columns (Triton's
 choice, not ours), so its multi-warp programs pay a block barrier per block of rows. Here an
 explicit layout puts the warps on the rows. The per-block work is fp8_gemm's own Triton helpers,
-called from Gluon in its layouts. Pinned-only (fp8_gemm._ROWS_WARP): measured slower so far.
+called from Gluon in its layouts. Autotuned with the Triton configs (fp8_gemm._ROWS_WARP).
 """
 
 from __future__ import annotations

@@ -110,7 +110,11 @@ _ROWS_ATOMIC = [(4, 8), (8, 8), (8, 16), (16, 16), (8, 4)]
 # and on an H100 at [65536, 1024], 16-row runs (2c933cb; GPU tier passed) it took 85-96 us at 2
 # warps, 162-183 at 4 and 300-370 at 8, against 71-75 us for the autotuned looping cast: the time
 # grew with the warps, not the rows. The maxima now change layout first (3-15 bar.sync, all after
-# the loop); neither timed nor through the GPU tier yet.
+# the loop, df5fb24). H100, 2026-12-06 (tree fd49ad5): GPU tier passed (every config), and with
+# them among the candidates the autotuner picked (4, 4) for the plain cast at [65536, 1024], 16-row
+# runs (CUDA-graph time 69.4 us, 98.1% of copy; tree 941226f's Triton cast, same call: 70.9 us) and
+# (2, 2) for silu (72.7 us, 93.7%); the RMSNorm-fused cast kept a Triton config. So they join
+# autotuning (_GPU_CHECKED).
 _ROWS_WARP = [(4, 4), (8, 4), (8, 8), (16, 8), (2, 2), (4, 2), (16, 4)]
 _ROWS_INTERPRET = (2, 1, 0)
 # Chunked column casts: (BLOCK_R, BLOCK_C, warps).
@@ -121,7 +125,7 @@ _COLS_INTERPRET = (8, 16, 1, 0)
 # Configs with a nonzero last field (two blocks in flight, split chunks) run the same code on the
 # CPU tier; they join autotuning once the GPU tier's pinned tests have passed them (_GPU_CHECKED),
 # as the attention kernels' TMA configs do; _PENDING_AUTOTUNE times them all (benchmarks).
-_GPU_CHECKED: set = {(128, 128, 128, 4, 3, True, 2)}
+_GPU_CHECKED: set = {(128, 128, 128, 4, 3, True, 2)} | {(br, w, 0, 0, 1) for br, w in _ROWS_WARP}
 _PENDING_AUTOTUNE = False
 _ROWS_IN_REGISTERS = 8192
 _UNROLLED_PART_LOADS = tl.constexpr(8)  # the column cast's loads of run bytes unrolled up to this many
