@@ -119,6 +119,10 @@ def kernels():
     for act, norm in ((1, False), (0, True)):  # a row per warp (Gluon): silu, RMSNorm fused
         yield f8h._cast_rows_warp_kernel, dict(f8_io, NW="*i16"), dict(ACT=act, IN_BF16=True, BIT_CAST=False,
                                                                       BLOCK_R=8, BLOCK_C=1024, ITERS=2, NORM=norm)
+        # ... and its blocks of rows through a shared-memory ring (cp.async; _aligned_attrs)
+        yield f8h._cast_rows_warp_kernel, dict(f8_io, NW="*i16"), dict(ACT=act, IN_BF16=True, BIT_CAST=False,
+                                                                      BLOCK_R=4, BLOCK_C=1024, ITERS=4, NORM=norm,
+                                                                      STAGES=3)
     cast = dict(ACT=1, IN_BF16=True, BIT_CAST=False, CHUNK=4096, BLOCK_R=64, BLOCK_C=64)
     yield f8._cast_cols_kernel, f8_io, cast
     yield f8._cast_cols_amax_kernel, f8_io, dict(cast, PARTS=256, PART_BLOCK=64)  # runs of 16 rows: 4 loads
@@ -343,7 +347,7 @@ def _aligned_attrs(fn, types: dict, consts: dict) -> dict:
     the half-width forward 2,040 instructions instead of 1,840)."""
     names = list(fn.arg_names)
     aligned = [n for n in names if n not in consts
-               and (types.get(n, "").startswith("*") or n.startswith("stride"))]
+               and (types.get(n, "").startswith("*") or n.startswith("stride") or (n == "Cn" and consts.get("STAGES")))]
     return {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
 
 
@@ -439,7 +443,8 @@ def main() -> int:
     for fn, types, consts in kernels():
         t0 = time.time()
         consts = _constexprs(fn, types, consts)
-        src = _source(fn, types, consts)
+        # unaligned, but the row casts' ring: its cp.async needs the 16-aligned rows the host checks (_ring_fits)
+        src = _source(fn, types, consts, _aligned_attrs(fn, types, consts) if consts.get("STAGES") else None)
         compiled = triton.compile(src, target=target, options=_options(fn, consts, 4, 3))
         print(f"{fn.__name__:<24} {_flags(consts):<30} sm_{args.arch}: ok ({time.time() - t0:.1f} s, {compiled.metadata.shared} B shared)")
     stores = column_cast_stores(target)

@@ -92,6 +92,12 @@ def test_row_per_warp_config_checks():
         fp8_cast_rows(x, col_amax=True, amax_rows=16)
     with forced_config({"fp8_cast_rows": (4, 4, 0, 0, 1)}), pytest.raises(ValueError, match="sm_90"):
         fp8_cast_rows(x, col_amax=True, amax_rows=16)
+    # the shared-memory ring's cp.async copies 16-byte vectors: 16-aligned widths and rows only
+    for bad in (torch.randn(64, 200), torch.randn(64, 257)[:, 1:], torch.randn(64, 4096)):
+        with forced_config({"fp8_cast_rows": (1, 1, 0, 0, 1, 4)}), pytest.raises(ValueError, match="shared memory"):
+            fp8_cast_rows(bad, col_amax=True, amax_rows=16)
+    with forced_config({"fp8_cast_rows": (1, 1, 0, 0, 1, 4)}), pytest.raises(ValueError, match="sm_90"):
+        fp8_cast_rows(x, col_amax=True, amax_rows=16)
 
 
 def _same_values(a, b):
@@ -1036,17 +1042,23 @@ def test_cast_rows_atomic_gpu(cfg):
             assert _same_values(g, w), (act, norm)
 
 
+_WARP_CONFIGS = ([(br, w, 0, 0, 1) for br, w in fp8_kernels._ROWS_WARP]
+                 + [(br, w, 0, 0, 1, st) for br, w, st in fp8_kernels._ROWS_RING])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", fp8_kernels._ROWS_WARP, ids=lambda c: f"{c[0]}_{c[1]}")
+@pytest.mark.parametrize("cfg", _WARP_CONFIGS, ids=lambda c: "_".join(map(str, c[:2] + c[5:])))
 def test_cast_rows_warp_gpu(cfg):
-    """Each row-per-warp candidate (Gluon) pinned, on hostile values, 16-row runs and a partial last
-    run, 1024 and 768 columns (a block padded to 1024): the looping cast's codes, scales and run
-    bytes, plain and silu; with the RMSNorm, whose sum of squares runs in another order, rstd
-    within 1e-6 and the outputs of RMSNorm computed from that rstd, then cast."""
+    """Each row-per-warp candidate (Gluon) pinned, its blocks of rows in registers or through the
+    shared-memory ring, on hostile values, 16-row runs and a partial last run (one program's
+    blocks past the rows: the ring's copies zero-fill them), 1024 and 768 columns (a block padded
+    to 1024): the looping cast's codes, scales and run bytes, plain and silu; with the RMSNorm,
+    whose sum of squares runs in another order, rstd within 1e-6 and the outputs of RMSNorm
+    computed from that rstd, then cast."""
     for cols in (1024, 768):
         x = _hostile(8192 + 37, cols, torch.bfloat16, device="cuda")
         for act, norm in ((None, False), ("silu", False), (None, True)):
-            got = _rows_outputs(x, (*cfg, 0, 0, 1), act, norm, amax_rows=16)
+            got = _rows_outputs(x, cfg, act, norm, amax_rows=16)
             want = _rows_outputs(x, (2, 4, 0), act, norm, amax_rows=16)
             if norm:
                 assert torch.allclose(got[2], want[2], rtol=1e-6, atol=0), cols

@@ -116,6 +116,14 @@ _ROWS_ATOMIC = [(4, 8), (8, 8), (8, 16), (16, 16), (8, 4)]
 # (2, 2) for silu (72.7 us, 93.7%); the RMSNorm-fused cast kept a Triton config. So they join
 # autotuning (_GPU_CHECKED).
 _ROWS_WARP = [(4, 4), (8, 4), (8, 8), (16, 8), (2, 2), (4, 2), (16, 4)]
+# ... with the blocks of rows through a shared-memory ring of STAGES slots filled by cp.async
+# (fp8_cast_hopper, STAGES > 0): (rows, warps, stages) -> (rows, warps, 0, 0, 1, stages). The
+# register-prefetch loops above hold 180-255 registers a thread at C=1024 (8 warps an SM, ~16 KB in
+# flight); these 95-167 (one warp; sm_90 ptxas, Triton 3.9): 12-20 programs an SM, each with
+# STAGES - 1 blocks of 2-4 KB in flight. Rows of at most _RING_COLUMNS values (a warp's 32 lanes
+# hold a row: wider ones would spill), 16-byte aligned (cp.async copies 4-16 bytes).
+_ROWS_RING = [(1, 1, 4), (1, 1, 3), (1, 1, 6), (2, 1, 3), (2, 2, 4), (4, 4, 3)]
+_RING_COLUMNS = 2048
 _ROWS_INTERPRET = (2, 1, 0)
 # Chunked column casts: (BLOCK_R, BLOCK_C, warps).
 _COLS_CANDIDATES = [(64, 64, 4), (128, 32, 4), (64, 128, 8), (32, 128, 4), (128, 64, 8), (256, 32, 8), (128, 128, 8),
@@ -618,6 +626,13 @@ def _weight_arg(weight: torch.Tensor) -> torch.Tensor:
     return bf16_bits(weight.detach().contiguous())
 
 
+def _ring_fits(xin: torch.Tensor, c: int) -> bool:
+    """Whether the row casts' shared-memory ring (_ROWS_RING) takes these rows: at most
+    _RING_COLUMNS values, and the column count, row stride and base all 16-aligned, as Triton
+    specializes them so that cp.async can copy 16-byte vectors."""
+    return c <= _RING_COLUMNS and c % 16 == 0 and xin.stride(0) % 16 == 0 and xin.data_ptr() % 16 == 0
+
+
 def _bit_cast(bit_cast) -> bool:
     return INTERPRET if bit_cast is None else bool(bit_cast)
 
@@ -702,8 +717,14 @@ def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
                 if br % warps or c <= 128:
                     raise ValueError(f"fp8_cast_rows: a row per warp needs rows ({br}) a multiple of the warps "
                                      f"({warps}) and more than 128 columns, got {c}")
+                stages = config_field(cfg, 5)
+                if stages and not _ring_fits(xin, c):
+                    raise ValueError(f"fp8_cast_rows: blocks of rows through shared memory need at most "
+                                     f"{_RING_COLUMNS} columns, a multiple of 16, and 16-byte aligned rows; got "
+                                     f"{c} columns, row stride {xin.stride(0)}")
                 hopper = gluon_module("fp8_cast_hopper", "fp8_cast_rows", x.device)
-                hopper._cast_rows_warp_kernel[(cdiv(r, br * iters),)](*args, BLOCK_C=next_pow2(c), **consts)
+                hopper._cast_rows_warp_kernel[(cdiv(r, br * iters),)](*args, BLOCK_C=next_pow2(c), STAGES=stages,
+                                                                      **consts)
                 return
             _cast_rows_kernel[(cdiv(r, br) if atomic else cdiv(r, br * iters),)](
                 *args, BLOCK_C=next_pow2(c) if one_sweep else 2048, ONE_SWEEP=one_sweep, COL_AMAX=with_part,
@@ -714,6 +735,7 @@ def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
             deep = [(br, w, 1) for br, w in _ROWS_DEEP if amax_rows // br > 1] if with_part else []
             atomic = [(br, w, 0, 1) for br, w in _ROWS_ATOMIC if amax_rows % br == 0] if with_part else []
             warp = ([(br, w, 0, 0, 1) for br, w in _ROWS_WARP if amax_rows % br == 0]
+                    + [(br, w, 0, 0, 1, st) for br, w, st in _ROWS_RING if amax_rows % br == 0 and _ring_fits(xin, c)]
                     if with_part and c > 128 and gluon_runs("fp8_cast_hopper", x.device) else [])
             return gpu_checked([(br, w, 0) for br, w in _ROWS_CANDIDATES] + deep + atomic + warp, 2, _GPU_CHECKED,
                                _PENDING_AUTOTUNE)
