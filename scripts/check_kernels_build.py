@@ -127,6 +127,7 @@ def kernels():
     yield f8._cast_cols_kernel, f8_io, cast
     yield f8._cast_cols_amax_kernel, f8_io, dict(cast, PARTS=256, PART_BLOCK=64)  # runs of 16 rows: 4 loads
     yield f8._cast_cols_amax_kernel, f8_io, dict(cast, ACT=0, PARTS=32, PART_BLOCK=32, NORM=True)
+    yield f8._cast_cols_amax_kernel, f8_io, dict(cast, PARTS=256, PART_BLOCK=64, STAGES=3)  # the row loop pipelined
     yield f8._cast_cols_amax_kernel, f8_io, dict(cast, PARTS=64, PART_BLOCK=64, SPLIT=4)  # 4 programs per chunk
     norm_io = dict(DY="*bf16", X="*bf16", RSTD="*fp32", W="*fp32", DX="*bf16", DWP="*fp32")
     yield rms_norm._rms_norm_bwd_kernel, norm_io, dict(BLOCK_R=2, BLOCK_C=1024, ITERS=32, NEED_DW=True)
@@ -247,7 +248,8 @@ def column_cast_stores(target) -> list[str]:
     lines = []
     for fn, consts in ((f8._cast_cols_kernel, cast), (f8._cast_cols_amax_kernel, dict(cast, PARTS=64, PART_BLOCK=64,
                                                                                       SPLIT=4)),
-                       (f8._cast_cols_amax_kernel, dict(cast, ACT=0, PARTS=32, PART_BLOCK=32, NORM=True))):
+                       (f8._cast_cols_amax_kernel, dict(cast, ACT=0, PARTS=32, PART_BLOCK=32, NORM=True)),
+                       (f8._cast_cols_amax_kernel, dict(cast, PARTS=64, PART_BLOCK=64, STAGES=3))):
         consts = _with_defaults(fn, consts)
         names = list(fn.arg_names)
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if n in names}

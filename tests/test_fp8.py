@@ -155,9 +155,11 @@ def test_cast_cols_split_chunks(act, norm):
     if norm:
         kwargs["norm"] = (rows[2], torch.linspace(0.5, 2.0, x.shape[1]))
     outs = []
-    for split in (1, 2, 4):
-        with forced_config({"fp8_cast_cols": (4, 16, 1, split)}):
+    for cfg in ((4, 16, 1, 1), (4, 16, 1, 2), (4, 16, 1, 4), (4, 16, 1, 2, 3)):  # the last pipelined (stages)
+        with forced_config({"fp8_cast_cols": cfg}):
             outs.append([t.view(torch.uint8) for t in fp8_cast_cols(x, 16, act=act, **kwargs)])
+    with forced_config({"fp8_cast_cols": (4, 16, 1, 0, 3)}):  # the two-read cast pipelined
+        outs.append([t.view(torch.uint8) for t in fp8_cast_cols(x, 16, act=act, norm=kwargs.get("norm"))])
     cd, cs = fp8_cast_cols(x, 16, act=act, norm=kwargs.get("norm"))  # two reads: scales of its own
     for data, scale in outs:
         assert torch.equal(data, cd.view(torch.uint8)) and torch.equal(scale, cs)
@@ -1072,20 +1074,28 @@ def test_cast_rows_warp_gpu(cfg):
                 assert torch.equal(g, w), (cols, act, norm)
 
 
+_COLS_GPU_CONFIGS = ([(*c, 4) for c in fp8_kernels._COLS_CANDIDATES]
+                     + [(*c, sp, fp8_kernels._COLS_STAGES) for c in fp8_kernels._COLS_CANDIDATES for sp in (0, 4)])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", fp8_kernels._COLS_CANDIDATES, ids=lambda c: "_".join(map(str, c)))
+@pytest.mark.parametrize("cfg", _COLS_GPU_CONFIGS, ids=lambda c: "_".join(map(str, c)))
 def test_cast_cols_split_chunks_gpu(cfg):
-    """Each column-cast candidate with 4 programs per chunk pinned, from the row cast's bytes: the
-    bytes of the two-read cast (its own scales), plain, silu and RMSNorm, a partial last chunk."""
+    """Each column-cast candidate pinned with 4 programs per chunk, or pipelined (stages, one or 4
+    programs per chunk), from the row cast's bytes: the bytes of the two-read cast (its own
+    scales), plain, silu and RMSNorm, a partial last chunk; pipelined, the two-read cast too."""
     x = _hostile(8192 + 37, 1024, torch.bfloat16, device="cuda")
     for act, norm in ((None, False), ("silu", False), (None, True)):
         rows = _rows_outputs(x, (2, 4, 0), act, norm, amax_rows=64)
         extra = {"norm": (rows[2], torch.linspace(0.5, 2.0, x.shape[1], device="cuda"))} if norm else {}
         want = fp8_cast_cols(x, 4096, act=act, **extra)
-        with forced_config({"fp8_cast_cols": (*cfg, 4)}):
-            got = fp8_cast_cols(x, 4096, act=act, part=rows[-1], amax_rows=64, **extra)
-        for g, w in zip(got, want):
-            assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), (act, norm)
+        with forced_config({"fp8_cast_cols": cfg}):
+            got = [fp8_cast_cols(x, 4096, act=act, part=rows[-1], amax_rows=64, **extra)]
+            if len(cfg) > 4:
+                got.append(fp8_cast_cols(x, 4096, act=act, **extra))
+        for out in got:
+            for g, w in zip(out, want):
+                assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), (act, norm)
 
 
 @pytest.mark.gpu

@@ -130,6 +130,12 @@ _COLS_CANDIDATES = [(64, 64, 4), (128, 32, 4), (64, 128, 8), (32, 128, 4), (128,
                     (256, 64, 8)]
 _COLS_SPLIT = 4  # programs per chunk of the column cast from the row cast's bytes: (BLOCK_R, BLOCK_C, warps, split)
 _COLS_INTERPRET = (8, 16, 1, 0)
+# (BLOCK_R, BLOCK_C, warps, split, stages): the column casts' row loop pipelined by Triton
+# (tl.range's num_stages: cp.async into shared memory, STAGES - 1 blocks ahead). Without it every
+# block's load waits for the block before it to be quantized and stored, and the autotuner's pick
+# at C=1024, (256, 64, 8), holds 105 registers a thread with silu, 2 programs an SM; staged, 64-66
+# (sm_90 ptxas, Triton 3.6 and 3.9), and its loads in flight while the transposed stores drain.
+_COLS_STAGES = 3
 # Configs with a nonzero last field (two blocks in flight, split chunks) run the same code on the
 # CPU tier; they join autotuning once the GPU tier's pinned tests have passed them (_GPU_CHECKED),
 # as the attention kernels' TMA configs do; _PENDING_AUTOTUNE times them all (benchmarks).
@@ -508,7 +514,8 @@ def _cast_rows_kernel(
 @triton.jit
 def _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g, start, end, store_end, split,
                                stride_xr, stride_dt, stride_sc, ACT: tl.constexpr, IN_BF16: tl.constexpr,
-                               BIT_CAST: tl.constexpr, BLOCK_R: tl.constexpr, NORM: tl.constexpr):
+                               BIT_CAST: tl.constexpr, BLOCK_R: tl.constexpr, NORM: tl.constexpr,
+                               STAGES: tl.constexpr):
     """Rows [start, end) of chunk g of columns cc, given the columns' scales over the chunk (byte,
     2^-shared, NaN flag): the codes written to DATA_T [Cn, R] through a register transpose (each
     column's run of rows one contiguous store), and the bytes by the chunk's first program (split 0).
@@ -516,10 +523,11 @@ def _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, c
     are padded to it, and the zeros written past R are never read, the GEMM's K being R): a bound
     the compiler knows to be a multiple of 16 keeps them 16-byte vector stores. Bounded by R itself,
     any jagged R not a multiple of 16 made them byte stores (sm_90 PTX: 33 st.global.b8 for 2
-    st.global.v4.b32; H200, [89569, 3072]: 1.45 ms, 7x the copy time)."""
+    st.global.v4.b32; H200, [89569, 3072]: 1.45 ms, 7x the copy time). STAGES > 1: the loop's
+    loads pipelined through shared memory (_COLS_STAGES)."""
     tl.store(SCALE + cc.to(tl.int64) * stride_sc + g, byte.to(tl.uint8), mask=cmask & (cc * 0 + split == 0))
     nw = _norm_weight(X, NW, cc, cmask, IN_BF16, BIT_CAST) if NORM else 0.0
-    for r0 in range(start, end, BLOCK_R):
+    for r0 in tl.range(start, end, BLOCK_R, num_stages=STAGES):
         rr = r0 + tl.arange(0, BLOCK_R)
         mask = (rr[:, None] < end) & cmask[None, :]
         x = _load_cols(X, RSTD, nw, rr, cc, mask, end, stride_xr, ACT, IN_BF16, NORM, BIT_CAST)
@@ -544,6 +552,7 @@ def _cast_cols_kernel(
     X, DATA_T, SCALE, NW, RSTD, R, R_PAD, Cn, stride_xr, stride_dt, stride_sc,
     ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr = False,
+    STAGES: tl.constexpr = 1,
 ):
     """Program (j, g): columns [j*BLOCK_C, +BLOCK_C) over rows [g*CHUNK, +CHUNK): the columns'
     amax over the chunk, then the quantized chunk written transposed (DATA_T [Cn, R])."""
@@ -553,7 +562,7 @@ def _cast_cols_kernel(
     amax = tl.zeros((BLOCK_C,), dtype=tl.int32)
     end = tl.minimum(g * CHUNK + CHUNK, R)
     nw = _norm_weight(X, NW, cc, cmask, IN_BF16, BIT_CAST) if NORM else 0.0
-    for r0 in range(g * CHUNK, end, BLOCK_R):
+    for r0 in tl.range(g * CHUNK, end, BLOCK_R, num_stages=STAGES):
         rr = r0 + tl.arange(0, BLOCK_R)
         mask = (rr[:, None] < end) & cmask[None, :]
         x = _load_cols(X, RSTD, nw, rr, cc, mask, end, stride_xr, ACT, IN_BF16, NORM, BIT_CAST)
@@ -561,7 +570,7 @@ def _cast_cols_kernel(
     byte, inv, nan = _scale_from_amax(amax)
     _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g, g * CHUNK, end,
                                tl.minimum(g * CHUNK + CHUNK, R_PAD), 0, stride_xr, stride_dt, stride_sc, ACT, IN_BF16,
-                               BIT_CAST, BLOCK_R, NORM)
+                               BIT_CAST, BLOCK_R, NORM, STAGES)
 
 
 @triton.jit
@@ -578,7 +587,7 @@ def _cast_cols_amax_kernel(
     X, DATA_T, SCALE, PART, NW, RSTD, R, R_PAD, Cn, n_part, stride_xr, stride_dt, stride_sc, stride_p,
     ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr,
     CHUNK: tl.constexpr, PARTS: tl.constexpr, PART_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    NORM: tl.constexpr = False, SPLIT: tl.constexpr = 1,
+    NORM: tl.constexpr = False, SPLIT: tl.constexpr = 1, STAGES: tl.constexpr = 1,
 ):
     """As _cast_cols_kernel, the chunk's column scales taken from the PARTS scale bytes the row
     cast left in PART (CHUNK / PARTS rows each): one read of the chunk instead of two. The bytes
@@ -604,7 +613,7 @@ def _cast_cols_amax_kernel(
     stop = start + CHUNK // SPLIT
     _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g, start, tl.minimum(stop, R),
                                tl.minimum(stop, R_PAD), split, stride_xr, stride_dt, stride_sc, ACT, IN_BF16, BIT_CAST,
-                               BLOCK_R, NORM)
+                               BLOCK_R, NORM, STAGES)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -776,10 +785,11 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
     rstd, nw = (norm[0], _weight_arg(norm[1])) if norm is not None else (scale, scale)
     if x.numel():
         def run(cfg):
-            br, bc, warps, split = cfg
+            br, bc, warps, split = cfg[:4]
             split = split or 1
             common = dict(ACT=ACTS[act], IN_BF16=x.dtype == torch.bfloat16, BIT_CAST=_bit_cast(bit_cast), CHUNK=chunk,
-                          BLOCK_R=br, BLOCK_C=bc, NORM=norm is not None, num_warps=warps)
+                          BLOCK_R=br, BLOCK_C=bc, NORM=norm is not None, STAGES=config_field(cfg, 4) or 1,
+                          num_warps=warps)
             grid = (cdiv(c, bc), n_chunks)
             if use_part:
                 if chunk % split:
@@ -794,7 +804,9 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
         key = ("fp8_cast_cols", bucket_len(r), bucket_len(c), x.dtype, act, chunk, use_part, norm is not None)
         def candidates():
             split = [(*cfg, _COLS_SPLIT) for cfg in _COLS_CANDIDATES] if use_part else []
-            return gpu_checked([(*cfg, 0) for cfg in _COLS_CANDIDATES] + split, 3, _GPU_CHECKED, _PENDING_AUTOTUNE)
+            staged = [(*cfg, sp, _COLS_STAGES) for cfg in _COLS_CANDIDATES for sp in ((0, _COLS_SPLIT) if use_part else (0,))]
+            return gpu_checked([(*cfg, 0) for cfg in _COLS_CANDIDATES] + split + staged, 3, _GPU_CHECKED,
+                               _PENDING_AUTOTUNE)
 
         run(pick_config(key, candidates, run, _COLS_INTERPRET))
     return data.view(torch.float8_e4m3fn), scale
