@@ -111,6 +111,10 @@ def kernels():
                                                              NORM=True)  # a bf16 weight, as int16 bits
     yield f8._cast_rows_kernel, f8_io, dict(ACT=1, IN_BF16=True, BIT_CAST=False, BLOCK_R=2, BLOCK_C=1024,
                                             ONE_SWEEP=True, ITERS=32, COL_AMAX=True, DEPTH=2)  # two blocks in flight
+    for norm in (False, True):  # the loop pipelined by Triton (cp.async)
+        yield f8._cast_rows_kernel, f8_io, dict(ACT=int(not norm), IN_BF16=True, BIT_CAST=False, BLOCK_R=1,
+                                                BLOCK_C=4096, ONE_SWEEP=True, ITERS=16, COL_AMAX=True, NORM=norm,
+                                                DEPTH=0)
     yield f8._cast_rows_kernel, dict(f8_io, PART="*i32"), dict(ACT=1, IN_BF16=True, BIT_CAST=False, BLOCK_R=8,
                                                                BLOCK_C=1024, ONE_SWEEP=True, ITERS=8, COL_AMAX=True,
                                                                ATOMIC=True)  # column bytes by atomic max

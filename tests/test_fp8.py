@@ -122,11 +122,13 @@ def _rows_outputs(x, cfg, act=None, norm=False, amax_rows=8):
 
 @pytest.mark.parametrize("act,norm", [(None, False), ("silu", False), (None, True)], ids=["plain", "silu", "norm"])
 def test_cast_rows_two_blocks_in_flight(act, norm):
-    """DEPTH 2 (the column-bytes loop requests two blocks of rows ahead): the same outputs as one
-    block ahead, the last program's run partial (37 rows, runs of 8, blocks of 2)."""
+    """DEPTH 2 (the column-bytes loop requests two blocks of rows ahead) and DEPTH 0 (the loop
+    pipelined by Triton): the same outputs as one block ahead, the last program's run partial (37
+    rows, runs of 8, blocks of 2)."""
     x = _hostile(37, 70, torch.bfloat16)
-    for got, want in zip(_rows_outputs(x, (2, 1, 1), act, norm), _rows_outputs(x, (2, 1, 0), act, norm)):
-        assert torch.equal(got, want)
+    for deep in (1, 2):  # two blocks ahead in registers; the loop pipelined by Triton
+        for got, want in zip(_rows_outputs(x, (2, 1, deep), act, norm), _rows_outputs(x, (2, 1, 0), act, norm)):
+            assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("act,norm", [(None, False), ("silu", False), (None, True)], ids=["plain", "silu", "norm"])
@@ -1020,15 +1022,19 @@ def test_cast_bit_exact_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [(br, w) for br, w in fp8_kernels._ROWS_DEEP], ids=lambda c: f"{c[0]}_{c[1]}")
+@pytest.mark.parametrize("cfg", [(br, w, 1) for br, w in fp8_kernels._ROWS_DEEP]
+                         + [(br, w, 2) for br, w in fp8_kernels._ROWS_PIPELINED], ids=lambda c: "_".join(map(str, c)))
 def test_cast_rows_two_blocks_in_flight_gpu(cfg):
-    """Each DEPTH-2 candidate pinned, on hostile values, runs of 64 rows and a partial last run:
-    the outputs of the same (BLOCK_R, warps) with one block in flight, plain, silu and RMSNorm."""
-    x = _hostile(8192 + 37, 1024, torch.bfloat16, device="cuda")
-    for act, norm in ((None, False), ("silu", False), (None, True)):
-        deep = _rows_outputs(x, (*cfg, 1), act, norm, amax_rows=64)
-        for got, want in zip(deep, _rows_outputs(x, (*cfg, 0), act, norm, amax_rows=64)):
-            assert torch.equal(got, want), (act, norm)
+    """Each DEPTH-2 candidate (deep 1) and each loop pipelined by Triton (deep 2) pinned, on
+    hostile values, runs of 64 rows and a partial last run, 1024 and 4096 columns (the MLP's
+    hidden width): the outputs of the same (BLOCK_R, warps) with one block in flight, plain, silu
+    and RMSNorm."""
+    for cols in (1024, 4096) if cfg[2] == 2 else (1024,):
+        x = _hostile(8192 + 37, cols, torch.bfloat16, device="cuda")
+        for act, norm in ((None, False), ("silu", False), (None, True)):
+            deep = _rows_outputs(x, cfg, act, norm, amax_rows=64)
+            for got, want in zip(deep, _rows_outputs(x, (*cfg[:2], 0), act, norm, amax_rows=64)):
+                assert torch.equal(got, want), (cols, act, norm)
 
 
 @pytest.mark.gpu

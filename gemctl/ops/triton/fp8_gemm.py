@@ -95,6 +95,14 @@ _ROWS_CANDIDATES = [(2, 4), (1, 4), (4, 4), (4, 8), (2, 8), (8, 8), (1, 8), (16,
 # yet reach 65-69%: the loop's serial load -> reduce -> store chain, not issue, holds them.
 # Row-cast configs are (rows, warps, deep): deep = 1 runs DEPTH 2 (these shapes only).
 _ROWS_DEEP = [(2, 4), (1, 4), (4, 8), (2, 8), (1, 8), (1, 2), (1, 1)]  # (1, 8): 91 registers at C=4096 with silu
+# ... or deep = 2: the loop pipelined by Triton (DEPTH 0; tl.range's num_stages: cp.async into
+# shared memory, _ROWS_STAGES - 1 blocks ahead). Every block held in registers ahead of its use
+# costs its registers: the autotuner's DEPTH-1 picks hold 187-255 a thread at C=1024 (8 warps an
+# SM, ~16 KB in flight, where an H200 needs about twice that); pipelined, (1, 1) holds 120-161
+# and (1, 4) 40-54 (sm_90 ptxas, Triton 3.9): 12-16 programs an SM with two blocks each in flight.
+# The same for the Triton without Gluon and for rows wider than the Gluon ring takes.
+_ROWS_PIPELINED = [(1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (1, 8)]
+_ROWS_STAGES = tl.constexpr(3)
 # ... or one block per program, the column bytes folded by atomic max into int32 run maxima
 # (rows, warps) -> (rows, warps, 0, 1): the plain cast's parallelism (at [89,569, 768] it ran at 91%
 # of copy, the looping one with 64-row runs at 63%, H200), at the cost of Cn atomics per block of
@@ -466,29 +474,39 @@ def _cast_rows_kernel(
         # hence no barrier, inside the loop); one reduction over the BLOCK_R rows at the end.
         col = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.int32)
         rr = pid * ITERS * BLOCK_R + tl.arange(0, BLOCK_R)
-        raw = _load_raw(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], (rr < R)[:, None] & cmask)
-        if DEPTH == 2:
-            raw2 = _load_raw(X + (rr + BLOCK_R).to(tl.int64)[:, None] * stride_xr + cc[None, :],
-                             (rr + BLOCK_R < R)[:, None] & cmask)
+        if DEPTH == 0:  # the loop pipelined by Triton: each block a cp.async into shared memory,
+            # _ROWS_STAGES - 1 blocks ahead, none held in registers before its turn (_ROWS_PIPELINED)
+            for i in tl.range(ITERS, num_stages=_ROWS_STAGES):
+                ri = rr + i * BLOCK_R
+                raw = _load_raw(X + ri.to(tl.int64)[:, None] * stride_xr + cc[None, :], (ri < R)[:, None] & cmask)
+                bits = _cast_row_block(X, DATA, SCALE, RSTD, raw, ri, cc, cmask, nw, R, Cn, stride_dr, eps, ACT,
+                                       IN_BF16, BIT_CAST, NORM)
+                if COL_AMAX:
+                    col = tl.maximum(col, bits)
         else:
-            raw2 = raw
-        for i in range(ITERS):
-            # the blocks DEPTH ahead requested before this one's reductions: DEPTH loads in flight
-            if ITERS > 1:
-                nxt = rr + BLOCK_R
-                far = rr + DEPTH * BLOCK_R
-                raw_far = _load_raw(X + far.to(tl.int64)[:, None] * stride_xr + cc[None, :],
-                                    (far < R)[:, None] & cmask & (i + DEPTH < ITERS))
-            else:
-                nxt, raw_far = rr, raw
-            bits = _cast_row_block(X, DATA, SCALE, RSTD, raw, rr, cc, cmask, nw, R, Cn, stride_dr, eps, ACT, IN_BF16,
-                                   BIT_CAST, NORM)
-            if COL_AMAX:
-                col = tl.maximum(col, bits)
+            raw = _load_raw(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], (rr < R)[:, None] & cmask)
             if DEPTH == 2:
-                rr, raw, raw2 = nxt, raw2, raw_far
+                raw2 = _load_raw(X + (rr + BLOCK_R).to(tl.int64)[:, None] * stride_xr + cc[None, :],
+                                 (rr + BLOCK_R < R)[:, None] & cmask)
             else:
-                rr, raw = nxt, raw_far
+                raw2 = raw
+            for i in range(ITERS):
+                # the blocks DEPTH ahead requested before this one's reductions: DEPTH loads in flight
+                if ITERS > 1:
+                    nxt = rr + BLOCK_R
+                    far = rr + DEPTH * BLOCK_R
+                    raw_far = _load_raw(X + far.to(tl.int64)[:, None] * stride_xr + cc[None, :],
+                                        (far < R)[:, None] & cmask & (i + DEPTH < ITERS))
+                else:
+                    nxt, raw_far = rr, raw
+                bits = _cast_row_block(X, DATA, SCALE, RSTD, raw, rr, cc, cmask, nw, R, Cn, stride_dr, eps, ACT,
+                                       IN_BF16, BIT_CAST, NORM)
+                if COL_AMAX:
+                    col = tl.maximum(col, bits)
+                if DEPTH == 2:
+                    rr, raw, raw2 = nxt, raw2, raw_far
+                else:
+                    rr, raw = nxt, raw_far
         if COL_AMAX:
             col_byte, _, _ = _scale_from_amax(tl.max(col, axis=0))
             tl.store(PART + pid.to(tl.int64) * stride_p + cc, col_byte, mask=cc < Cn)
@@ -737,11 +755,12 @@ def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
                 return
             _cast_rows_kernel[(cdiv(r, br) if atomic else cdiv(r, br * iters),)](
                 *args, BLOCK_C=next_pow2(c) if one_sweep else 2048, ONE_SWEEP=one_sweep, COL_AMAX=with_part,
-                DEPTH=2 if deep and iters > 1 and not atomic else 1, ATOMIC=bool(atomic), **consts)
+                DEPTH=(1, 2, 0)[deep] if iters > 1 and not atomic else 1, ATOMIC=bool(atomic), **consts)
 
         key = ("fp8_cast_rows", bucket_len(r), bucket_len(c), x.dtype, act, with_part and amax_rows, norm is not None)
         def candidates():
-            deep = [(br, w, 1) for br, w in _ROWS_DEEP if amax_rows // br > 1] if with_part else []
+            deep = ([(br, w, 1) for br, w in _ROWS_DEEP if amax_rows // br > 1]
+                    + [(br, w, 2) for br, w in _ROWS_PIPELINED if amax_rows // br > 1]) if with_part else []
             atomic = [(br, w, 0, 1) for br, w in _ROWS_ATOMIC if amax_rows % br == 0] if with_part else []
             warp = ([(br, w, 0, 0, 1) for br, w in _ROWS_WARP if amax_rows % br == 0]
                     + [(br, w, 0, 0, 1, st) for br, w, st in _ROWS_RING if amax_rows % br == 0 and _ring_fits(xin, c)]
