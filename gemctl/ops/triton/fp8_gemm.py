@@ -147,7 +147,13 @@ _COLS_STAGES = 3
 # Configs with a nonzero last field (two blocks in flight, split chunks) run the same code on the
 # CPU tier; they join autotuning once the GPU tier's pinned tests have passed them (_GPU_CHECKED),
 # as the attention kernels' TMA configs do; _PENDING_AUTOTUNE times them all (benchmarks).
-_GPU_CHECKED: set = {(128, 128, 128, 4, 3, True, 2)} | {(br, w, 0, 0, 1) for br, w in _ROWS_WARP}
+# H100, 2026-12-06 (tree 9960a36): the GPU tier passed the shared-memory ring (_ROWS_RING),
+# the loop pipelined by Triton (_ROWS_PIPELINED, 1024 and 4096 columns) and the staged column casts
+# (_COLS_STAGES, one or 4 programs per chunk): `pytest -m gpu tests/test_fp8.py -k "warp_gpu or
+# split_chunks_gpu or two_blocks_in_flight_gpu or bit_exact or fused_norm"`, 54 passed.
+_GPU_CHECKED: set = ({(128, 128, 128, 4, 3, True, 2)} | {(br, w, 0, 0, 1) for br, w in _ROWS_WARP}
+                     | {(br, w, 0, 0, 1, st) for br, w, st in _ROWS_RING} | {(br, w, 2) for br, w in _ROWS_PIPELINED}
+                     | {(*c, sp, _COLS_STAGES) for c in _COLS_CANDIDATES for sp in (0, _COLS_SPLIT)})
 _PENDING_AUTOTUNE = False
 _ROWS_IN_REGISTERS = 8192
 _UNROLLED_PART_LOADS = tl.constexpr(8)  # the column cast's loads of run bytes unrolled up to this many
