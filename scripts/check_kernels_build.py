@@ -344,6 +344,11 @@ def _flags(consts: dict) -> str:
                     if isinstance(v, (bool, int)) and k.isupper() and not k.startswith(("BLOCK_", "HEAD_DIM")))
 
 
+def _ring(fn, consts: dict) -> bool:
+    """The Gluon row cast with its shared-memory ring: built only for 16-aligned rows (fp8_gemm._ring_fits)."""
+    return fn.__name__ == "_cast_rows_warp_kernel" and bool(consts.get("STAGES"))
+
+
 def _aligned_attrs(fn, types: dict, consts: dict) -> dict:
     """Triton's specialization of a typical launch: every pointer 16-byte aligned and every stride a
     multiple of 16, as our tensors have them. That includes the rope tables' row stride (D/2 in
@@ -353,7 +358,7 @@ def _aligned_attrs(fn, types: dict, consts: dict) -> dict:
     the half-width forward 2,040 instructions instead of 1,840)."""
     names = list(fn.arg_names)
     aligned = [n for n in names if n not in consts
-               and (types.get(n, "").startswith("*") or n.startswith("stride") or (n == "Cn" and consts.get("STAGES")))]
+               and (types.get(n, "").startswith("*") or n.startswith("stride") or (n == "Cn" and _ring(fn, consts)))]
     return {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
 
 
@@ -450,7 +455,7 @@ def main() -> int:
         t0 = time.time()
         consts = _constexprs(fn, types, consts)
         # unaligned, but the row casts' ring: its cp.async needs the 16-aligned rows the host checks (_ring_fits)
-        src = _source(fn, types, consts, _aligned_attrs(fn, types, consts) if consts.get("STAGES") else None)
+        src = _source(fn, types, consts, _aligned_attrs(fn, types, consts) if _ring(fn, consts) else None)
         compiled = triton.compile(src, target=target, options=_options(fn, consts, 4, 3))
         print(f"{fn.__name__:<24} {_flags(consts):<30} sm_{args.arch}: ok ({time.time() - t0:.1f} s, {compiled.metadata.shared} B shared)")
     stores = column_cast_stores(target)

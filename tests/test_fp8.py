@@ -93,7 +93,8 @@ def test_row_per_warp_config_checks():
     with forced_config({"fp8_cast_rows": (4, 4, 0, 0, 1)}), pytest.raises(ValueError, match="sm_90"):
         fp8_cast_rows(x, col_amax=True, amax_rows=16)
     # the shared-memory ring's cp.async copies 16-byte vectors: 16-aligned widths and rows only
-    for bad in (torch.randn(64, 200), torch.randn(64, 257)[:, 1:], torch.randn(64, 4096)):
+    for bad in (torch.randn(64, 200), torch.randn(64, 257)[:, 1:], torch.randn(64, 4096),
+                torch.randn(64 * 256 + 1)[1:].view(64, 256)):  # the last: only its base misaligned
         with forced_config({"fp8_cast_rows": (1, 1, 0, 0, 1, 4)}), pytest.raises(ValueError, match="shared memory"):
             fp8_cast_rows(bad, col_amax=True, amax_rows=16)
     with forced_config({"fp8_cast_rows": (1, 1, 0, 0, 1, 4)}), pytest.raises(ValueError, match="sm_90"):
@@ -1080,8 +1081,9 @@ def test_cast_rows_warp_gpu(cfg):
                 assert torch.equal(g, w), (cols, act, norm)
 
 
-_COLS_GPU_CONFIGS = ([(*c, 4) for c in fp8_kernels._COLS_CANDIDATES]
-                     + [(*c, sp, fp8_kernels._COLS_STAGES) for c in fp8_kernels._COLS_CANDIDATES for sp in (0, 4)])
+_COLS_GPU_CONFIGS = ([(*c, fp8_kernels._COLS_SPLIT) for c in fp8_kernels._COLS_CANDIDATES]
+                     + [(*c, sp, fp8_kernels._COLS_STAGES) for c in fp8_kernels._COLS_CANDIDATES
+                        for sp in (0, fp8_kernels._COLS_SPLIT)])
 
 
 @pytest.mark.gpu

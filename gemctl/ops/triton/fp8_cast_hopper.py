@@ -13,9 +13,10 @@ widened block and its codes take the rest: 180-255 registers a thread at C=1024 
 so 2-8 programs and 8 warps an SM, one block each in flight, ~16 KB an SM. An H200 needs about
 twice that in flight to keep its 4.8 TB/s busy, which is where those casts fell to 73-77% of copy
 against 87-89% on an H100. With STAGES, blocks land in a shared-memory ring by cp.async
-(STAGES - 1 in flight, no registers held for them): each thread copies the very elements it later
-reads (the copy and the read take one layout), so its own wait_group orders them and the
-ring needs no barrier.
+(STAGES - 1 in flight, no registers held for them). Each thread copies the very elements it later
+reads (the copy and the read take one layout), so its own wait_group would order them; Triton's
+barrier pass still puts a block barrier before each refill and after each wait (two per block
+of rows: nothing for the one-warp configs, a CTA barrier for the others).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def _cast_rows_warp_kernel(
         for s in gl.static_range(STAGES - 1):  # the first STAGES - 1 blocks requested
             _copy_block(ring.index(s), X, rr + s * BLOCK_R, cc, cmask, R, stride_xr, s < ITERS)
         for i in range(ITERS):
-            # block i + STAGES - 1 into the slot block i - 1 was read from (by these threads, done)
+            # block i + STAGES - 1 into the slot block i - 1 was read from
             _copy_block(ring.index((i + STAGES - 1) % STAGES), X, rr + (STAGES - 1) * BLOCK_R, cc, cmask, R,
                         stride_xr, i + STAGES - 1 < ITERS)
             async_copy.wait_group(STAGES - 1)  # this thread's copies of block i have landed

@@ -143,6 +143,8 @@ _COLS_INTERPRET = (8, 16, 1, 0)
 # block's load waits for the block before it to be quantized and stored, and the autotuner's pick
 # at C=1024, (256, 64, 8), holds 105 registers a thread with silu, 2 programs an SM; staged, 64-66
 # (sm_90 ptxas, Triton 3.6 and 3.9), and its loads in flight while the transposed stores drain.
+# Triton makes cp.async only of 4-16 byte vectors: with rows or widths not 16-aligned the staged
+# configs (and _ROWS_PIPELINED) compile without any load ahead, and the autotuner drops them.
 _COLS_STAGES = 3
 # Configs with a nonzero last field (two blocks in flight, split chunks) run the same code on the
 # CPU tier; they join autotuning once the GPU tier's pinned tests have passed them (_GPU_CHECKED),
@@ -734,6 +736,8 @@ def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
         def run(cfg):
             nonlocal part
             br, warps, deep = cfg[:3]
+            if deep not in (0, 1, 2):
+                raise ValueError(f"fp8_cast_rows: config field 2 (blocks ahead) is 0, 1 or 2 (pipelined), got {deep}")
             atomic = with_part and config_field(cfg, 3)
             iters = amax_rows // br if with_part else 1  # with ATOMIC: programs per run
             if with_part and amax_rows % br:
@@ -754,7 +758,8 @@ def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
                 if stages and not _ring_fits(xin, c):
                     raise ValueError(f"fp8_cast_rows: blocks of rows through shared memory need at most "
                                      f"{_RING_COLUMNS} columns, a multiple of 16, and 16-byte aligned rows; got "
-                                     f"{c} columns, row stride {xin.stride(0)}")
+                                     f"{c} columns, row stride {xin.stride(0)}, base address {xin.data_ptr()} "
+                                     f"(mod 16: {xin.data_ptr() % 16})")
                 hopper = gluon_module("fp8_cast_hopper", "fp8_cast_rows", x.device)
                 hopper._cast_rows_warp_kernel[(cdiv(r, br * iters),)](*args, BLOCK_C=next_pow2(c), STAGES=stages,
                                                                       **consts)
@@ -763,7 +768,9 @@ def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
                 *args, BLOCK_C=next_pow2(c) if one_sweep else 2048, ONE_SWEEP=one_sweep, COL_AMAX=with_part,
                 DEPTH=(1, 2, 0)[deep] if iters > 1 and not atomic else 1, ATOMIC=bool(atomic), **consts)
 
-        key = ("fp8_cast_rows", bucket_len(r), bucket_len(c), x.dtype, act, with_part and amax_rows, norm is not None)
+        # _ring_fits in the key: a ring config tuned on aligned rows must not serve rows it cannot copy
+        key = ("fp8_cast_rows", bucket_len(r), bucket_len(c), x.dtype, act, with_part and amax_rows, norm is not None,
+               with_part and _ring_fits(xin, c))
         def candidates():
             deep = ([(br, w, 1) for br, w in _ROWS_DEEP if amax_rows // br > 1]
                     + [(br, w, 2) for br, w in _ROWS_PIPELINED if amax_rows // br > 1]) if with_part else []
