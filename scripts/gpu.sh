@@ -3,6 +3,8 @@
 #
 #   bash scripts/gpu.sh tests baseline bench profile
 #   PACK=1 bash scripts/gpu.sh ...   everything under $OUT left in one results.tgz at the end
+#   REQUIRE_GPU=H200 bash scripts/gpu.sh ...   run nothing (exit 3) unless the GPU's name has that
+#                                              text: a call that got another card spends no more time
 #
 #   tests     the GPU tier of the test suite (pytest -m gpu)
 #   baseline  gemctl train --recipe small_h200 (summary.json copied out)
@@ -105,6 +107,14 @@ on_exit() {
   exit $rc
 }
 trap on_exit EXIT
+if [ -n "${REQUIRE_GPU:-}" ]; then
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>&1 | head -1)
+  case "$gpu" in
+    *"$REQUIRE_GPU"*) ;;
+    *) echo "gpu.sh: REQUIRE_GPU=$REQUIRE_GPU but this machine has: $gpu; nothing run" | tee "$OUT/env.txt" >&2
+       exit 3 ;;
+  esac
+fi
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
