@@ -1055,30 +1055,43 @@ _WARP_CONFIGS = ([(br, w, 0, 0, 1) for br, w in fp8_kernels._ROWS_WARP]
                  + [(br, w, 0, 0, 1, st) for br, w, st in fp8_kernels._ROWS_RING])
 
 
+def _check_warp_cast(x, cfg):
+    """A row-per-warp config pinned against the looping cast on x (16-row runs): codes, scales and
+    run bytes, plain and silu; with the RMSNorm, whose sum of squares runs in another order, rstd
+    within 1e-6 and the outputs of RMSNorm computed from that rstd, then cast."""
+    for act, norm in ((None, False), ("silu", False), (None, True)):
+        got = _rows_outputs(x, cfg, act, norm, amax_rows=16)
+        want = _rows_outputs(x, (2, 4, 0), act, norm, amax_rows=16)
+        if norm:
+            assert torch.allclose(got[2], want[2], rtol=1e-6, atol=0)
+            w = torch.linspace(0.5, 2.0, x.shape[1], device="cuda").to(x.dtype).float()
+            y = ((x.float() * got[2][:, None]) * w).to(x.dtype)
+            with forced_config({"fp8_cast_rows": (2, 4, 0)}):
+                want = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+                        for t in fp8_cast_rows(y, col_amax=True, amax_rows=16)]
+            got = got[:2] + got[3:]
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), (x.shape, x.dtype, act, norm)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", _WARP_CONFIGS, ids=lambda c: "_".join(map(str, c[:2] + c[5:])))
 def test_cast_rows_warp_gpu(cfg):
     """Each row-per-warp candidate (Gluon) pinned, its blocks of rows in registers or through the
     shared-memory ring, on hostile values, 16-row runs and a partial last run (one program's
     blocks past the rows: the ring's copies zero-fill them), 1024 and 768 columns (a block padded
-    to 1024): the looping cast's codes, scales and run bytes, plain and silu; with the RMSNorm,
-    whose sum of squares runs in another order, rstd within 1e-6 and the outputs of RMSNorm
-    computed from that rstd, then cast."""
+    to 1024): _check_warp_cast."""
     for cols in (1024, 768):
-        x = _hostile(8192 + 37, cols, torch.bfloat16, device="cuda")
-        for act, norm in ((None, False), ("silu", False), (None, True)):
-            got = _rows_outputs(x, cfg, act, norm, amax_rows=16)
-            want = _rows_outputs(x, (2, 4, 0), act, norm, amax_rows=16)
-            if norm:
-                assert torch.allclose(got[2], want[2], rtol=1e-6, atol=0), cols
-                w = torch.linspace(0.5, 2.0, cols, device="cuda").to(x.dtype).float()
-                y = ((x.float() * got[2][:, None]) * w).to(x.dtype)
-                with forced_config({"fp8_cast_rows": (2, 4, 0)}):
-                    want = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-                            for t in fp8_cast_rows(y, col_amax=True, amax_rows=16)]
-                got = got[:2] + got[3:]
-            for g, w in zip(got, want):
-                assert torch.equal(g, w), (cols, act, norm)
+        _check_warp_cast(_hostile(8192 + 37, cols, torch.bfloat16, device="cuda"), cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("cfg", [(1, 1, 0, 0, 1, 4), (4, 4, 0, 0, 1, 3)], ids=["1_1_4", "4_4_3"])
+def test_cast_rows_ring_other_dtypes_gpu(cfg, dtype):
+    """The shared-memory ring on fp16 and fp32 rows (16 and 32 bytes a thread per copy; autotuning
+    offers the ring for bf16 rows only until this passes): _check_warp_cast."""
+    _check_warp_cast(_hostile(4096 + 37, 1024, torch.float32, device="cuda").to(dtype), cfg)
 
 
 _COLS_GPU_CONFIGS = ([(*c, fp8_kernels._COLS_SPLIT) for c in fp8_kernels._COLS_CANDIDATES]

@@ -776,7 +776,9 @@ def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
                     + [(br, w, 2) for br, w in _ROWS_PIPELINED if amax_rows // br > 1]) if with_part else []
             atomic = [(br, w, 0, 1) for br, w in _ROWS_ATOMIC if amax_rows % br == 0] if with_part else []
             warp = ([(br, w, 0, 0, 1) for br, w in _ROWS_WARP if amax_rows % br == 0]
-                    + [(br, w, 0, 0, 1, st) for br, w, st in _ROWS_RING if amax_rows % br == 0 and _ring_fits(xin, c)]
+                    # the ring's GPU tier ran bf16 rows only: fp16 / fp32 rows keep it pinned-only
+                    + [(br, w, 0, 0, 1, st) for br, w, st in _ROWS_RING
+                       if amax_rows % br == 0 and _ring_fits(xin, c) and x.dtype == torch.bfloat16]
                     if with_part and c > 128 and gluon_runs("fp8_cast_hopper", x.device) else [])
             return gpu_checked([(br, w, 0) for br, w in _ROWS_CANDIDATES] + deep + atomic + warp, 2, _GPU_CHECKED,
                                _PENDING_AUTOTUNE)
