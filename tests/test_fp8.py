@@ -1024,7 +1024,7 @@ def test_cast_bit_exact_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [(br, w, 1) for br, w in fp8_kernels._ROWS_DEEP]
-                         + [(br, w, 2) for br, w in fp8_kernels._ROWS_PIPELINED], ids=lambda c: "_".join(map(str, c)))
+                         + fp8_kernels._ROWS_PIPELINED, ids=lambda c: "_".join(map(str, c)))
 def test_cast_rows_two_blocks_in_flight_gpu(cfg):
     """Each DEPTH-2 candidate (deep 1) and each loop pipelined by Triton (deep 2) pinned, on
     hostile values, runs of 64 rows and a partial last run, 1024 and 4096 columns (the MLP's
@@ -1051,8 +1051,7 @@ def test_cast_rows_atomic_gpu(cfg):
             assert _same_values(g, w), (act, norm)
 
 
-_WARP_CONFIGS = ([(br, w, 0, 0, 1) for br, w in fp8_kernels._ROWS_WARP]
-                 + [(br, w, 0, 0, 1, st) for br, w, st in fp8_kernels._ROWS_RING])
+_WARP_CONFIGS = [(br, w, 0, 0, 1) for br, w in fp8_kernels._ROWS_WARP] + fp8_kernels._ROWS_RING
 
 
 def _check_warp_cast(x, cfg):
@@ -1094,9 +1093,7 @@ def test_cast_rows_ring_other_dtypes_gpu(cfg, dtype):
     _check_warp_cast(_hostile(4096 + 37, 1024, torch.float32, device="cuda").to(dtype), cfg)
 
 
-_COLS_GPU_CONFIGS = ([(*c, fp8_kernels._COLS_SPLIT) for c in fp8_kernels._COLS_CANDIDATES]
-                     + [(*c, sp, fp8_kernels._COLS_STAGES) for c in fp8_kernels._COLS_CANDIDATES
-                        for sp in (0, fp8_kernels._COLS_SPLIT)])
+_COLS_GPU_CONFIGS = [(*c, fp8_kernels._COLS_SPLIT) for c in fp8_kernels._COLS_CANDIDATES] + fp8_kernels._COLS_STAGED
 
 
 @pytest.mark.gpu

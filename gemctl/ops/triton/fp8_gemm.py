@@ -101,7 +101,7 @@ _ROWS_DEEP = [(2, 4), (1, 4), (4, 8), (2, 8), (1, 8), (1, 2), (1, 1)]  # (1, 8):
 # SM, ~16 KB in flight, where an H200 needs about twice that); pipelined, (1, 1) holds 120-161
 # and (1, 4) 40-54 (sm_90 ptxas, Triton 3.9): 12-16 programs an SM with two blocks each in flight.
 # The same for the Triton without Gluon and for rows wider than the Gluon ring takes.
-_ROWS_PIPELINED = [(1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (1, 8)]
+_ROWS_PIPELINED = [(br, w, 2) for br, w in [(1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (1, 8)]]
 _ROWS_STAGES = tl.constexpr(3)
 # ... or one block per program, the column bytes folded by atomic max into int32 run maxima
 # (rows, warps) -> (rows, warps, 0, 1): the plain cast's parallelism (at [89,569, 768] it ran at 91%
@@ -125,12 +125,12 @@ _ROWS_ATOMIC = [(4, 8), (8, 8), (8, 16), (16, 16), (8, 4)]
 # autotuning (_GPU_CHECKED).
 _ROWS_WARP = [(4, 4), (8, 4), (8, 8), (16, 8), (2, 2), (4, 2), (16, 4)]
 # ... with the blocks of rows through a shared-memory ring of STAGES slots filled by cp.async
-# (fp8_cast_hopper, STAGES > 0): (rows, warps, stages) -> (rows, warps, 0, 0, 1, stages). The
+# (fp8_cast_hopper, STAGES > 0): configs (rows, warps, 0, 0, 1, stages). The
 # register-prefetch loops above hold 180-255 registers a thread at C=1024 (8 warps an SM, ~16 KB in
 # flight); these 95-167 (one warp; sm_90 ptxas, Triton 3.9): 12-20 programs an SM, each with
 # STAGES - 1 blocks of 2-4 KB in flight. Rows of at most _RING_COLUMNS values (a warp's 32 lanes
 # hold a row: wider ones would spill), 16-byte aligned (cp.async copies 4-16 bytes).
-_ROWS_RING = [(1, 1, 4), (1, 1, 3), (1, 1, 6), (2, 1, 3), (2, 2, 4), (4, 4, 3)]
+_ROWS_RING = [(br, w, 0, 0, 1, st) for br, w, st in [(1, 1, 4), (1, 1, 3), (1, 1, 6), (2, 1, 3), (2, 2, 4), (4, 4, 3)]]
 _RING_COLUMNS = 2048
 _ROWS_INTERPRET = (2, 1, 0)
 # Chunked column casts: (BLOCK_R, BLOCK_C, warps).
@@ -146,6 +146,7 @@ _COLS_INTERPRET = (8, 16, 1, 0)
 # Triton makes cp.async only of 4-16 byte vectors: with rows or widths not 16-aligned the staged
 # configs (and _ROWS_PIPELINED) compile without any load ahead, and the autotuner drops them.
 _COLS_STAGES = 3
+_COLS_STAGED = [(*cfg, split, _COLS_STAGES) for cfg in _COLS_CANDIDATES for split in (0, _COLS_SPLIT)]
 # Configs with a nonzero last field (two blocks in flight, split chunks) run the same code on the
 # CPU tier; they join autotuning once the GPU tier's pinned tests have passed them (_GPU_CHECKED),
 # as the attention kernels' TMA configs do; _PENDING_AUTOTUNE times them all (benchmarks).
@@ -154,8 +155,7 @@ _COLS_STAGES = 3
 # (_COLS_STAGES, one or 4 programs per chunk): `pytest -m gpu tests/test_fp8.py -k "warp_gpu or
 # split_chunks_gpu or two_blocks_in_flight_gpu or bit_exact or fused_norm"`, 54 passed.
 _GPU_CHECKED: set = ({(128, 128, 128, 4, 3, True, 2)} | {(br, w, 0, 0, 1) for br, w in _ROWS_WARP}
-                     | {(br, w, 0, 0, 1, st) for br, w, st in _ROWS_RING} | {(br, w, 2) for br, w in _ROWS_PIPELINED}
-                     | {(*c, sp, _COLS_STAGES) for c in _COLS_CANDIDATES for sp in (0, _COLS_SPLIT)})
+                     | set(_ROWS_RING) | set(_ROWS_PIPELINED) | set(_COLS_STAGED))
 _PENDING_AUTOTUNE = False
 _ROWS_IN_REGISTERS = 8192
 _UNROLLED_PART_LOADS = tl.constexpr(8)  # the column cast's loads of run bytes unrolled up to this many
@@ -772,14 +772,13 @@ def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
         key = ("fp8_cast_rows", bucket_len(r), bucket_len(c), x.dtype, act, with_part and amax_rows, norm is not None,
                with_part and _ring_fits(xin, c))
         def candidates():
-            deep = ([(br, w, 1) for br, w in _ROWS_DEEP if amax_rows // br > 1]
-                    + [(br, w, 2) for br, w in _ROWS_PIPELINED if amax_rows // br > 1]) if with_part else []
+            deep = ([(br, w, 1) for br, w in _ROWS_DEEP] + _ROWS_PIPELINED) if with_part else []
             atomic = [(br, w, 0, 1) for br, w in _ROWS_ATOMIC if amax_rows % br == 0] if with_part else []
-            warp = ([(br, w, 0, 0, 1) for br, w in _ROWS_WARP if amax_rows % br == 0]
-                    # the ring's GPU tier ran bf16 rows only: fp16 / fp32 rows keep it pinned-only
-                    + [(br, w, 0, 0, 1, st) for br, w, st in _ROWS_RING
-                       if amax_rows % br == 0 and _ring_fits(xin, c) and x.dtype == torch.bfloat16]
+            # the ring's GPU tier ran bf16 rows only: fp16 / fp32 rows keep it pinned-only
+            ring = _ROWS_RING if _ring_fits(xin, c) and x.dtype == torch.bfloat16 else []
+            warp = ([cfg for cfg in [(br, w, 0, 0, 1) for br, w in _ROWS_WARP] + ring if amax_rows % cfg[0] == 0]
                     if with_part and c > 128 and gluon_runs("fp8_cast_hopper", x.device) else [])
+            deep = [cfg for cfg in deep if amax_rows // cfg[0] > 1]
             return gpu_checked([(br, w, 0) for br, w in _ROWS_CANDIDATES] + deep + atomic + warp, 2, _GPU_CHECKED,
                                _PENDING_AUTOTUNE)
 
@@ -838,7 +837,7 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
         key = ("fp8_cast_cols", bucket_len(r), bucket_len(c), x.dtype, act, chunk, use_part, norm is not None)
         def candidates():
             split = [(*cfg, _COLS_SPLIT) for cfg in _COLS_CANDIDATES] if use_part else []
-            staged = [(*cfg, sp, _COLS_STAGES) for cfg in _COLS_CANDIDATES for sp in ((0, _COLS_SPLIT) if use_part else (0,))]
+            staged = [cfg for cfg in _COLS_STAGED if use_part or not cfg[3]]  # split: from the row cast's bytes
             return gpu_checked([(*cfg, 0) for cfg in _COLS_CANDIDATES] + split + staged, 3, _GPU_CHECKED,
                                _PENDING_AUTOTUNE)
 
