@@ -56,7 +56,7 @@ def _single(tmp_path, overrides: list[str]) -> dict:
     cfg = compose(COMMON + overrides)
     validate(cfg)
     result = train(cfg, run_root=str(tmp_path / "single"))
-    return {"losses": result.losses, "perf": result.perf}
+    return {"losses": result.losses, "grad_norms": result.grad_norms, "perf": result.perf}
 
 
 def _assert_close(got, want):
@@ -93,6 +93,8 @@ def test_layout_matches_single_process(tmp_path, nproc, layout, global_batch):
     model = [o for o in layout if o.startswith("model.")]
     single = _single(tmp_path, model + [f"data.batch_size={global_batch}"])
     _assert_close(dist["losses"], single["losses"])
+    # the gradient norm before clipping is the global one: every rank's shard (and each expert once)
+    _assert_close(dist["grad_norms"], single["grad_norms"])
     perf = dist["perf"]
     if "parallel.sparse.sharding=torchrec" in layout:
         kind = layout[-1].split("[")[1].rstrip("]")

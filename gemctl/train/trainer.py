@@ -40,6 +40,7 @@ from gemctl.train.optim import build_optimizers, local_tensor, lr_lambda
 class TrainResult:
     run_dir: Path | None
     losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)  # each step's dense gradient norm before clipping
     eval: dict = field(default_factory=dict)
     baselines: dict = field(default_factory=dict)
     perf: dict = field(default_factory=dict)
@@ -80,6 +81,28 @@ def autocast_context(device: torch.device, precision_cfg):
 def compute_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum over tasks of the mean binary cross-entropy (float32 logits)."""
     return F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="none").mean(0).sum()
+
+
+def _read_norms(norms: list) -> list[float]:
+    """The steps' gradient norms (device scalars; None where a step had none) as floats, NaN for
+    None, in one host read. A DTensor norm (FSDP2) is made whole first: a collective that every
+    rank runs here, at the same steps."""
+    vals = [None if n is None else (n.full_tensor() if hasattr(n, "full_tensor") else n) for n in norms]
+    known = [v for v in vals if v is not None]
+    if not known:
+        return [float("nan")] * len(vals)
+    read = iter(torch.stack([v.detach().float().reshape(()).to(known[0].device) for v in known]).cpu().tolist())
+    return [float("nan") if v is None else next(read) for v in vals]
+
+
+def _norm_stats(norms: list[float], clip: float) -> dict:
+    """Gradient-norm summary of some steps: the largest and mean norm before clipping and how many
+    steps train.grad_clip scaled down; empty when no step had a norm (train.grad_clip=0)."""
+    finite = [x for x in norms if math.isfinite(x)]
+    if not finite:
+        return {}
+    return {"grad_norm_max": max(finite), "grad_norm_mean": sum(finite) / len(finite),
+            "clipped_steps": sum(x > clip for x in finite) if clip > 0 else 0}
 
 
 class Trainer:
@@ -128,6 +151,9 @@ class Trainer:
         self.run_root = run_root
         self.run_dir = run_dir  # an existing directory (made by the launcher) instead of a new one
         self.step_index = 0  # the step being trained (0-based), for reports
+        # the last step's gradient norm before clipping (a device scalar, read with the losses; None
+        # with train.grad_clip=0 or a skipped step)
+        self.last_grad_norm: torch.Tensor | None = None
         self.skipped: list[dict] = []  # steps whose update was dropped (train.nonfinite=skip)
 
     # ------------------------------------------------------------------------------------------
@@ -138,6 +164,7 @@ class Trainer:
     def train_step(self, batch) -> torch.Tensor:
         # Profiler ranges name the phases for `gemctl profile` (negligible cost otherwise).
         record = torch.profiler.record_function
+        self.last_grad_norm = None
         self.model.train()
         with record("gemctl.forward"):
             with autocast_context(self.device, self.cfg.precision):
@@ -168,9 +195,11 @@ class Trainer:
                 if self.cfg.train.grad_clip > 0:
                     experts = {id(p) for p in self.expert_params}
                     dense = [p for p in self.model.dense_parameters() if id(p) not in experts]
-                    clip_grad_norm(dense, self.expert_params, self.cfg.train.grad_clip, self.expert_groups)
+                    self.last_grad_norm = clip_grad_norm(dense, self.expert_params, self.cfg.train.grad_clip,
+                                                         self.expert_groups)
             elif self.cfg.train.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.dense_parameters(), self.cfg.train.grad_clip)
+                self.last_grad_norm = torch.nn.utils.clip_grad_norm_(self.model.dense_parameters(),
+                                                                     self.cfg.train.grad_clip)
             self.dense_opt.step()
             self.sparse_opt.step()
             self.schedule.step()
@@ -319,6 +348,7 @@ class Trainer:
         window = _Window()
         totals = _Window()
         pending: list[torch.Tensor] = []
+        pending_norms: list[torch.Tensor | None] = []  # the steps' gradient norms, read with the losses
         pending_ids: list[torch.Tensor] = []  # first sample ids of each pending step (fault reports)
         checkpoint_s = 0.0  # time training waited for checkpoints
         setup_window = kernel_setup_seconds()
@@ -335,6 +365,7 @@ class Trainer:
                     flops = gem_flops(cfg.model, self.spec, batch.seq_lengths_cpu())
                     window.add(batch.batch_size, batch.num_tokens, flops.train_total, flops.attention_total * 3)
                     pending.append(self.train_step(batch))
+                    pending_norms.append(self.last_grad_norm)
                     if ledger is not None:
                         ledger.write(step + 1, loader.last_sample_ids)
                     last = step + 1 == tcfg.steps
@@ -353,6 +384,9 @@ class Trainer:
                             )
                         pending_ids.clear()
                         result.losses.extend(losses)
+                        norms = _read_norms(pending_norms)
+                        pending_norms.clear()
+                        result.grad_norms.extend(norms)
                         # Triton autotuning of a new shape (candidates compiled and timed) and
                         # compiles of a new specialization are not step time: they are taken out
                         # of the window they fell in, and reported
@@ -363,6 +397,7 @@ class Trainer:
                         finite = [x for x in losses if math.isfinite(x)]  # skipped steps are reported apart
                         rec["loss"] = sum(finite) / len(finite) if finite else float("nan")
                         rec["lr"] = self.schedule.get_last_lr()[0]
+                        rec.update(_norm_stats(norms, tcfg.grad_clip))
                         if attempt:
                             rec["attempt"] = attempt
                         sink.write({"kind": "train", **rec})
@@ -431,8 +466,10 @@ class Trainer:
             perf["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         result.perf = perf
         summary = {"eval": result.eval, "baselines": result.baselines, "perf": perf,
-                   "provenance": provenance() if run else None, "losses": result.losses}  # written by rank 0 only
-        sink.write({"kind": "summary", **{k: v for k, v in summary.items() if k != "losses"}})
+                   "provenance": provenance() if run else None, "grad_norm": _norm_stats(result.grad_norms, tcfg.grad_clip),
+                   "losses": result.losses,
+                   "grad_norms": [x if math.isfinite(x) else None for x in result.grad_norms]}  # written by rank 0 only
+        sink.write({"kind": "summary", **{k: v for k, v in summary.items() if k not in ("losses", "grad_norms")}})
         if run:
             run.write_text("summary.json", json.dumps(summary, indent=2))
         sink.close()
