@@ -55,6 +55,8 @@ def test_multirun_one_directory_per_job(tmp_path):
         assert summary["provenance"]["torch"] == torch.__version__
         assert summary["provenance"]["commit"] == source_commit()  # the checkout the run came from
         assert job["provenance"] == summary["provenance"]
+        assert job["grad_norm"] == summary["grad_norm"] and summary["grad_norm"]["grad_norm_max"] > 0
+    assert "| max grad norm | clipped steps |" in (root / "sweep.md").read_text()
 
 
 def test_multirun_validates_every_job_first(tmp_path):
@@ -119,6 +121,24 @@ def test_comparison_table_by_hand():
         "| 0 | [full] | 0.9123 | 0.7000 | 0.8000 | 0.7500 | 12.3 | 1,234 | 1.23% |",
         "| 1 | [window:256] | exit 1 |  |  |  |  |  |  |",
     ]
+
+
+def test_gradient_norm_columns_where_recorded():
+    """A job's largest gradient norm and clipped steps are columns when some job recorded them
+    (older sweeps lack them, a job without clipping has none: '-')."""
+    base = {"eval": {"ctr": {"ne": 0.9, "auc": 0.7}}, "perf": {"step_time_ms": 10.0, "qps": 100.0, "local_mfu": 0.1}}
+    results = [
+        {"job": 0, "overrides": ["precision=bf16"], "exit_code": 0, **base,
+         "grad_norm": {"grad_norm_max": 3.21987, "grad_norm_mean": 0.5, "clipped_steps": 7}},
+        {"job": 1, "overrides": ["precision=fp8_mlp"], "exit_code": 0, **base, "grad_norm": {}},
+    ]
+    rows = comparison_rows(["precision"], results)
+    assert rows[0]["grad_norm_max"] == 3.21987 and rows[0]["clipped_steps"] == 7 and "grad_norm_max" not in rows[1]
+    lines = markdown_table(["precision"], rows).splitlines()
+    assert lines[0].endswith("| MFU | max grad norm | clipped steps |")
+    assert lines[2].endswith("| 3.22 | 7 |") and lines[3].endswith("| - | - |")
+    without = comparison_rows(["precision"], [{**r, "grad_norm": None} for r in results])
+    assert "max grad norm" not in markdown_table(["precision"], without)
 
 
 def _job(i, precision, seed, ctr_ne, step_ms=10.0, code=0):

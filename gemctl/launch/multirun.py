@@ -2,7 +2,8 @@
 syntax: comma lists, range(), choice()), one after another, each in its own run directory
 under ``runs/<name>/multirun-<stamp>/<job>/``, and a comparison table at the end: printed, and
 written to the sweep directory as sweep.json (jobs and table rows) and sweep.md (markdown).
-The table has, per job, the swept values, NE and AUC of every task, step time, QPS and MFU.
+The table has, per job, the swept values, NE and AUC of every task, step time, QPS and MFU, and
+the largest gradient norm before clipping with the number of clipped steps (training stability).
 When more than one setting is swept over seeds (``train.seed``), a second table compares the
 settings: per setting the mean ± std of each task's NE over its seeds, the difference from the
 first setting (the baseline, e.g. ``precision=bf16,fp8``: bf16) against the neutrality bar
@@ -102,7 +103,7 @@ def run_sweep(overrides: list[str], recipe, console) -> int:
         if code == 0 and summary.exists():
             data = json.loads(summary.read_text())
             row.update(eval=data["eval"], perf={k: data["perf"].get(k) for k in PERF_KEYS},
-                       provenance=data.get("provenance"))
+                       provenance=data.get("provenance"), grad_norm=data.get("grad_norm"))
         results.append(row)
         rows, groups = write_tables(root, keys, results, recipe)
     print_tables(console, keys, rows, groups)
@@ -129,7 +130,9 @@ def _value_of(override: str, key: bool = False) -> str:
 
 
 def comparison_rows(keys: list[str], results: list[dict]) -> list[dict]:
-    """One row per job: swept values, NE and AUC per task, step time, QPS, MFU (None if it failed)."""
+    """One row per job: swept values, NE and AUC per task, step time, QPS, MFU (None if it failed),
+    and, where the job recorded them, its largest gradient norm before clipping and how many steps
+    the clip scaled down (a recipe that trains with spikes shows there)."""
     rows = []
     for r in results:
         values = {o.split("=", 1)[0]: _value_of(o) for o in r["overrides"]}
@@ -141,6 +144,9 @@ def comparison_rows(keys: list[str], results: list[dict]) -> list[dict]:
             perf = r["perf"]
             row["step_time_ms"], row["qps"] = perf.get("step_time_ms"), perf.get("qps")
             row["mfu"] = perf["local_mfu"] if perf.get("local_mfu") is not None else perf.get("e2e_mfu")
+            if r.get("grad_norm"):  # absent in sweeps from before it was recorded, empty without clipping
+                row["grad_norm_max"] = r["grad_norm"].get("grad_norm_max")
+                row["clipped_steps"] = r["grad_norm"].get("clipped_steps")
         rows.append(row)
     return rows
 
@@ -151,7 +157,8 @@ def _columns(keys: list[str], rows: list[dict]) -> list[str]:
         for col in row:
             if col.endswith((".ne", ".auc")) and col not in metric_cols:
                 metric_cols.append(col)
-    return ["job", *keys, *metric_cols, "step_time_ms", "qps", "mfu"]
+    norms = [c for c in ("grad_norm_max", "clipped_steps") if any(c in row for row in rows)]
+    return ["job", *keys, *metric_cols, "step_time_ms", "qps", "mfu", *norms]
 
 
 def _cell(col: str, value) -> str:
@@ -165,10 +172,13 @@ def _cell(col: str, value) -> str:
         return f"{value:,.0f}"
     if col == "mfu":
         return f"{100 * value:.2f}%"
+    if col == "grad_norm_max":
+        return f"{value:.3g}"
     return str(value)
 
 
-_HEADERS = {"step_time_ms": "step ms", "qps": "QPS", "mfu": "MFU"}
+_HEADERS = {"step_time_ms": "step ms", "qps": "QPS", "mfu": "MFU", "grad_norm_max": "max grad norm",
+            "clipped_steps": "clipped steps"}
 
 
 def _header(col: str) -> str:
