@@ -61,6 +61,10 @@
 #   tests-precision  the GPU tier of the FP8, MX and MX-attention tests alone (~1-2 minutes)
 #   bench-fp8 scripts/bench_fp8.py --only cast,mlp --pending: the FP8 casts vs copy, the MLP block vs
 #             BF16, the cast configs the GPU tier has not passed yet autotuned too (JSON: configs)
+#   ablation-precision  the precision recipes' NE ablation (recipes/ablation_precision.yaml), 3 seeds, on
+#             MovieLens-100K and synthetic data: PRECISION_RECIPES (default bf16,fp8_mlp,fp8_mlp_tail,
+#             mxfp8_safe), ABLATION_DATA, ABLATION_OVERRIDES (e.g. "train.warmup_steps=100"); the settings
+#             tables in ablation.md, sweeps and job summaries (losses, gradient norms) in ablation.tgz
 #   bench-fp8-model  the casts at small_h200's shapes (89,569 jagged tokens; d_model 768 and its
 #             3072-wide MLP), pending configs included
 #   sweep     scripts/bench_jagged_attention.py --sweep fwd/dkdv/dq: every candidate of each pass timed
@@ -349,6 +353,22 @@ for stage in "$@"; do
       d=$(ls -d runs/precision-speed/small_h200/multirun-* | tail -1)
       for f in "$d"/*/summary.json; do cp "$f" "$OUT/precision_speed_job$(basename "$(dirname "$f")").json"; done
       cp "$d/sweep.json" "$OUT/precision_speed_sweep.json" 2>/dev/null ;;
+    ablation-precision)
+      # The NE ablation of the precision recipes (recipes/ablation_precision.yaml: small, 400 steps,
+      # deterministic, 3 seeds), one multirun per dataset of ABLATION_DATA (default "movielens100k
+      # synthetic"; MovieLens needs the recbole==1.2.1 wheel in .whl/) over PRECISION_RECIPES
+      # (default bf16,fp8_mlp,fp8_mlp_tail,mxfp8_safe; the first is the baseline), ABLATION_OVERRIDES
+      # added to every job. The settings tables go to ablation.md as each multirun ends; every sweep
+      # and job summary (per-step losses and gradient norms) to ablation.tgz
+      for data in ${ABLATION_DATA:-movielens100k synthetic}; do
+        # shellcheck disable=SC2086  # ABLATION_OVERRIDES: words, one override each
+        python3 -m gemctl train --recipe ablation_precision -m precision="${PRECISION_RECIPES:-bf16,fp8_mlp,fp8_mlp_tail,mxfp8_safe}" \
+          train.seed=0,1,2 data="$data" ${ABLATION_OVERRIDES:-} run.progress=false run.output_dir=runs/ablation \
+          run.name="ablation_precision-$data" 2>&1 | quiet > "$OUT/ablation_$data.log"
+        d=$(ls -d "runs/ablation/ablation_precision-$data"/multirun-* | tail -1)
+        { echo "## data=$data ${ABLATION_OVERRIDES:-}"; echo; tail -n +3 "$d/sweep.md"; echo; } | tee -a "$OUT/ablation.md"
+      done
+      tar -czf "$OUT/ablation.tgz" runs/ablation/*/multirun-*/sweep.json runs/ablation/*/multirun-*/*/summary.json ;;
     profile)
       python3 -m gemctl profile --recipe small_h200 2>&1 | quiet | tee "$OUT/profile.log"
       d=$(ls -d runs/small_h200-profile/* | tail -1)
