@@ -62,9 +62,10 @@
 #   bench-fp8 scripts/bench_fp8.py --only cast,mlp --pending: the FP8 casts vs copy, the MLP block vs
 #             BF16, the cast configs the GPU tier has not passed yet autotuned too (JSON: configs)
 #   ablation-precision  the precision recipes' NE ablation (recipes/ablation_precision.yaml), 3 seeds, on
-#             MovieLens-100K and synthetic data: PRECISION_RECIPES (default bf16,fp8_mlp,fp8_mlp_tail,
+#             MovieLens-100K and synthetic data: ABLATION_RECIPES (default bf16,fp8_mlp,fp8_mlp_tail,
 #             mxfp8_safe), ABLATION_DATA, ABLATION_OVERRIDES (e.g. "train.warmup_steps=100"); the settings
-#             tables in ablation.md, sweeps and job summaries (losses, gradient norms) in ablation.tgz
+#             tables in ablation.md, each dataset's sweep and job summaries (losses, gradient norms) in
+#             ablation_<data>.tgz
 #   bench-fp8-model  the casts at small_h200's shapes (89,569 jagged tokens; d_model 768 and its
 #             3072-wide MLP), pending configs included
 #   sweep     scripts/bench_jagged_attention.py --sweep fwd/dkdv/dq: every candidate of each pass timed
@@ -356,19 +357,28 @@ for stage in "$@"; do
     ablation-precision)
       # The NE ablation of the precision recipes (recipes/ablation_precision.yaml: small, 400 steps,
       # deterministic, 3 seeds), one multirun per dataset of ABLATION_DATA (default "movielens100k
-      # synthetic"; MovieLens needs the recbole==1.2.1 wheel in .whl/) over PRECISION_RECIPES
+      # synthetic"; MovieLens needs the recbole==1.2.1 wheel in .whl/) over ABLATION_RECIPES
       # (default bf16,fp8_mlp,fp8_mlp_tail,mxfp8_safe; the first is the baseline), ABLATION_OVERRIDES
-      # added to every job. The settings tables go to ablation.md as each multirun ends; every sweep
-      # and job summary (per-step losses and gradient norms) to ablation.tgz
+      # added to every job. Each multirun writes under a directory of this call's own (runs/ survives
+      # between calls on a warm machine), and as it ends its settings tables go to ablation.md and
+      # its sweep and job summaries (per-step losses and gradient norms) to ablation_<data>.tgz, so a
+      # call cut by its limit keeps the datasets that finished. The stage fails if a multirun did.
+      abl_root=runs/ablation-$(date -u +%Y%m%d-%H%M%S)-$$ abl_rc=0
       for data in ${ABLATION_DATA:-movielens100k synthetic}; do
         # shellcheck disable=SC2086  # ABLATION_OVERRIDES: words, one override each
-        python3 -m gemctl train --recipe ablation_precision -m precision="${PRECISION_RECIPES:-bf16,fp8_mlp,fp8_mlp_tail,mxfp8_safe}" \
-          train.seed=0,1,2 data="$data" ${ABLATION_OVERRIDES:-} run.progress=false run.output_dir=runs/ablation \
-          run.name="ablation_precision-$data" 2>&1 | quiet > "$OUT/ablation_$data.log"
-        d=$(ls -d "runs/ablation/ablation_precision-$data"/multirun-* | tail -1)
-        { echo "## data=$data ${ABLATION_OVERRIDES:-}"; echo; tail -n +3 "$d/sweep.md"; echo; } | tee -a "$OUT/ablation.md"
+        python3 -m gemctl train --recipe ablation_precision -m precision="${ABLATION_RECIPES:-bf16,fp8_mlp,fp8_mlp_tail,mxfp8_safe}" \
+          train.seed=0,1,2 data="$data" ${ABLATION_OVERRIDES:-} run.progress=false run.output_dir="$abl_root" \
+          run.name="ablation_precision-$data" > "$OUT/ablation_$data.log" 2>&1 || abl_rc=1
+        d=$(ls -d "$abl_root/ablation_precision-$data"/multirun-* 2>/dev/null | tail -1)
+        if [ -f "$d/sweep.md" ]; then
+          { echo "## data=$data ${ABLATION_OVERRIDES:-}"; echo; tail -n +3 "$d/sweep.md"; echo; } | tee -a "$OUT/ablation.md"
+          tar -czf "$OUT/ablation_$data.tgz" "$d/sweep.json" "$d"/*/summary.json 2>/dev/null
+        else
+          echo "gpu.sh ablation-precision: data=$data wrote no sweep; its log: ablation_$data.log" | tee -a "$OUT/ablation.md" >&2
+          tail -5 "$OUT/ablation_$data.log" >&2; abl_rc=1
+        fi
       done
-      tar -czf "$OUT/ablation.tgz" runs/ablation/*/multirun-*/sweep.json runs/ablation/*/multirun-*/*/summary.json ;;
+      [ "$abl_rc" = 0 ] ;;
     profile)
       python3 -m gemctl profile --recipe small_h200 2>&1 | quiet | tee "$OUT/profile.log"
       d=$(ls -d runs/small_h200-profile/* | tail -1)
@@ -379,6 +389,6 @@ for stage in "$@"; do
         parallel.topology.gpus_per_node=$ngpu run.name=small_h200-fsdp$ngpu 2>&1 | quiet | tee "$OUT/profile_fsdp$ngpu.log"
       d=$(ls -d runs/small_h200-fsdp$ngpu-profile/* | tail -1)
       cp "$d/profile.json" "$OUT/profile_fsdp$ngpu.json"; cp "$d/breakdown.png" "$OUT/breakdown_fsdp$ngpu.png" ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, sweep-block, block-hopper, block-records, block-ab, block-partial, proxy-check, cast-ab, gdpa-ab, gdpa-probes, gdpa-ws, bench-mx, tests-precision, bench-fp8, bench-fp8-model, ncu, ncu-sass, precision-speed, profile, tests-multi-gpu, scaling, profile-multi-gpu)" >&2; exit 2 ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, sweep-block, block-hopper, block-records, block-ab, block-partial, proxy-check, cast-ab, gdpa-ab, gdpa-probes, gdpa-ws, bench-mx, tests-precision, bench-fp8, bench-fp8-model, ncu, ncu-sass, precision-speed, ablation-precision, profile, tests-multi-gpu, scaling, profile-multi-gpu)" >&2; exit 2 ;;
   esac
 done

@@ -51,6 +51,8 @@ def test_skip_drops_the_update_and_counts(tmp_path, monkeypatch):
     assert [s["step"] for s in result.perf["skipped_steps"]] == [3]
     assert result.perf["skipped_steps"][0]["tensor"] == "loss"
     assert math.isnan(result.losses[2]) and all(math.isfinite(x) for i, x in enumerate(result.losses) if i != 2)
+    # the skipped step has no gradient norm; the others keep theirs, aligned with their losses
+    assert result.grad_norms[2] is None and all(x is not None and math.isfinite(x) for i, x in enumerate(result.grad_norms) if i != 2)
 
 
 def test_skip_names_a_non_finite_gradient(tmp_path, monkeypatch):

@@ -131,12 +131,15 @@ def test_gradient_norm_columns_where_recorded():
         {"job": 0, "overrides": ["precision=bf16"], "exit_code": 0, **base,
          "grad_norm": {"grad_norm_max": 3.21987, "grad_norm_mean": 0.5, "clipped_steps": 7}},
         {"job": 1, "overrides": ["precision=fp8_mlp"], "exit_code": 0, **base, "grad_norm": {}},
+        {"job": 2, "overrides": ["precision=fp8"], "exit_code": 0, **base,
+         "grad_norm": {"grad_norm_max": 9.5, "grad_norm_mean": 2.0, "clipped_steps": 3, "nonfinite_norm_steps": 1}},
     ]
     rows = comparison_rows(["precision"], results)
     assert rows[0]["grad_norm_max"] == 3.21987 and rows[0]["clipped_steps"] == 7 and "grad_norm_max" not in rows[1]
     lines = markdown_table(["precision"], rows).splitlines()
     assert lines[0].endswith("| MFU | max grad norm | clipped steps |")
     assert lines[2].endswith("| 3.22 | 7 |") and lines[3].endswith("| - | - |")
+    assert lines[4].endswith("| 9.5 | 3 (+1 non-finite) |")
     without = comparison_rows(["precision"], [{**r, "grad_norm": None} for r in results])
     assert "max grad norm" not in markdown_table(["precision"], without)
 

@@ -147,6 +147,8 @@ def comparison_rows(keys: list[str], results: list[dict]) -> list[dict]:
             if r.get("grad_norm"):  # absent in sweeps from before it was recorded, empty without clipping
                 row["grad_norm_max"] = r["grad_norm"].get("grad_norm_max")
                 row["clipped_steps"] = r["grad_norm"].get("clipped_steps")
+                if r["grad_norm"].get("nonfinite_norm_steps"):
+                    row["clipped_steps"] = f"{row['clipped_steps']} (+{r['grad_norm']['nonfinite_norm_steps']} non-finite)"
         rows.append(row)
     return rows
 

@@ -40,7 +40,8 @@ from gemctl.train.optim import build_optimizers, local_tensor, lr_lambda
 class TrainResult:
     run_dir: Path | None
     losses: list[float] = field(default_factory=list)
-    grad_norms: list[float] = field(default_factory=list)  # each step's dense gradient norm before clipping
+    # each step's dense gradient norm before clipping (None: no norm, the clip off or the update skipped)
+    grad_norms: list[float | None] = field(default_factory=list)
     eval: dict = field(default_factory=dict)
     baselines: dict = field(default_factory=dict)
     perf: dict = field(default_factory=dict)
@@ -83,26 +84,31 @@ def compute_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="none").mean(0).sum()
 
 
-def _read_norms(norms: list) -> list[float]:
-    """The steps' gradient norms (device scalars; None where a step had none) as floats, NaN for
-    None, in one host read. A DTensor norm (FSDP2) is made whole first: a collective that every
-    rank runs here, at the same steps."""
+def _read_norms(norms: list) -> list[float | None]:
+    """The steps' gradient norms (device scalars; None where a step had none: no clipping, or an
+    update skipped) as floats, in one host read. A DTensor norm (FSDP2) is made whole first: a
+    collective that every rank runs here, at the same steps."""
     vals = [None if n is None else (n.full_tensor() if hasattr(n, "full_tensor") else n) for n in norms]
     known = [v for v in vals if v is not None]
     if not known:
-        return [float("nan")] * len(vals)
+        return [None] * len(vals)
     read = iter(torch.stack([v.detach().float().reshape(()).to(known[0].device) for v in known]).cpu().tolist())
-    return [float("nan") if v is None else next(read) for v in vals]
+    return [None if v is None else next(read) for v in vals]
 
 
-def _norm_stats(norms: list[float], clip: float) -> dict:
-    """Gradient-norm summary of some steps: the largest and mean norm before clipping and how many
-    steps train.grad_clip scaled down; empty when no step had a norm (train.grad_clip=0)."""
-    finite = [x for x in norms if math.isfinite(x)]
-    if not finite:
+def _norm_stats(norms: list[float | None], clip: float) -> dict:
+    """Gradient-norm summary of some steps: the largest and mean finite norm before clipping, how
+    many steps train.grad_clip scaled down (clip_grad_norm_'s own test: clip / (norm + 1e-6) < 1)
+    and how many had a non-finite norm (the worst spike: the clip turns that update into NaN);
+    empty when no step had a norm (train.grad_clip=0)."""
+    known = [x for x in norms if x is not None]
+    finite = [x for x in known if math.isfinite(x)]
+    if not known:
         return {}
-    return {"grad_norm_max": max(finite), "grad_norm_mean": sum(finite) / len(finite),
-            "clipped_steps": sum(x > clip for x in finite) if clip > 0 else 0}
+    return {"grad_norm_max": max(finite) if finite else None,
+            "grad_norm_mean": sum(finite) / len(finite) if finite else None,
+            "clipped_steps": sum(clip / (x + 1e-6) < 1 for x in finite) if clip > 0 else 0,
+            "nonfinite_norm_steps": len(known) - len(finite)}
 
 
 class Trainer:
@@ -468,7 +474,7 @@ class Trainer:
         summary = {"eval": result.eval, "baselines": result.baselines, "perf": perf,
                    "provenance": provenance() if run else None, "grad_norm": _norm_stats(result.grad_norms, tcfg.grad_clip),
                    "losses": result.losses,
-                   "grad_norms": [x if math.isfinite(x) else None for x in result.grad_norms]}  # written by rank 0 only
+                   "grad_norms": [x if x is not None and math.isfinite(x) else None for x in result.grad_norms]}  # rank 0 writes
         sink.write({"kind": "summary", **{k: v for k, v in summary.items() if k not in ("losses", "grad_norms")}})
         if run:
             run.write_text("summary.json", json.dumps(summary, indent=2))
