@@ -20,7 +20,7 @@ def load_losses(path: Path) -> list[float]:
     data = json.loads(path.read_text())
     if "losses" not in data:
         raise SystemExit(f"{path}: no 'losses' list")
-    return [float(x) for x in data["losses"]]
+    return [float("nan") if x is None else float(x) for x in data["losses"]]  # null: a skipped step
 
 
 def main() -> int:

@@ -1,6 +1,7 @@
 """Non-finite loss or gradients: train.nonfinite=stop ends the run with one line naming the step,
 the tensor and the batch's sample ids (exit 3); skip drops the step's update, warns and counts."""
 
+import json
 import math
 
 import pytest
@@ -53,6 +54,11 @@ def test_skip_drops_the_update_and_counts(tmp_path, monkeypatch):
     assert math.isnan(result.losses[2]) and all(math.isfinite(x) for i, x in enumerate(result.losses) if i != 2)
     # the skipped step has no gradient norm; the others keep theirs, aligned with their losses
     assert result.grad_norms[2] is None and all(x is not None and math.isfinite(x) for i, x in enumerate(result.grad_norms) if i != 2)
+    # summary.json stays strict JSON: the skipped step's loss and norm are null
+    text = (result.run_dir / "summary.json").read_text()
+    summary = json.loads(text, parse_constant=lambda c: pytest.fail(f"summary.json holds {c}"))
+    assert summary["losses"][2] is None and summary["grad_norms"][2] is None
+    assert summary["losses"][:2] == result.losses[:2]
 
 
 def test_skip_names_a_non_finite_gradient(tmp_path, monkeypatch):

@@ -473,7 +473,8 @@ class Trainer:
         result.perf = perf
         summary = {"eval": result.eval, "baselines": result.baselines, "perf": perf,
                    "provenance": provenance() if run else None, "grad_norm": _norm_stats(result.grad_norms, tcfg.grad_clip),
-                   "losses": result.losses,
+                   # strict JSON: a skipped step's loss and a missing or non-finite norm are null, not NaN
+                   "losses": [x if math.isfinite(x) else None for x in result.losses],
                    "grad_norms": [x if x is not None and math.isfinite(x) else None for x in result.grad_norms]}  # rank 0 writes
         sink.write({"kind": "summary", **{k: v for k, v in summary.items() if k not in ("losses", "grad_norms")}})
         if run:
