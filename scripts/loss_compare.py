@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -23,6 +24,20 @@ def load_losses(path: Path) -> list[float]:
     return [float("nan") if x is None else float(x) for x in data["losses"]]  # null: a skipped step
 
 
+def _rel(x: float, y: float) -> float:
+    """Relative difference; a step non-finite (skipped) in one run only differs infinitely, in both
+    not at all."""
+    if not (math.isfinite(x) and math.isfinite(y)):
+        return 0.0 if not (math.isfinite(x) or math.isfinite(y)) else math.inf
+    return abs(x - y) / max(abs(y), 1e-12)
+
+
+def _mean(losses: list[float]) -> str:
+    finite = [x for x in losses if math.isfinite(x)]
+    skipped = len(losses) - len(finite)
+    return f"{sum(finite) / max(len(finite), 1):.6f}" + (f" ({skipped} non-finite steps left out)" if skipped else "")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("a", type=Path)
@@ -34,14 +49,14 @@ def main() -> int:
     n = min(len(a), len(b))
     if len(a) != len(b):
         print(f"note: {len(a)} vs {len(b)} steps; comparing the first {n}")
-    rel = [abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a[:n], b[:n])]
+    rel = [_rel(x, y) for x, y in zip(a[:n], b[:n])]
     bad = [i for i, r in enumerate(rel) if r > args.rtol]
     print(f"{'step':>6} {'a':>12} {'b':>12} {'rel diff':>10}")
     rows = sorted(range(n), key=lambda i: -rel[i])[: args.show] if bad else range(min(n, args.show))
     for i in sorted(rows):
         print(f"{i + 1:>6} {a[i]:>12.6f} {b[i]:>12.6f} {rel[i]:>10.2e}")
     print(f"max rel diff {max(rel, default=0):.3e}; {len(bad)} of {n} steps above rtol {args.rtol:g}")
-    print(f"mean loss a {sum(a[:n]) / max(n, 1):.6f}  b {sum(b[:n]) / max(n, 1):.6f}")
+    print(f"mean loss a {_mean(a[:n])}  b {_mean(b[:n])}")
     return 1 if bad else 0
 
 

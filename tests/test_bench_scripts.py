@@ -1,5 +1,6 @@
 """The kernel benchmarks' command line: --pin for --profile-step (what ncu measures); the host-cost
-script on a CPU; the block-attention bench's bookkeeping with its timings stubbed."""
+script on a CPU; the block-attention bench's bookkeeping with its timings stubbed; loss_compare on
+skipped steps."""
 
 import subprocess
 import sys
@@ -498,3 +499,19 @@ def test_sm_limit_runs_the_script_against_its_own_tree(tmp_path):
     assert proc.returncode == 0, proc.stderr[-800:]
     assert proc.stdout.splitlines() == ["sm_limit: test line",
                                         "other 96 ['--x', '1'] H100 held to 96 SMs (sm_limit.py) sm_limit_96 __main__"]
+
+
+def test_loss_compare_reads_skipped_steps(tmp_path):
+    """A skipped step's loss is null in summary.json: loss_compare counts it as a mismatch when only
+    one run skipped it, leaves it out of the mean, and matches two runs that skipped the same step."""
+    import json
+
+    script = str(ROOT / "scripts" / "loss_compare.py")
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"losses": [0.5, None, 0.4]}))
+    b.write_text(json.dumps({"losses": [0.5, 0.6, 0.4]}))
+    one = subprocess.run([sys.executable, script, str(a), str(b)], capture_output=True, text=True)
+    assert one.returncode == 1 and "1 of 3 steps above rtol" in one.stdout
+    assert "mean loss a 0.450000 (1 non-finite steps left out)  b 0.500000" in one.stdout
+    both = subprocess.run([sys.executable, script, str(a), str(a)], capture_output=True, text=True)
+    assert both.returncode == 0 and "0 of 3 steps above rtol" in both.stdout
