@@ -84,16 +84,17 @@ def compute_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="none").mean(0).sum()
 
 
-def _read_norms(norms: list) -> list[float | None]:
-    """The steps' gradient norms (device scalars; None where a step had none: no clipping, or an
-    update skipped) as floats, in one host read. A DTensor norm (FSDP2) is made whole first: a
-    collective that every rank runs here, at the same steps."""
+def _read_steps(losses: torch.Tensor, norms: list) -> tuple[list[float], list[float | None]]:
+    """The pending steps' losses (a vector on the device) and gradient norms (device scalars; None
+    where a step had none: no clipping, or an update skipped) as floats, in one host read. A
+    DTensor norm (FSDP2) is made whole first: a collective that every rank runs here, at the same
+    steps."""
     vals = [None if n is None else (n.full_tensor() if hasattr(n, "full_tensor") else n) for n in norms]
-    known = [v for v in vals if v is not None]
-    if not known:
-        return [None] * len(vals)
-    read = iter(torch.stack([v.detach().float().reshape(()).to(known[0].device) for v in known]).cpu().tolist())
-    return [None if v is None else next(read) for v in vals]
+    known = [v.detach().float().reshape(1).to(losses.device) for v in vals if v is not None]
+    read = torch.cat([losses.float().reshape(-1), *known]).cpu().tolist()
+    n = losses.numel()
+    rest = iter(read[n:])
+    return read[:n], [None if v is None else next(rest) for v in vals]
 
 
 def _norm_stats(norms: list[float | None], clip: float) -> dict:
@@ -354,7 +355,7 @@ class Trainer:
         window = _Window()
         totals = _Window()
         pending: list[torch.Tensor] = []
-        pending_norms: list[torch.Tensor | None] = []  # the steps' gradient norms, read with the losses
+        pending_norms: list[torch.Tensor | None] = []  # the steps' gradient norms, read in the losses' host read
         pending_ids: list[torch.Tensor] = []  # first sample ids of each pending step (fault reports)
         checkpoint_s = 0.0  # time training waited for checkpoints
         setup_window = kernel_setup_seconds()
@@ -379,8 +380,10 @@ class Trainer:
                         if cuda:
                             torch.cuda.synchronize(self.device)
                         now = time.perf_counter()
-                        losses = ctx.mean(torch.stack(pending).float()).cpu().tolist()  # over ranks
+                        # the losses' mean over ranks and the norms, read together
+                        losses, norms = _read_steps(ctx.mean(torch.stack(pending).float()), pending_norms)
                         pending.clear()
+                        pending_norms.clear()
                         bad = [i for i, x in enumerate(losses) if not math.isfinite(x)]
                         if bad and tcfg.nonfinite == "stop":
                             first = step + 1 - len(losses) + bad[0] + 1
@@ -390,8 +393,6 @@ class Trainer:
                             )
                         pending_ids.clear()
                         result.losses.extend(losses)
-                        norms = _read_norms(pending_norms)
-                        pending_norms.clear()
                         result.grad_norms.extend(norms)
                         # Triton autotuning of a new shape (candidates compiled and timed) and
                         # compiles of a new specialization are not step time: they are taken out
