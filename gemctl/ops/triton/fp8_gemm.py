@@ -774,8 +774,8 @@ def _cast_rows(x, act, col_amax, amax_rows, bit_cast, norm):
         def candidates():
             deep = ([(br, w, 1) for br, w in _ROWS_DEEP] + _ROWS_PIPELINED) if with_part else []
             atomic = [(br, w, 0, 1) for br, w in _ROWS_ATOMIC if amax_rows % br == 0] if with_part else []
-            # the ring's GPU tier ran bf16 rows only: fp16 / fp32 rows keep it pinned-only
-            ring = _ROWS_RING if _ring_fits(xin, c) and x.dtype == torch.bfloat16 else []
+            # every ring config passed the GPU tier on bf16, fp16 and fp32 rows (H200, 2026-12-06, aa0f69e)
+            ring = _ROWS_RING if _ring_fits(xin, c) else []
             warp = ([cfg for cfg in [(br, w, 0, 0, 1) for br, w in _ROWS_WARP] + ring if amax_rows % cfg[0] == 0]
                     if with_part and c > 128 and gluon_runs("fp8_cast_hopper", x.device) else [])
             deep = [cfg for cfg in deep if amax_rows // cfg[0] > 1]
