@@ -340,6 +340,40 @@ def test_cast_silu():
     assert torch.equal(_bytes(data_p), _bytes(data_t)) and torch.equal(scale_p, scale_c)
 
 
+def check_silu_cols_as_rows(x: torch.Tensor) -> None:
+    """The column cast's SiLU codes (its quantization folds the scale into SiLU's reciprocal:
+    _silu_scaled) against the row cast of x's transpose, which applies SiLU and the scale apart:
+    with one chunk over all of x's rows the two quantize the same values with the same scales, so
+    every byte must agree, from the two-read column cast and from the row cast's column bytes."""
+    r = x.shape[0]
+    dr, sr = fp8_cast_rows(x.t().contiguous(), act="silu")
+    chunk = max(16, 1 << (r - 1).bit_length())  # one chunk over all rows
+    runs = chunk // 4
+    part = fp8_cast_rows(x, act="silu", col_amax=True, amax_rows=runs)[2]
+    for data_t, scale_c in (fp8_cast_cols(x, chunk, act="silu"),
+                            fp8_cast_cols(x, chunk, act="silu", part=part, amax_rows=runs)):
+        assert torch.equal(scale_c[:, 0], sr)
+        assert torch.equal(_bytes(data_t), _bytes(dr))
+
+
+@pytest.mark.parametrize("shape", [(37, 70), (16, 8), (5, 3)])
+def test_cast_cols_silu_matches_row_cast(shape):
+    x = _hostile(*shape, torch.bfloat16)
+    _silu_edge_columns(x)
+    check_silu_cols_as_rows(x)
+
+
+def _silu_edge_columns(x: torch.Tensor) -> None:
+    """Columns at the ends of the scale range: zeros and values of ~1e-37, both of the smallest scale
+    (2^-127, a float32 subnormal: the tiny ones give codes up to ~20 there), and one of
+    -100 .. 100 (e^-x overflows float32 below -88)."""
+    g = torch.Generator().manual_seed(x.shape[0])
+    x[:, -1] = 0.0
+    if x.shape[1] > 2:
+        x[:, -2] = (torch.randn(x.shape[0], generator=g) * 1e-37).to(x.dtype).to(x.device)
+        x[:, -3] = torch.linspace(-100, 100, x.shape[0]).to(x.dtype).to(x.device)
+
+
 def _gemm_ref(a, b, sa, sb, group):
     if group == 0:
         da = a.double() * e8m0_to_float(sa).double()[:, None]
@@ -1020,6 +1054,14 @@ def test_cast_bit_exact_gpu():
     got = fp8_cast_cols(x, 4096, part=fp8_cast_rows(x, col_amax=True, amax_rows=16)[2], amax_rows=16)
     for g, w in zip(got, want):
         assert torch.equal(_bytes(g), _bytes(w))
+
+
+@pytest.mark.gpu
+def test_cast_cols_silu_matches_row_cast_gpu():
+    for rows, cols in ((4096, 1024), (4000 + 37, 4096), (300, 70)):
+        x = _hostile(rows, cols, torch.bfloat16, device="cuda")
+        _silu_edge_columns(x)
+        check_silu_cols_as_rows(x)
 
 
 @pytest.mark.gpu
