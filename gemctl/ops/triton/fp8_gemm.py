@@ -190,11 +190,15 @@ def _silu_scaled(x, s):
     x / ((1 + e^-x) s): SiLU's reciprocal takes the scale, where _silu then _quantize spend a
     multiply of its own on it (the SiLU column cast is bound by the instructions it issues: 10.7
     an element at its H200 pick against 5.6 without SiLU, sm_90 SASS). The same bits as
-    silu(x) * (1 / s) wherever that is a normal float32: (1 + e) s = fma(e, s, s) is exact, and
-    so is the scaling of a reciprocal (rcp.approx, or the interpreter's correctly rounded one)
-    by a power of two; below 2^-126 both are far under the smallest E4M3 code. s may be 2^-127
-    (the all-but-zero column of scale byte 0): 1 + e is then 2 or more (e = 1 for x down to the
-    column's 448 * 2^-127), and (1 + e) s a normal number."""
+    silu(x) * (1 / s) (_silu, then _quantize) wherever silu(x) and the reciprocal of 1 + e are
+    normal float32 numbers: (1 + e) s = fma(e, s, s) is exact, and so is the scaling of a
+    reciprocal (rcp.approx, or the interpreter's correctly rounded one) by a power of two. Where
+    they are not, the code here is the more accurate one, and it shows only in a chunk column
+    whose scale is tiny: for x in about (-88.7, -87.3) on a GPU, rcp.approx.ftz(1 + e) flushes to 0
+    where rcp((1 + e) s) does not (a column of zeros and one -88 gets code 0xEB here, 0x80 there),
+    and float32 inputs whose SiLU is subnormal round once here, twice there. s may be 2^-127 (scale
+    byte 0): 1 + e is then 2 or more (e = 1 for x down to the column's 448 * 2^-127), and (1 + e) s
+    a normal number."""
     if _GPU_ASM:
         e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * -1.4426950408889634],
                                       dtype=tl.float32, is_pure=True, pack=1)
