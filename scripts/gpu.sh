@@ -66,6 +66,8 @@
 #             the issue's set), ABLATION_DATA, ABLATION_OVERRIDES (e.g. "train.lr=3e-3"); the settings
 #             tables in ablation.md, each dataset's sweep and job summaries (losses, gradient norms) in
 #             ablation_<data>.tgz
+#   bench-fp8-issue  issue 6's speed bars in one run: the fused MLP block's six casts at 1024, 4096,
+#             2048 and 8192 columns, the block against compiled BF16 at d = 1024 and 2048
 #   bench-fp8-model  the casts at small_h200's shapes (89,569 jagged tokens; d_model 768 and its
 #             3072-wide MLP), pending configs included
 #   sweep     scripts/bench_jagged_attention.py --sweep fwd/dkdv/dq: every candidate of each pass timed
@@ -261,6 +263,11 @@ for stage in "$@"; do
       python3 -m pytest -v -m gpu $par tests/test_fp8.py tests/test_mx.py tests/test_mx_attention.py -p no:cacheprovider -rf 2>&1 \
         | grep -E "PASSED|FAILED|ERROR|passed|failed" | tee "$OUT/gpu_tests_precision.log" ;;
     bench-fp8) python3 scripts/bench_fp8.py --only cast,mlp --pending --out "$OUT/bench_fp8.json" 2>&1 | quiet | tee "$OUT/bench_fp8.log" ;;
+    bench-fp8-issue)
+      # issue 6's speed bars alone: the six casts the fused MLP block runs at the widths of both
+      # BENCHMARKS.md mlp shapes (d and 4d), then the block against compiled BF16 at d = 1024, 2048
+      python3 scripts/bench_fp8.py --only cast,mlp --cast-set mlp --cast-widths 1024,4096,2048,8192 \
+        --mlp "bf16 compiled,fp8 row fused+norm" --out "$OUT/bench_fp8_issue.json" 2>&1 | quiet | tee "$OUT/bench_fp8_issue.log" ;;
     bench-fp8-model)
       python3 scripts/bench_fp8.py --only cast --pending --cast-widths 768,3072 --tokens 89569 \
         --out "$OUT/bench_fp8_model_shapes.json" 2>&1 | quiet | tee "$OUT/bench_fp8_model_shapes.log" ;;
@@ -389,6 +396,6 @@ for stage in "$@"; do
         parallel.topology.gpus_per_node=$ngpu run.name=small_h200-fsdp$ngpu 2>&1 | quiet | tee "$OUT/profile_fsdp$ngpu.log"
       d=$(ls -d runs/small_h200-fsdp$ngpu-profile/* | tail -1)
       cp "$d/profile.json" "$OUT/profile_fsdp$ngpu.json"; cp "$d/breakdown.png" "$OUT/breakdown_fsdp$ngpu.png" ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, sweep-block, block-hopper, block-records, block-ab, block-partial, proxy-check, cast-ab, gdpa-ab, gdpa-probes, gdpa-ws, bench-mx, tests-precision, bench-fp8, bench-fp8-model, ncu, ncu-sass, precision-speed, ablation-precision, profile, tests-multi-gpu, scaling, profile-multi-gpu)" >&2; exit 2 ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, baseline, bench, bench-gdpa, bench-block, ab-gdpa, every, sweep, sweep-block, block-hopper, block-records, block-ab, block-partial, proxy-check, cast-ab, gdpa-ab, gdpa-probes, gdpa-ws, bench-mx, tests-precision, bench-fp8, bench-fp8-issue, bench-fp8-model, ncu, ncu-sass, precision-speed, ablation-precision, profile, tests-multi-gpu, scaling, profile-multi-gpu)" >&2; exit 2 ;;
   esac
 done

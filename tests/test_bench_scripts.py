@@ -515,3 +515,25 @@ def test_loss_compare_reads_skipped_steps(tmp_path):
     assert "mean loss a 0.450000 (1 non-finite steps left out)  b 0.500000" in one.stdout
     both = subprocess.run([sys.executable, script, str(a), str(a)], capture_output=True, text=True)
     assert both.returncode == 0 and "0 of 3 steps above rtol" in both.stdout
+
+
+def test_fp8_bench_mlp_cast_set_is_the_fused_blocks_six_casts():
+    """--cast-set mlp: the row casts with column bytes at the linears' run length and the column
+    casts from such bytes (plain, SiLU, RMSNorm), not the plain row casts, other run lengths, the
+    two-read column casts or torch's rms_norm."""
+    import bench_fp8
+
+    names = ["rows", "rows + column maxima, 16-row runs", "rows + column maxima, 64-row runs",
+             "cols transposed, 4096-token chunks, 2 reads", "cols transposed, 4096-token chunks, from column maxima",
+             "rows, silu on the fly", "rows + column maxima, silu on the fly, 16-row runs",
+             "cols transposed, silu on the fly, 4096-token chunks, 2 reads",
+             "cols transposed, silu on the fly, 4096-token chunks, from column maxima", "torch rms_norm (bf16 out)",
+             "rows, RMSNorm fused", "rows + column maxima, RMSNorm fused, 16-row runs",
+             "cols transposed, RMSNorm recomputed, 4096-token chunks, from column maxima",
+             "cols transposed, 4096-token chunks, from 64-row column maxima"]
+    picked = [n for n in names if bench_fp8.is_mlp_cast(n, 16)]
+    assert picked == ["rows + column maxima, 16-row runs", "cols transposed, 4096-token chunks, from column maxima",
+                      "rows + column maxima, silu on the fly, 16-row runs",
+                      "cols transposed, silu on the fly, 4096-token chunks, from column maxima",
+                      "rows + column maxima, RMSNorm fused, 16-row runs",
+                      "cols transposed, RMSNorm recomputed, 4096-token chunks, from column maxima"]
