@@ -65,7 +65,7 @@
 #             MovieLens-100K and synthetic data: ABLATION_RECIPES (default bf16,fp8_mlp,mxfp8_safe,
 #             the issue's set), ABLATION_DATA, ABLATION_OVERRIDES (e.g. "train.lr=3e-3"); the settings
 #             tables in ablation.md, each dataset's sweep and job summaries (losses, gradient norms) in
-#             ablation_<data>.tgz
+#             ablation_<data>.tgz; ABLATION_PARALLEL=1 runs every dataset x recipe multirun at once
 #   bench-fp8-issue  issue 6's speed bars in one run: the fused MLP block's six casts at 1024, 4096,
 #             2048 and 8192 columns, the block against compiled BF16 at d = 1024 and 2048
 #   bench-fp8-model  the casts at small_h200's shapes (89,569 jagged tokens; d_model 768 and its
@@ -370,21 +370,46 @@ for stage in "$@"; do
       # between calls on a warm machine), and as it ends its settings tables go to ablation.md and
       # its sweep and job summaries (per-step losses and gradient norms) to ablation_<data>.tgz, so a
       # call cut by its limit keeps the datasets that finished. The stage fails if a multirun did.
+      # ABLATION_PARALLEL=1: one multirun per dataset and recipe, all at once on the one GPU (the
+      # deterministic kernels make each job's result independent of its neighbours; step times
+      # then measure nothing), each dataset's table joined by gemctl compare: the whole ablation
+      # in one call (H200, 2026-12-06: 3-4 side by side took ~6 minutes).
       abl_root=runs/ablation-$(date -u +%Y%m%d-%H%M%S)-$$ abl_rc=0
-      for data in ${ABLATION_DATA:-movielens100k synthetic}; do
+      abl_recipes=${ABLATION_RECIPES:-bf16,fp8_mlp,mxfp8_safe}
+      abl_run() {  # DATA NAME PRECISIONS: one multirun
         # shellcheck disable=SC2086  # ABLATION_OVERRIDES: words, one override each
-        python3 -m gemctl train --recipe ablation_precision -m precision="${ABLATION_RECIPES:-bf16,fp8_mlp,mxfp8_safe}" \
-          train.seed=0,1,2 data="$data" ${ABLATION_OVERRIDES:-} run.progress=false run.output_dir="$abl_root" \
-          run.name="ablation_precision-$data" > "$OUT/ablation_$data.log" 2>&1 || abl_rc=1
-        d=$(ls -d "$abl_root/ablation_precision-$data"/multirun-* 2>/dev/null | tail -1)
-        if [ -f "$d/sweep.md" ]; then
-          { echo "## data=$data ${ABLATION_OVERRIDES:-}"; echo; tail -n +3 "$d/sweep.md"; echo; } | tee -a "$OUT/ablation.md"
-          tar -czf "$OUT/ablation_$data.tgz" "$d/sweep.json" "$d"/*/summary.json 2>/dev/null
+        python3 -m gemctl train --recipe ablation_precision -m precision="$3" train.seed=0,1,2 data="$1" \
+          ${ABLATION_OVERRIDES:-} run.progress=false run.output_dir="$abl_root" run.name="$2" > "$OUT/$2.log" 2>&1
+      }
+      abl_report() {  # DATA MULTIRUN...: the dataset's settings tables and job summaries
+        local data=$1; shift
+        if [ "$#" -gt 0 ] && python3 -m gemctl compare "$@" --baseline "precision=${abl_recipes%%,*}" \
+             --out "$OUT/ablation_${data}_compare.json" > "$OUT/ablation_${data}_compare.md" 2>&1; then
+          { echo "## data=$data ${ABLATION_OVERRIDES:-}"; echo; grep -A20 "^Settings over seeds" "$OUT/ablation_${data}_compare.md"
+            echo; } | tee -a "$OUT/ablation.md"
+          tar -czf "$OUT/ablation_$data.tgz" $(for d in "$@"; do echo "$d/sweep.json" "$d"/*/summary.json; done) 2>/dev/null
         else
-          echo "gpu.sh ablation-precision: data=$data wrote no sweep; its log: ablation_$data.log" | tee -a "$OUT/ablation.md" >&2
-          tail -5 "$OUT/ablation_$data.log" >&2; abl_rc=1
+          echo "gpu.sh ablation-precision: data=$data wrote no comparable sweep; its logs: ablation_precision-$data*.log" \
+            | tee -a "$OUT/ablation.md" >&2
+          return 1
+        fi
+      }
+      for data in ${ABLATION_DATA:-movielens100k synthetic}; do
+        if [ "${ABLATION_PARALLEL:-0}" = 1 ]; then
+          for recipe in ${abl_recipes//,/ }; do abl_run "$data" "ablation_precision-$data-$recipe" "$recipe" & done
+        else
+          abl_run "$data" "ablation_precision-$data" "$abl_recipes" || abl_rc=1
+          abl_report "$data" $(ls -d "$abl_root/ablation_precision-$data"/multirun-* 2>/dev/null | tail -1) || abl_rc=1
         fi
       done
+      if [ "${ABLATION_PARALLEL:-0}" = 1 ]; then
+        for pid in $(jobs -p); do wait "$pid" || abl_rc=1; done
+        for data in ${ABLATION_DATA:-movielens100k synthetic}; do
+          # shellcheck disable=SC2046  # one multirun directory per recipe
+          abl_report "$data" $(for recipe in ${abl_recipes//,/ }; do
+            ls -d "$abl_root/ablation_precision-$data-$recipe"/multirun-* 2>/dev/null | tail -1; done) || abl_rc=1
+        done
+      fi
       [ "$abl_rc" = 0 ] ;;
     profile)
       python3 -m gemctl profile --recipe small_h200 2>&1 | quiet | tee "$OUT/profile.log"
