@@ -385,7 +385,9 @@ for stage in "$@"; do
         local data=$1; shift
         if [ "$#" -gt 0 ] && python3 -m gemctl compare "$@" --baseline "precision=${abl_recipes%%,*}" \
              --out "$OUT/ablation_${data}_compare.json" > "$OUT/ablation_${data}_compare.md" 2>&1; then
-          { echo "## data=$data ${ABLATION_OVERRIDES:-}"; echo; grep -A20 "^Settings over seeds" "$OUT/ablation_${data}_compare.md"
+          { echo "## data=$data ${ABLATION_OVERRIDES:-}"; echo
+            grep -A20 "^Settings over seeds" "$OUT/ablation_${data}_compare.md" \
+              || echo "(no settings table: one setting or no finished job; ablation_${data}_compare.md has the jobs)"
             echo; } | tee -a "$OUT/ablation.md"
           tar -czf "$OUT/ablation_$data.tgz" $(for d in "$@"; do echo "$d/sweep.json" "$d"/*/summary.json; done) 2>/dev/null
         else
