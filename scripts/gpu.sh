@@ -265,7 +265,8 @@ for stage in "$@"; do
     bench-fp8) python3 scripts/bench_fp8.py --only cast,mlp --pending --out "$OUT/bench_fp8.json" 2>&1 | quiet | tee "$OUT/bench_fp8.log" ;;
     bench-fp8-issue)
       # issue 6's speed bars alone: the six casts the fused MLP block runs at the widths of both
-      # BENCHMARKS.md mlp shapes (d and 4d), then the block against compiled BF16 at d = 1024, 2048
+      # BENCHMARKS.md mlp shapes (d and 4d; it runs the RMSNorm pair at d and the SiLU pair at 4d,
+      # the plain pair at both), then the block against compiled BF16 at d = 1024, 2048
       python3 scripts/bench_fp8.py --only cast,mlp --cast-set mlp --cast-widths 1024,4096,2048,8192 \
         --mlp "bf16 compiled,fp8 row fused+norm" --out "$OUT/bench_fp8_issue.json" 2>&1 | quiet | tee "$OUT/bench_fp8_issue.log" ;;
     bench-fp8-model)
@@ -367,13 +368,14 @@ for stage in "$@"; do
       # synthetic"; MovieLens needs the recbole==1.2.1 wheel in .whl/) over ABLATION_RECIPES
       # (default bf16,fp8_mlp,mxfp8_safe; the first is the baseline), ABLATION_OVERRIDES
       # added to every job. Each multirun writes under a directory of this call's own (runs/ survives
-      # between calls on a warm machine), and as it ends its settings tables go to ablation.md and
-      # its sweep and job summaries (per-step losses and gradient norms) to ablation_<data>.tgz, so a
-      # call cut by its limit keeps the datasets that finished. The stage fails if a multirun did.
-      # ABLATION_PARALLEL=1: one multirun per dataset and recipe, all at once on the one GPU (the
-      # deterministic kernels make each job's result independent of its neighbours; step times
-      # then measure nothing), each dataset's table joined by gemctl compare: the whole ablation
-      # in one call (H200, 2026-12-06: 3-4 side by side took ~6 minutes).
+      # between calls on a warm machine). As a dataset's jobs end, its tables (gemctl compare: every
+      # job, then the recipes over their seeds; a recipe with no multirun named) go to ablation.md
+      # and its sweeps and job summaries (per-step losses and gradient norms) to ablation_<data>.tgz,
+      # so a call cut by its limit keeps the datasets that finished. The stage fails if a multirun did.
+      # ABLATION_PARALLEL=1: one multirun per dataset and recipe, all started at once on the one GPU
+      # (the deterministic kernels make each job's result independent of its neighbours; the step
+      # times then measure nothing), each dataset reported once its own jobs end: the whole
+      # ablation in one call (H200, 2026-12-06: 3-4 side by side took ~6 minutes; six take longer).
       abl_root=runs/ablation-$(date -u +%Y%m%d-%H%M%S)-$$ abl_rc=0
       abl_recipes=${ABLATION_RECIPES:-bf16,fp8_mlp,mxfp8_safe}
       abl_run() {  # DATA NAME PRECISIONS: one multirun
@@ -381,35 +383,51 @@ for stage in "$@"; do
         python3 -m gemctl train --recipe ablation_precision -m precision="$3" train.seed=0,1,2 data="$1" \
           ${ABLATION_OVERRIDES:-} run.progress=false run.output_dir="$abl_root" run.name="$2" > "$OUT/$2.log" 2>&1
       }
-      abl_report() {  # DATA MULTIRUN...: the dataset's settings tables and job summaries
-        local data=$1; shift
-        if [ "$#" -gt 0 ] && python3 -m gemctl compare "$@" --baseline "precision=${abl_recipes%%,*}" \
-             --out "$OUT/ablation_${data}_compare.json" > "$OUT/ablation_${data}_compare.md" 2>&1; then
-          { echo "## data=$data ${ABLATION_OVERRIDES:-}"; echo
-            grep -A20 "^Settings over seeds" "$OUT/ablation_${data}_compare.md" \
-              || echo "(no settings table: one setting or no finished job; ablation_${data}_compare.md has the jobs)"
-            echo; } | tee -a "$OUT/ablation.md"
-          tar -czf "$OUT/ablation_$data.tgz" $(for d in "$@"; do echo "$d/sweep.json" "$d"/*/summary.json; done) 2>/dev/null
-        else
-          echo "gpu.sh ablation-precision: data=$data wrote no comparable sweep; its logs: ablation_precision-$data*.log" \
-            | tee -a "$OUT/ablation.md" >&2
-          return 1
-        fi
+      abl_report() {  # DATA NAME...: the dataset's tables and job summaries from the multiruns of NAME...
+        local data=$1 name d cmp="$OUT/ablation_${data}_compare" rc=0; shift
+        local -a dirs=() missing=()
+        for name in "$@"; do
+          d=$(ls -d "$abl_root/$name"/multirun-* 2>/dev/null | tail -1)
+          if [ -n "$d" ]; then dirs+=("$d"); else missing+=("$name"); fi
+        done
+        {
+          echo "## data=$data ${ABLATION_OVERRIDES:-}"; echo
+          [ "${ABLATION_PARALLEL:-0}" = 1 ] && echo "(multiruns side by side: step ms and speed-up measure nothing)" && echo
+          for name in "${missing[@]}"; do echo "(no multirun: $name; its log: $name.log)"; done
+          # the first recipe as the baseline; where ABLATION_OVERRIDES sweeps too, it names several
+          # settings, and the first job's setting is the baseline instead
+          if [ "${#dirs[@]}" -gt 0 ] && { python3 -m gemctl compare "${dirs[@]}" --baseline "precision=${abl_recipes%%,*}" \
+                 --out "$cmp.json" > "$cmp.md" 2>&1 || python3 -m gemctl compare "${dirs[@]}" --out "$cmp.json" > "$cmp.md" 2>&1; }; then
+            grep -v "^comparison: \|^compare: " "$cmp.md"
+          else
+            echo "(no comparison: see ablation_${data}_compare.md)"; rc=1
+          fi
+          echo
+        } > "$cmp.section"  # not a pipe: rc must survive the group
+        tee -a "$OUT/ablation.md" < "$cmp.section" && rm -f "$cmp.section"
+        [ "${#missing[@]}" = 0 ] || rc=1
+        # shellcheck disable=SC2046  # each multirun's sweep and job summaries
+        [ "${#dirs[@]}" = 0 ] || tar -czf "$OUT/ablation_$data.tgz" \
+          $(for d in "${dirs[@]}"; do echo "$d/sweep.json" "$d"/*/summary.json; done) 2>/dev/null
+        [ "$rc" = 0 ]
       }
+      declare -A abl_pids=()
       for data in ${ABLATION_DATA:-movielens100k synthetic}; do
         if [ "${ABLATION_PARALLEL:-0}" = 1 ]; then
-          for recipe in ${abl_recipes//,/ }; do abl_run "$data" "ablation_precision-$data-$recipe" "$recipe" & done
+          for recipe in ${abl_recipes//,/ }; do
+            abl_run "$data" "ablation_precision-$data-$recipe" "$recipe" &
+            abl_pids[$data]+="$! "  # saved as started: a job that ends before the next starts leaves `jobs`
+          done
         else
           abl_run "$data" "ablation_precision-$data" "$abl_recipes" || abl_rc=1
-          abl_report "$data" $(ls -d "$abl_root/ablation_precision-$data"/multirun-* 2>/dev/null | tail -1) || abl_rc=1
+          abl_report "$data" "ablation_precision-$data" || abl_rc=1
         fi
       done
       if [ "${ABLATION_PARALLEL:-0}" = 1 ]; then
-        for pid in $(jobs -p); do wait "$pid" || abl_rc=1; done
         for data in ${ABLATION_DATA:-movielens100k synthetic}; do
-          # shellcheck disable=SC2046  # one multirun directory per recipe
-          abl_report "$data" $(for recipe in ${abl_recipes//,/ }; do
-            ls -d "$abl_root/ablation_precision-$data-$recipe"/multirun-* 2>/dev/null | tail -1; done) || abl_rc=1
+          for pid in ${abl_pids[$data]}; do wait "$pid" || abl_rc=1; done
+          # shellcheck disable=SC2046  # one multirun name per recipe
+          abl_report "$data" $(for recipe in ${abl_recipes//,/ }; do echo "ablation_precision-$data-$recipe"; done) || abl_rc=1
         done
       fi
       [ "$abl_rc" = 0 ] ;;
