@@ -599,11 +599,8 @@ def _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, c
     s = _scale_factor(inv, nan) if ACT == 1 else inv  # with SiLU, SiLU takes the scale (_silu_scaled)
     if STAGES > 1 or ACT != 1:  # Triton pipelines the loads of a loop without branches only
         for r0 in tl.range(start, end, BLOCK_R, num_stages=STAGES):
-            rr = r0 + tl.arange(0, BLOCK_R)
-            code = _chunk_codes(X, RSTD, nw, s, inv, nan, rr, cc, (rr[:, None] < end) & cmask[None, :], end,
-                                stride_xr, ACT, IN_BF16, NORM, BIT_CAST)
-            tl.store(DATA_T + cc.to(tl.int64)[:, None] * stride_dt + rr[None, :], tl.trans(code),
-                     mask=cmask[:, None] & (rr[None, :] < store_end))
+            _chunk_tile(X, DATA_T, RSTD, nw, s, nan, r0 + tl.arange(0, BLOCK_R), cc, cmask, end, store_end, stride_xr,
+                        stride_dt, ACT, IN_BF16, NORM, BIT_CAST)
     else:
         # SiLU: whole tiles (every row before end, every column before Cn) load and store without
         # masks, whose predicates, zero fills and 64-bit row compares were 0.8 of the cast's 9.6
@@ -615,27 +612,33 @@ def _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, c
         cols_full = tl.min(cmask.to(tl.int32), axis=0) == 1
         for r0 in range(start, end, BLOCK_R):
             rr = r0 + tl.arange(0, BLOCK_R)
-            out = DATA_T + cc.to(tl.int64)[:, None] * stride_dt + rr[None, :]
             if cols_full & (r0 + BLOCK_R <= end):
-                code = _chunk_codes(X, RSTD, nw, s, inv, nan, rr, cc, cmask[None, :], end, stride_xr, ACT, IN_BF16,
-                                    NORM, BIT_CAST, True)  # FULL: the mask goes unused
-                tl.store(out, tl.trans(code))
+                _chunk_tile(X, DATA_T, RSTD, nw, s, nan, rr, cc, cmask, end, store_end, stride_xr, stride_dt, ACT,
+                            IN_BF16, NORM, BIT_CAST, True)
             else:
-                code = _chunk_codes(X, RSTD, nw, s, inv, nan, rr, cc, (rr[:, None] < end) & cmask[None, :], end,
-                                    stride_xr, ACT, IN_BF16, NORM, BIT_CAST)
-                tl.store(out, tl.trans(code), mask=cmask[:, None] & (rr[None, :] < store_end))
+                _chunk_tile(X, DATA_T, RSTD, nw, s, nan, rr, cc, cmask, end, store_end, stride_xr, stride_dt, ACT,
+                            IN_BF16, NORM, BIT_CAST)
 
 
 @triton.jit
-def _chunk_codes(X, RSTD, nw, s, inv, nan, rr, cc, mask, end, stride_xr, ACT: tl.constexpr, IN_BF16: tl.constexpr,
-                 NORM: tl.constexpr, BIT_CAST: tl.constexpr, FULL: tl.constexpr = False):
-    """The E4M3 codes of a (rows, columns) tile of _quantize_chunk_transposed (FULL, SiLU only: a
-    whole tile, loaded without a mask)."""
+def _chunk_tile(X, DATA_T, RSTD, nw, s, nan, rr, cc, cmask, end, store_end, stride_xr, stride_dt, ACT: tl.constexpr,
+                IN_BF16: tl.constexpr, NORM: tl.constexpr, BIT_CAST: tl.constexpr, FULL: tl.constexpr = False):
+    """One (rows rr, columns cc) tile of _quantize_chunk_transposed: its E4M3 codes, stored
+    transposed into DATA_T. s: the columns' scale factor as the codes take it (2^shared with SiLU,
+    _silu_scaled; else inv = 2^-shared). FULL (SiLU only): a whole tile, loaded and stored without
+    masks."""
+    mask = cmask[None, :] if FULL else (rr[:, None] < end) & cmask[None, :]  # unused when FULL
     if ACT == 1:
         x = _load_act(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], mask, 0, IN_BF16, FULL)
-        return _quantize_scaled(_silu_scaled(x, s[None, :]), nan[None, :], BIT_CAST)
-    x = _load_cols(X, RSTD, nw, rr, cc, mask, end, stride_xr, ACT, IN_BF16, NORM, BIT_CAST)
-    return _quantize(x, inv[None, :], nan[None, :], BIT_CAST)
+        code = _quantize_scaled(_silu_scaled(x, s[None, :]), nan[None, :], BIT_CAST)
+    else:
+        x = _load_cols(X, RSTD, nw, rr, cc, mask, end, stride_xr, ACT, IN_BF16, NORM, BIT_CAST)
+        code = _quantize(x, s[None, :], nan[None, :], BIT_CAST)
+    out = DATA_T + cc.to(tl.int64)[:, None] * stride_dt + rr[None, :]
+    if FULL:
+        tl.store(out, tl.trans(code))
+    else:
+        tl.store(out, tl.trans(code), mask=cmask[:, None] & (rr[None, :] < store_end))
 
 
 @triton.jit
