@@ -133,6 +133,12 @@ def kernels():
     yield f8._cast_cols_amax_kernel, f8_io, dict(cast, ACT=0, PARTS=32, PART_BLOCK=32, NORM=True)
     yield f8._cast_cols_amax_kernel, f8_io, dict(cast, PARTS=256, PART_BLOCK=64, STAGES=3)  # the row loop pipelined
     yield f8._cast_cols_amax_kernel, f8_io, dict(cast, PARTS=64, PART_BLOCK=64, SPLIT=4)  # 4 programs per chunk
+    # whole tiles unmasked (_COLS_WHOLE), the plain and RMSNorm casts
+    yield f8._cast_cols_amax_kernel, f8_io, dict(cast, ACT=0, PARTS=32, PART_BLOCK=32, NORM=True, WHOLE=True)
+    yield f8._cast_cols_kernel, f8_io, dict(cast, ACT=0, WHOLE=True)
+    # ... at the H200 pick's tile, (256, 64) in 8 warps, under its 128-register cap
+    yield f8._cast_cols_amax_kernel, f8_io, dict(cast, ACT=0, BLOCK_R=256, PARTS=256, PART_BLOCK=64, NORM=True,
+                                                 WHOLE=True, num_warps=8)
     norm_io = dict(DY="*bf16", X="*bf16", RSTD="*fp32", W="*fp32", DX="*bf16", DWP="*fp32")
     yield rms_norm._rms_norm_bwd_kernel, norm_io, dict(BLOCK_R=2, BLOCK_C=1024, ITERS=32, NEED_DW=True)
     for block, rope in ((64, False), (64, True), (32, True), (128, True)):  # 128 + rope: the most shared memory
@@ -232,6 +238,7 @@ def _source(fn, types: dict, consts: dict, attrs=None):
         from triton.experimental.gluon._runtime import GluonASTSource
 
         return GluonASTSource(fn, _signature(fn, types, consts), consts, attrs)
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names}  # num_warps: a launch option (_options)
     return ASTSource(fn=fn, signature=_signature(fn, types, consts), constexprs=consts, attrs=attrs)
 
 
@@ -253,7 +260,8 @@ def column_cast_stores(target) -> list[str]:
     for fn, consts in ((f8._cast_cols_kernel, cast), (f8._cast_cols_amax_kernel, dict(cast, PARTS=64, PART_BLOCK=64,
                                                                                       SPLIT=4)),
                        (f8._cast_cols_amax_kernel, dict(cast, ACT=0, PARTS=32, PART_BLOCK=32, NORM=True)),
-                       (f8._cast_cols_amax_kernel, dict(cast, PARTS=64, PART_BLOCK=64, STAGES=3))):
+                       (f8._cast_cols_amax_kernel, dict(cast, PARTS=64, PART_BLOCK=64, STAGES=3)),
+                       (f8._cast_cols_amax_kernel, dict(cast, ACT=0, PARTS=32, PART_BLOCK=32, NORM=True, WHOLE=True))):
         consts = _with_defaults(fn, consts)
         names = list(fn.arg_names)
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if n in names}
@@ -328,13 +336,17 @@ def _constexprs(fn, types: dict, consts: dict) -> dict:
 
 
 def _options(fn, consts: dict, warps: int, stages: int) -> dict:
-    """Compile options as a launch passes them: warps, stages, and the register limit of the
-    warp-specialized kernels (its partitions' shares are set against it)."""
+    """Compile options as a launch passes them: warps, stages, and the register limits of the
+    warp-specialized kernels (its partitions' shares are set against it) and of the column casts'
+    whole-tile configs (fp8_gemm._cols_reg_cap)."""
+    from gemctl.ops.triton import fp8_gemm as f8
     from gemctl.ops.triton import gdpa_hopper as gh
 
     options = {"num_warps": consts.get("num_warps", warps), "num_stages": stages}
     if fn in (gh._gdpa_fwd_ws, gh._gdpa_fwd_ws_stream):
         options["maxnreg"] = gh.WS_MAXNREG
+    if consts.get("WHOLE"):
+        options["maxnreg"] = f8._cols_reg_cap(options["num_warps"])
     return options
 
 

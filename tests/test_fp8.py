@@ -158,11 +158,17 @@ def test_cast_cols_split_chunks(act, norm):
     if norm:
         kwargs["norm"] = (rows[2], torch.linspace(0.5, 2.0, x.shape[1]))
     outs = []
-    for cfg in ((4, 16, 1, 1), (4, 16, 1, 2), (4, 16, 1, 4), (4, 16, 1, 2, 3)):  # the last pipelined (stages)
+    # the fourth pipelined (stages); the last two, whole tiles unmasked (_COLS_WHOLE: 40 columns, so
+    # the third 16-column block and the last chunk's last 4-row tile take the masked path; a 32-row
+    # tile is never whole in these 16-row chunks: one taken unmasked would read past the rows and
+    # store past their padding, into the next column's codes or past the buffer)
+    for cfg in ((4, 16, 1, 1), (4, 16, 1, 2), (4, 16, 1, 4), (4, 16, 1, 2, 3), (4, 16, 1, 2, 1, 1),
+                (32, 16, 1, 0, 1, 1)):
         with forced_config({"fp8_cast_cols": cfg}):
             outs.append([t.view(torch.uint8) for t in fp8_cast_cols(x, 16, act=act, **kwargs)])
-    with forced_config({"fp8_cast_cols": (4, 16, 1, 0, 3)}):  # the two-read cast pipelined
-        outs.append([t.view(torch.uint8) for t in fp8_cast_cols(x, 16, act=act, norm=kwargs.get("norm"))])
+    for cfg in ((4, 16, 1, 0, 3), (4, 16, 1, 0, 1, 1)):  # the two-read cast pipelined, and whole tiles
+        with forced_config({"fp8_cast_cols": cfg}):
+            outs.append([t.view(torch.uint8) for t in fp8_cast_cols(x, 16, act=act, norm=kwargs.get("norm"))])
     cd, cs = fp8_cast_cols(x, 16, act=act, norm=kwargs.get("norm"))  # two reads: scales of its own
     for data, scale in outs:
         assert torch.equal(data, cd.view(torch.uint8)) and torch.equal(scale, cs)
@@ -192,7 +198,10 @@ def test_new_cast_candidates_wait_for_the_gpu_tier(monkeypatch):
     fp8_cast_cols(x, 64, part=torch.zeros(16, 64, dtype=torch.uint8), amax_rows=16)
     rows, cols = seen
     assert any(c[2] for c in rows) and any(c[3:] == (1,) for c in rows)  # two blocks in flight, atomic
-    assert any(c[3] == fp8_kernels._COLS_SPLIT for c in cols)
+    assert any(c[3] == fp8_kernels._COLS_SPLIT for c in cols) and any(c[5:] == (1,) for c in cols)  # whole tiles
+    seen.clear()
+    fp8_cast_cols(x, 64, act="silu", part=torch.zeros(16, 64, dtype=torch.uint8), amax_rows=16)
+    assert not any(c[5:] for c in seen[0])  # SiLU takes whole tiles unmasked in every config
     assert common.gpu_checked([(1, 4, 1)], 2, {(1, 4, 1)}) == [(1, 4, 1)]
 
 
@@ -1142,16 +1151,22 @@ def test_cast_rows_ring_other_dtypes_gpu(cfg, dtype):
     _check_warp_cast(_hostile(4096 + 37, 1024, torch.float32, device="cuda").to(dtype), cfg)
 
 
-_COLS_GPU_CONFIGS = [(*c, fp8_kernels._COLS_SPLIT) for c in fp8_kernels._COLS_CANDIDATES] + fp8_kernels._COLS_STAGED
+_COLS_GPU_CONFIGS = ([(*c, fp8_kernels._COLS_SPLIT) for c in fp8_kernels._COLS_CANDIDATES] + fp8_kernels._COLS_STAGED
+                     + fp8_kernels._COLS_WHOLE)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", _COLS_GPU_CONFIGS, ids=lambda c: "_".join(map(str, c)))
 def test_cast_cols_split_chunks_gpu(cfg):
     """Each column-cast candidate pinned with 4 programs per chunk, or pipelined (stages, one or 4
-    programs per chunk), from the row cast's bytes: the bytes of the two-read cast (its own
-    scales), plain, silu and RMSNorm, a partial last chunk; pipelined, the two-read cast too."""
-    x = _hostile(8192 + 37, 1024, torch.bfloat16, device="cuda")
+    programs per chunk), or with whole tiles unmasked (one or 4), from the row cast's bytes: the
+    bytes of the two-read cast (its own scales), plain, silu and RMSNorm, a partial last chunk;
+    pipelined or whole, the two-read cast too; whole, also 1000 columns (a partial column block)."""
+    for cols in (1024, 1000) if len(cfg) > 5 else (1024,):
+        _check_cols_config(cfg, _hostile(8192 + 37, cols, torch.bfloat16, device="cuda"))
+
+
+def _check_cols_config(cfg, x):
     for act, norm in ((None, False), ("silu", False), (None, True)):
         rows = _rows_outputs(x, (2, 4, 0), act, norm, amax_rows=64)
         extra = {"norm": (rows[2], torch.linspace(0.5, 2.0, x.shape[1], device="cuda"))} if norm else {}

@@ -154,6 +154,13 @@ _COLS_STAGED = [(*cfg, split, _COLS_STAGES) for cfg in _COLS_CANDIDATES for spli
 # the loop pipelined by Triton (_ROWS_PIPELINED, 1024 and 4096 columns) and the staged column casts
 # (_COLS_STAGES, one or 4 programs per chunk): `pytest -m gpu tests/test_fp8.py -k "warp_gpu or
 # split_chunks_gpu or two_blocks_in_flight_gpu or bit_exact or fused_norm"`, 54 passed.
+# (BLOCK_R, BLOCK_C, warps, split, 1, 1): whole tiles of the plain and RMSNorm column casts take
+# a path of their own without masks, as SiLU's always does (_quantize_chunk_transposed), under a
+# cap of two programs' registers an SM (_cols_reg_cap). sm_90 SASS (Triton 3.6), RMSNorm from the
+# run bytes at (256, 64, 8): 9.2 instructions an element in the one masked loop (122 registers),
+# 8.3 on a whole tile with the cap (128 registers, no spills; 163 without it, one program an SM).
+# The RMSNorm column cast sat at 80.4% of copy on the H200 (aa0f69e), at the bar.
+_COLS_WHOLE = [(*cfg, split, 1, 1) for cfg in _COLS_CANDIDATES for split in (0, _COLS_SPLIT)]
 _GPU_CHECKED: set = ({(128, 128, 128, 4, 3, True, 2)} | {(br, w, 0, 0, 1) for br, w in _ROWS_WARP}
                      | set(_ROWS_RING) | set(_ROWS_PIPELINED) | set(_COLS_STAGED))
 _PENDING_AUTOTUNE = False
@@ -584,7 +591,7 @@ def _cast_rows_kernel(
 def _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g, start, end, store_end, split,
                                stride_xr, stride_dt, stride_sc, ACT: tl.constexpr, IN_BF16: tl.constexpr,
                                BIT_CAST: tl.constexpr, BLOCK_R: tl.constexpr, NORM: tl.constexpr,
-                               STAGES: tl.constexpr):
+                               STAGES: tl.constexpr, WHOLE: tl.constexpr):
     """Rows [start, end) of chunk g of columns cc, given the columns' scales over the chunk (byte,
     2^-shared, NaN flag): the codes written to DATA_T [Cn, R] through a register transpose (each
     column's run of rows one contiguous store), and the bytes by the chunk's first program (split 0).
@@ -593,11 +600,12 @@ def _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, c
     the compiler knows to be a multiple of 16 keeps them 16-byte vector stores. Bounded by R itself,
     any jagged R not a multiple of 16 made them byte stores (sm_90 PTX: 33 st.global.b8 for 2
     st.global.v4.b32; H200, [89569, 3072]: 1.45 ms, 7x the copy time). STAGES > 1: the loop's
-    loads pipelined through shared memory (_COLS_STAGES)."""
+    loads pipelined through shared memory (_COLS_STAGES). WHOLE (or SiLU): whole tiles take a path
+    without masks (_COLS_WHOLE)."""
     tl.store(SCALE + cc.to(tl.int64) * stride_sc + g, byte.to(tl.uint8), mask=cmask & (cc * 0 + split == 0))
     nw = _norm_weight(X, NW, cc, cmask, IN_BF16, BIT_CAST) if NORM else 0.0
     s = _scale_factor(inv, nan) if ACT == 1 else inv  # with SiLU, SiLU takes the scale (_silu_scaled)
-    if STAGES > 1 or ACT != 1:  # Triton pipelines the loads of a loop without branches only
+    if STAGES > 1 or (ACT != 1 and not WHOLE):  # Triton pipelines the loads of a loop without branches only
         for r0 in tl.range(start, end, BLOCK_R, num_stages=STAGES):
             _chunk_tile(X, DATA_T, RSTD, nw, s, nan, r0 + tl.arange(0, BLOCK_R), cc, cmask, end, store_end, stride_xr,
                         stride_dt, ACT, IN_BF16, NORM, BIT_CAST)
@@ -607,8 +615,8 @@ def _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, c
         # SASS instructions an element (sm_90, Triton 3.6: 8.8 on a whole tile, 128 registers, two
         # programs an SM as before). Each branch has its own tile code: branching around the loads
         # and stores alone, with the arithmetic shared, compiled to 11.7 instructions an element.
-        # The other casts keep one masked loop: the RMSNorm one rose from 122 registers to 163 (one
-        # program an SM) with two.
+        # The other casts take it with WHOLE only: the RMSNorm one rose from 122 registers to 163
+        # (one program an SM) with two paths, 128 under the cap WHOLE launches with (_COLS_WHOLE).
         cols_full = tl.min(cmask.to(tl.int32), axis=0) == 1
         for r0 in range(start, end, BLOCK_R):
             rr = r0 + tl.arange(0, BLOCK_R)
@@ -625,14 +633,14 @@ def _chunk_tile(X, DATA_T, RSTD, nw, s, nan, rr, cc, cmask, end, store_end, stri
                 IN_BF16: tl.constexpr, NORM: tl.constexpr, BIT_CAST: tl.constexpr, FULL: tl.constexpr = False):
     """One (rows rr, columns cc) tile of _quantize_chunk_transposed: its E4M3 codes, stored
     transposed into DATA_T. s: the columns' scale factor as the codes take it (2^shared with SiLU,
-    _silu_scaled; else inv = 2^-shared). FULL (SiLU only): a whole tile, loaded and stored without
-    masks."""
+    _silu_scaled; else inv = 2^-shared). FULL: a whole tile (every row before the range's end,
+    every column before Cn), loaded and stored without masks."""
     mask = cmask[None, :] if FULL else (rr[:, None] < end) & cmask[None, :]  # unused when FULL
     if ACT == 1:
         x = _load_act(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], mask, 0, IN_BF16, FULL)
         code = _quantize_scaled(_silu_scaled(x, s[None, :]), nan[None, :], BIT_CAST)
     else:
-        x = _load_cols(X, RSTD, nw, rr, cc, mask, end, stride_xr, ACT, IN_BF16, NORM, BIT_CAST)
+        x = _load_cols(X, RSTD, nw, rr, cc, mask, end, stride_xr, ACT, IN_BF16, NORM, BIT_CAST, FULL)
         code = _quantize(x, s[None, :], nan[None, :], BIT_CAST)
     out = DATA_T + cc.to(tl.int64)[:, None] * stride_dt + rr[None, :]
     if FULL:
@@ -643,12 +651,14 @@ def _chunk_tile(X, DATA_T, RSTD, nw, s, nan, rr, cc, cmask, end, store_end, stri
 
 @triton.jit
 def _load_cols(X, RSTD, nw, rr, cc, mask, end, stride_xr, ACT: tl.constexpr, IN_BF16: tl.constexpr,
-               NORM: tl.constexpr, BIT_CAST: tl.constexpr):
+               NORM: tl.constexpr, BIT_CAST: tl.constexpr, FULL: tl.constexpr = False):
     """A (rows, columns) tile of act(x), or with NORM of RMSNorm(x) recomputed from the rows' rstd
-    and the columns' weights nw (bit-identical to what the row cast quantized)."""
-    x = _load_act(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], mask, ACT, IN_BF16)
+    and the columns' weights nw (bit-identical to what the row cast quantized); FULL: a whole tile,
+    no masks."""
+    x = _load_act(X + rr.to(tl.int64)[:, None] * stride_xr + cc[None, :], mask, ACT, IN_BF16, FULL)
     if NORM:
-        x = _normed(X, x, tl.load(RSTD + rr, mask=rr < end, other=0.0), nw, IN_BF16, BIT_CAST)
+        rstd = tl.load(RSTD + rr) if FULL else tl.load(RSTD + rr, mask=rr < end, other=0.0)
+        x = _normed(X, x, rstd, nw, IN_BF16, BIT_CAST)
     return x
 
 
@@ -657,7 +667,7 @@ def _cast_cols_kernel(
     X, DATA_T, SCALE, NW, RSTD, R, R_PAD, Cn, stride_xr, stride_dt, stride_sc,
     ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr = False,
-    STAGES: tl.constexpr = 1,
+    STAGES: tl.constexpr = 1, WHOLE: tl.constexpr = False,
 ):
     """Program (j, g): columns [j*BLOCK_C, +BLOCK_C) over rows [g*CHUNK, +CHUNK): the columns'
     amax over the chunk, then the quantized chunk written transposed (DATA_T [Cn, R])."""
@@ -675,7 +685,7 @@ def _cast_cols_kernel(
     byte, inv, nan = _scale_from_amax(amax)
     _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g, g * CHUNK, end,
                                tl.minimum(g * CHUNK + CHUNK, R_PAD), 0, stride_xr, stride_dt, stride_sc, ACT, IN_BF16,
-                               BIT_CAST, BLOCK_R, NORM, STAGES)
+                               BIT_CAST, BLOCK_R, NORM, STAGES, WHOLE)
 
 
 @triton.jit
@@ -692,7 +702,7 @@ def _cast_cols_amax_kernel(
     X, DATA_T, SCALE, PART, NW, RSTD, R, R_PAD, Cn, n_part, stride_xr, stride_dt, stride_sc, stride_p,
     ACT: tl.constexpr, IN_BF16: tl.constexpr, BIT_CAST: tl.constexpr,
     CHUNK: tl.constexpr, PARTS: tl.constexpr, PART_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    NORM: tl.constexpr = False, SPLIT: tl.constexpr = 1, STAGES: tl.constexpr = 1,
+    NORM: tl.constexpr = False, SPLIT: tl.constexpr = 1, STAGES: tl.constexpr = 1, WHOLE: tl.constexpr = False,
 ):
     """As _cast_cols_kernel, the chunk's column scales taken from the PARTS scale bytes the row
     cast left in PART (CHUNK / PARTS rows each): one read of the chunk instead of two. The bytes
@@ -718,7 +728,7 @@ def _cast_cols_amax_kernel(
     stop = start + CHUNK // SPLIT
     _quantize_chunk_transposed(X, DATA_T, SCALE, NW, RSTD, byte, inv, nan, cc, cmask, g, start, tl.minimum(stop, R),
                                tl.minimum(stop, R_PAD), split, stride_xr, stride_dt, stride_sc, ACT, IN_BF16, BIT_CAST,
-                               BLOCK_R, NORM, STAGES)
+                               BLOCK_R, NORM, STAGES, WHOLE)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -745,6 +755,12 @@ def _ring_fits(xin: torch.Tensor, c: int) -> bool:
     _RING_COLUMNS values, and the column count, row stride and base all 16-aligned, as Triton
     specializes them so that cp.async can copy 16-byte vectors."""
     return c <= _RING_COLUMNS and c % 16 == 0 and xin.stride(0) % 16 == 0 and xin.data_ptr() % 16 == 0
+
+
+def _cols_reg_cap(warps: int) -> int:
+    """Registers a thread under which two column-cast programs of ``warps`` warps fit an SM's 64K
+    (at most 255, the hardware's limit)."""
+    return min(255, 65536 // (2 * 32 * warps))
 
 
 def _bit_cast(bit_cast) -> bool:
@@ -902,6 +918,9 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
             common = dict(ACT=ACTS[act], IN_BF16=x.dtype == torch.bfloat16, BIT_CAST=_bit_cast(bit_cast), CHUNK=chunk,
                           BLOCK_R=br, BLOCK_C=bc, NORM=norm is not None, STAGES=config_field(cfg, 4) or 1,
                           num_warps=warps)
+            if config_field(cfg, 5) and act is None and common["STAGES"] == 1:
+                # whole tiles unmasked (_COLS_WHOLE; SiLU's always are), two programs' registers an SM
+                common.update(WHOLE=True, maxnreg=_cols_reg_cap(warps))
             grid = (cdiv(c, bc), n_chunks)
             if use_part:
                 if chunk % split:
@@ -917,7 +936,9 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
         def candidates():
             split = [(*cfg, _COLS_SPLIT) for cfg in _COLS_CANDIDATES] if use_part else []
             staged = [cfg for cfg in _COLS_STAGED if use_part or not cfg[3]]  # split: from the row cast's bytes
-            return gpu_checked([(*cfg, 0) for cfg in _COLS_CANDIDATES] + split + staged, 3, _GPU_CHECKED,
+            # SiLU takes the unmasked path for whole tiles always (stages 1)
+            whole = [cfg for cfg in _COLS_WHOLE if (use_part or not cfg[3]) and act is None]
+            return gpu_checked([(*cfg, 0) for cfg in _COLS_CANDIDATES] + split + staged + whole, 3, _GPU_CHECKED,
                                _PENDING_AUTOTUNE)
 
         run(pick_config(key, candidates, run, _COLS_INTERPRET))
