@@ -266,7 +266,7 @@ def column_cast_stores(target) -> list[str]:
         names = list(fn.arg_names)
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if n in names}
         src = ASTSource(fn=fn, signature=_signature(fn, io, consts), constexprs=consts, attrs=attrs)
-        ptx = triton.compile(src, target=target, options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+        ptx = triton.compile(src, target=target, options=_options(fn, consts, 4, 3)).asm["ptx"]
         vec, byte = len(re.findall(r"st\.global\.v4\.b32", ptx)), len(re.findall(r"st\.global\.b8", ptx))
         verdict = "vector" if vec and byte <= 1 else "BYTE STORES"  # one byte store: the chunk's scale bytes
         lines.append(f"{fn.__name__:<24} jagged R: {vec} st.global.v4.b32, {byte} st.global.b8: {verdict}")

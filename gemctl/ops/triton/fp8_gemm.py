@@ -178,12 +178,25 @@ def _sigmoid(x):
     whose subnormal-range fix-ups are several instructions per element, and the silu casts are
     instruction-bound (~29 SASS instructions per element against ~17 without silu, sm_90). The
     fix-ups cannot matter here: a subnormal exp(-x) vanishes in 1 + exp(-x) >= 1."""
+    return _rcp(1.0 + _exp_neg(x))
+
+
+@triton.jit
+def _exp_neg(x):
+    """exp(-x) in float32: ex2.approx.ftz on a GPU (_sigmoid says why), tl.exp in the interpreter."""
     if _GPU_ASM:
-        e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * -1.4426950408889634],
-                                      dtype=tl.float32, is_pure=True, pack=1)
-        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + e],
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * -1.4426950408889634],
                                          dtype=tl.float32, is_pure=True, pack=1)
-    return 1.0 / (1.0 + tl.exp(-x))
+    return tl.exp(-x)
+
+
+@triton.jit
+def _rcp(y):
+    """1 / y in float32: rcp.approx.ftz on a GPU (_sigmoid says why), division in the interpreter."""
+    if _GPU_ASM:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [y], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    return 1.0 / y
 
 
 @triton.jit
@@ -206,12 +219,10 @@ def _silu_scaled(x, s):
     and float32 inputs whose SiLU is subnormal round once here, twice there. s may be 2^-127 (scale
     byte 0): 1 + e is then 2 or more (e = 1 for x down to the column's 448 * 2^-127), and (1 + e) s
     a normal number."""
+    e = _exp_neg(x)
     if _GPU_ASM:
-        e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * -1.4426950408889634],
-                                      dtype=tl.float32, is_pure=True, pack=1)
-        return x * tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [e * s + s],
-                                             dtype=tl.float32, is_pure=True, pack=1)
-    return x * (1.0 / ((1.0 + tl.exp(-x)) * s))
+        return x * _rcp(e * s + s)  # one FFMA
+    return x * _rcp((1.0 + e) * s)  # the interpreter rounds e * s + s differently where s is subnormal
 
 
 @triton.jit
