@@ -162,7 +162,7 @@ _COLS_STAGED = [(*cfg, split, _COLS_STAGES) for cfg in _COLS_CANDIDATES for spli
 # The RMSNorm column cast sat at 80.4% of copy on the H200 (aa0f69e), at the bar.
 _COLS_WHOLE = [(*cfg, split, 1, 1) for cfg in _COLS_CANDIDATES for split in (0, _COLS_SPLIT)]
 _GPU_CHECKED: set = ({(128, 128, 128, 4, 3, True, 2)} | {(br, w, 0, 0, 1) for br, w in _ROWS_WARP}
-                     | set(_ROWS_RING) | set(_ROWS_PIPELINED) | set(_COLS_STAGED))
+                     | set(_ROWS_RING) | set(_ROWS_PIPELINED) | set(_COLS_STAGED) | set(_COLS_WHOLE))
 _PENDING_AUTOTUNE = False
 _ROWS_IN_REGISTERS = 8192
 _UNROLLED_PART_LOADS = tl.constexpr(8)  # the column cast's loads of run bytes unrolled up to this many
