@@ -237,25 +237,38 @@ def mlp_rows(tokens: int, only=None, widths=None) -> list[dict]:
 AMAX_SWEEP = (16, 32, 64, 128)  # rows per column scale byte, timed for the plain row cast
 
 
-def is_mlp_cast(name: str, runs: int) -> bool:
+def is_mlp_cast(name: str, runs: int, roles=("d", "4d")) -> bool:
     """Whether a cast of cast_rows is one the fused FP8 MLP block runs on its activations
     (fp8_linear: the RMSNorm-fused rows with column bytes and the column cast recomputing the norm
     on x, at width d; SiLU's pair on the hidden pre-activations, at 4d; the plain pair on the
     output gradient at d and on the pre-activations' gradient at 4d): a row cast with column bytes
-    at the linears' run length, or a column cast from such bytes. All six are timed at every
-    width; the block runs the RMSNorm pair at d and the SiLU pair at 4d only."""
-    return ((name.startswith("rows + column maxima") and name.endswith(f", {runs}-row runs"))
-            or (name.startswith("cols transposed") and name.endswith("from column maxima")))
+    at the linears' run length, or a column cast from such bytes. ``roles``: the widths' roles to
+    keep the casts of ("d": the RMSNorm and plain pairs; "4d": the SiLU and plain pairs); both,
+    the default, keep all six."""
+    if not ((name.startswith("rows + column maxima") and name.endswith(f", {runs}-row runs"))
+            or (name.startswith("cols transposed") and name.endswith("from column maxima"))):
+        return False
+    if "RMSNorm" in name:
+        return "d" in roles
+    return "silu" not in name or "4d" in roles
+
+
+def block_roles(cols: int) -> tuple:
+    """The roles a row width plays in BENCHMARKS.md's mlp shapes (MLP_WIDTHS): "d" (the block's input
+    and output gradient), "4d" (its hidden activations); () for a width of neither."""
+    return tuple(role for role, i in (("d", 0), ("4d", 1)) if any(shape[i] == cols for shape in MLP_WIDTHS))
 
 
 def cast_rows(tokens: int, copy: float, widths=(1024, 4096, 8192), amax_sweep: bool = False,
-              mlp_only: bool = False) -> list[dict]:
+              cast_set: str = "all") -> list[dict]:
     """Bytes: read 2 B (bf16), write 1 B per element, 1 B per scale; the column scale bytes a row
     cast leaves for the column cast (1 B per column and run of amax_rows_for rows, the run length
     the linears use) are written by one and read by the other. ``amax_sweep``: the SiLU and
     RMSNorm row casts with column maxima, and the column casts from their maxima, at every run
     length of AMAX_SWEEP too (the plain row cast sweeps them always): which run length the fused
-    MLP's casts should take. ``mlp_only``: the six casts the fused MLP block runs (is_mlp_cast)."""
+    MLP's casts should take. ``cast_set``: "all"; "mlp", the six casts the fused MLP block runs
+    (is_mlp_cast) at every width; "block", those it runs at each width's role in the mlp shapes
+    (block_roles: four at d or at 4d; the two pairs it does not run there are left out)."""
     out = _Rows()
     runs = amax_rows_for(TOKEN_CHUNK, tokens)
     for cols in widths:
@@ -264,7 +277,8 @@ def cast_rows(tokens: int, copy: float, widths=(1024, 4096, 8192), amax_sweep: b
         part_bytes = cols * -(-tokens // runs)
         col_scales = cols * -(-tokens // TOKEN_CHUNK)
         cases = {}
-        for act in (None, "silu"):
+        roles = block_roles(cols) if cast_set == "block" else ("d", "4d")  # "block": what the block runs here
+        for act in (None, "silu") if "4d" in roles else (None,):
             on = ", silu on the fly" if act else ""
             part = fp8_cast_rows(x, act=act, col_amax=True)[2]
             cases[f"rows{on}"] = (lambda act=act: fp8_cast_rows(x, act=act), 3 * n + tokens)
@@ -280,38 +294,41 @@ def cast_rows(tokens: int, copy: float, widths=(1024, 4096, 8192), amax_sweep: b
             if part is not None:
                 cases[f"cols transposed{on}, {TOKEN_CHUNK}-token chunks, from column maxima"] = (
                     lambda act=act, part=part: fp8_cast_cols(x, act=act, part=part), 3 * n + col_scales + part_bytes)
-        # The MLP's pre-norm fused into the row cast (rstd written, 4 B per row) and recomputed by
-        # the column cast; torch's rms_norm alone (read 2 B, write 2 B) as the unfused producer.
-        nw = torch.rand(cols, device="cuda", dtype=BF16) + 0.5
-        _, _, rstd, npart = fp8_rmsnorm_cast_rows(x, nw, 1e-6, col_amax=True)
-        cases["torch rms_norm (bf16 out)"] = (lambda: F.rms_norm(x, (cols,), nw, 1e-6), 4 * n)
-        cases["rows, RMSNorm fused"] = (lambda: fp8_rmsnorm_cast_rows(x, nw, 1e-6), 3 * n + 5 * tokens)
-        cases[f"rows + column maxima, RMSNorm fused, {runs}-row runs"] = (lambda: fp8_rmsnorm_cast_rows(x, nw, 1e-6, col_amax=True),
-                                                        3 * n + 5 * tokens + part_bytes)
-        cases[f"cols transposed, RMSNorm recomputed, {TOKEN_CHUNK}-token chunks, from column maxima"] = (
-            lambda: fp8_cast_cols(x, norm=(rstd, nw), part=npart), 3 * n + col_scales + part_bytes + 4 * tokens)
-        sweep = [a for a in AMAX_SWEEP if a != runs] if amax_sweep and npart is not None else []
-        for ar in sweep:
-            ar_part = cols * -(-tokens // ar)
-            ppart = fp8_cast_rows(x, col_amax=True, amax_rows=ar)[2]
-            spart = fp8_cast_rows(x, act="silu", col_amax=True, amax_rows=ar)[2]
-            rpart = fp8_rmsnorm_cast_rows(x, nw, 1e-6, col_amax=True, amax_rows=ar)[3]
-            cases[f"cols transposed, {TOKEN_CHUNK}-token chunks, from {ar}-row column maxima"] = (
-                lambda ar=ar, p=ppart: fp8_cast_cols(x, part=p, amax_rows=ar), 3 * n + col_scales + ar_part)
-            cases[f"rows + column maxima, silu on the fly, {ar}-row runs"] = (
-                lambda ar=ar: fp8_cast_rows(x, act="silu", col_amax=True, amax_rows=ar), 3 * n + tokens + ar_part)
-            cases[f"cols transposed, silu on the fly, {TOKEN_CHUNK}-token chunks, from {ar}-row column maxima"] = (
-                lambda ar=ar, p=spart: fp8_cast_cols(x, act="silu", part=p, amax_rows=ar), 3 * n + col_scales + ar_part)
-            cases[f"rows + column maxima, RMSNorm fused, {ar}-row runs"] = (
-                lambda ar=ar: fp8_rmsnorm_cast_rows(x, nw, 1e-6, col_amax=True, amax_rows=ar),
-                3 * n + 5 * tokens + ar_part)
-            cases[f"cols transposed, RMSNorm recomputed, {TOKEN_CHUNK}-token chunks, from {ar}-row column maxima"] = (
-                lambda ar=ar, p=rpart: fp8_cast_cols(x, norm=(rstd, nw), part=p, amax_rows=ar),
-                3 * n + col_scales + ar_part + 4 * tokens)
-        if mlp_only:
-            cases = {name: case for name, case in cases.items() if is_mlp_cast(name, runs)}
-            if len(cases) != 6:  # the case names and is_mlp_cast must agree
-                raise RuntimeError(f"bench_fp8 --cast-set mlp: {len(cases)} casts matched at {cols} columns, 6 expected")
+        if "d" in roles:  # the RMSNorm casts ("block" at 4d: not run there, not autotuned)
+            # The MLP's pre-norm fused into the row cast (rstd written, 4 B per row) and recomputed by
+            # the column cast; torch's rms_norm alone (read 2 B, write 2 B) as the unfused producer.
+            nw = torch.rand(cols, device="cuda", dtype=BF16) + 0.5
+            _, _, rstd, npart = fp8_rmsnorm_cast_rows(x, nw, 1e-6, col_amax=True)
+            cases["torch rms_norm (bf16 out)"] = (lambda: F.rms_norm(x, (cols,), nw, 1e-6), 4 * n)
+            cases["rows, RMSNorm fused"] = (lambda: fp8_rmsnorm_cast_rows(x, nw, 1e-6), 3 * n + 5 * tokens)
+            cases[f"rows + column maxima, RMSNorm fused, {runs}-row runs"] = (
+                lambda: fp8_rmsnorm_cast_rows(x, nw, 1e-6, col_amax=True), 3 * n + 5 * tokens + part_bytes)
+            cases[f"cols transposed, RMSNorm recomputed, {TOKEN_CHUNK}-token chunks, from column maxima"] = (
+                lambda: fp8_cast_cols(x, norm=(rstd, nw), part=npart), 3 * n + col_scales + part_bytes + 4 * tokens)
+            sweep = [a for a in AMAX_SWEEP if a != runs] if amax_sweep and npart is not None else []
+            for ar in sweep:
+                ar_part = cols * -(-tokens // ar)
+                ppart = fp8_cast_rows(x, col_amax=True, amax_rows=ar)[2]
+                spart = fp8_cast_rows(x, act="silu", col_amax=True, amax_rows=ar)[2]
+                rpart = fp8_rmsnorm_cast_rows(x, nw, 1e-6, col_amax=True, amax_rows=ar)[3]
+                cases[f"cols transposed, {TOKEN_CHUNK}-token chunks, from {ar}-row column maxima"] = (
+                    lambda ar=ar, p=ppart: fp8_cast_cols(x, part=p, amax_rows=ar), 3 * n + col_scales + ar_part)
+                cases[f"rows + column maxima, silu on the fly, {ar}-row runs"] = (
+                    lambda ar=ar: fp8_cast_rows(x, act="silu", col_amax=True, amax_rows=ar), 3 * n + tokens + ar_part)
+                cases[f"cols transposed, silu on the fly, {TOKEN_CHUNK}-token chunks, from {ar}-row column maxima"] = (
+                    lambda ar=ar, p=spart: fp8_cast_cols(x, act="silu", part=p, amax_rows=ar), 3 * n + col_scales + ar_part)
+                cases[f"rows + column maxima, RMSNorm fused, {ar}-row runs"] = (
+                    lambda ar=ar: fp8_rmsnorm_cast_rows(x, nw, 1e-6, col_amax=True, amax_rows=ar),
+                    3 * n + 5 * tokens + ar_part)
+                cases[f"cols transposed, RMSNorm recomputed, {TOKEN_CHUNK}-token chunks, from {ar}-row column maxima"] = (
+                    lambda ar=ar, p=rpart: fp8_cast_cols(x, norm=(rstd, nw), part=p, amax_rows=ar),
+                    3 * n + col_scales + ar_part + 4 * tokens)
+        if cast_set != "all":
+            cases = {name: case for name, case in cases.items() if is_mlp_cast(name, runs, roles)}
+            expected = 2 + 2 * len(roles)
+            if len(cases) != expected:  # the case names and is_mlp_cast must agree
+                raise RuntimeError(f"bench_fp8 --cast-set {cast_set}: {len(cases)} casts matched at {cols} columns, "
+                                   f"{expected} expected")
         for name, (fn, nbytes) in cases.items():
             # Python call (launch included) and CUDA-graph replay (the kernel's GPU time, which
             # the bandwidth bar is about: launches cost a C=1024 cast a visible share)
@@ -473,8 +490,10 @@ def main() -> None:
     ap.add_argument("--cast-amax-sweep", action="store_true",
                     help="cast section: the SiLU and RMSNorm casts with column maxima, and the column casts from "
                          "them, at every run length (16, 32, 64, 128 rows per column byte)")
-    ap.add_argument("--cast-set", choices=("all", "mlp"), default="all",
-                    help="cast section: every cast, or the six the fused MLP block runs (the issue's bar)")
+    ap.add_argument("--cast-set", choices=("all", "mlp", "block"), default="all",
+                    help="cast section: every cast; the six the fused MLP block runs (the issue's bar); or only "
+                         "those it runs at each width of the mlp shapes (the RMSNorm and plain pairs at d, the SiLU "
+                         "and plain pairs at 4d)")
     ap.add_argument("--pending", action="store_true",
                     help="autotune the cast and GEMM configs the GPU tier has not passed yet too (fp8_gemm._GPU_CHECKED)")
     args = ap.parse_args()
@@ -490,9 +509,12 @@ def main() -> None:
     cast_widths = int_list("--cast-widths", args.cast_widths)
     if "cast" in args.only.split(",") and any(w > 8192 for w in cast_widths):  # fp8_rmsnorm_cast_rows' limit
         ap.error(f"--cast-widths {args.cast_widths}: the cast section takes rows of at most 8192 values")
+    if "cast" in args.only.split(",") and args.cast_set == "block" and not all(block_roles(w) for w in cast_widths):
+        allowed = ", ".join(str(w) for shape in MLP_WIDTHS for w in shape)
+        ap.error(f"--cast-widths {args.cast_widths}: --cast-set block takes the widths of the mlp shapes ({allowed})")
     sections = {"accuracy": accuracy_rows, "outliers": outlier_rows, "accumulation": accumulation_rows,
                 "cast": lambda: cast_rows(args.tokens, meta["copy_tbps"], cast_widths, args.cast_amax_sweep,
-                                          args.cast_set == "mlp"),
+                                          args.cast_set),
                 "gemm": lambda: gemm_rows(args.tokens, args.grans.split(","), widths),
                 "mlp": lambda: mlp_rows(args.tokens, [v for v in args.mlp.split(",") if v], widths),
                 "profile": lambda: profile_rows(args.tokens, widths)}

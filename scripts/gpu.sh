@@ -66,8 +66,8 @@
 #             the issue's set), ABLATION_DATA, ABLATION_OVERRIDES (e.g. "train.lr=3e-3"); the settings
 #             tables in ablation.md, each dataset's sweep and job summaries (losses, gradient norms) in
 #             ablation_<data>.tgz; ABLATION_PARALLEL=1 runs every dataset x recipe multirun at once
-#   bench-fp8-issue  issue 6's speed bars in one run: the fused MLP block's six casts at 1024, 4096,
-#             2048 and 8192 columns, the block against compiled BF16 at d = 1024 and 2048
+#   bench-fp8-issue  issue 6's speed bars in one run: the fused MLP block's casts at 1024, 4096,
+#             2048 and 8192 columns (those it runs at each), the block against compiled BF16 at d = 1024 and 2048
 #   bench-fp8-model  the casts at small_h200's shapes (89,569 jagged tokens; d_model 768 and its
 #             3072-wide MLP), pending configs included
 #   sweep     scripts/bench_jagged_attention.py --sweep fwd/dkdv/dq: every candidate of each pass timed
@@ -264,10 +264,10 @@ for stage in "$@"; do
         | grep -E "PASSED|FAILED|ERROR|passed|failed" | tee "$OUT/gpu_tests_precision.log" ;;
     bench-fp8) python3 scripts/bench_fp8.py --only cast,mlp --pending --out "$OUT/bench_fp8.json" 2>&1 | quiet | tee "$OUT/bench_fp8.log" ;;
     bench-fp8-issue)
-      # issue 6's speed bars alone: the six casts the fused MLP block runs at the widths of both
-      # BENCHMARKS.md mlp shapes (d and 4d; it runs the RMSNorm pair at d and the SiLU pair at 4d,
-      # the plain pair at both), then the block against compiled BF16 at d = 1024, 2048
-      python3 scripts/bench_fp8.py --only cast,mlp --cast-set mlp --cast-widths 1024,4096,2048,8192 \
+      # issue 6's speed bars alone: the casts the fused MLP block runs at the widths of both
+      # BENCHMARKS.md mlp shapes (--cast-set block: the RMSNorm and plain pairs at d, the SiLU and
+      # plain pairs at 4d), then the block against compiled BF16 at d = 1024, 2048
+      python3 scripts/bench_fp8.py --only cast,mlp --cast-set block --cast-widths 1024,4096,2048,8192 \
         --mlp "bf16 compiled,fp8 row fused+norm" --out "$OUT/bench_fp8_issue.json" 2>&1 | quiet | tee "$OUT/bench_fp8_issue.log" ;;
     bench-fp8-model)
       python3 scripts/bench_fp8.py --only cast --pending --cast-widths 768,3072 --tokens 89569 \

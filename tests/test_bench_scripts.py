@@ -537,3 +537,19 @@ def test_fp8_bench_mlp_cast_set_is_the_fused_blocks_six_casts():
                       "cols transposed, silu on the fly, 4096-token chunks, from column maxima",
                       "rows + column maxima, RMSNorm fused, 16-row runs",
                       "cols transposed, RMSNorm recomputed, 4096-token chunks, from column maxima"]
+    # --cast-set block: at d the RMSNorm and plain pairs, at 4d the SiLU and plain pairs
+    assert bench_fp8.block_roles(1024) == ("d",) and bench_fp8.block_roles(8192) == ("4d",)
+    assert bench_fp8.block_roles(768) == ()
+    at_d = [n for n in picked if bench_fp8.is_mlp_cast(n, 16, ("d",))]
+    at_4d = [n for n in picked if bench_fp8.is_mlp_cast(n, 16, ("4d",))]
+    assert at_d == picked[:2] + picked[4:] and at_4d == picked[:4]
+
+
+def test_fp8_bench_block_cast_set_rejects_other_widths():
+    """--cast-set block knows the casts of the mlp shapes' widths only: another width is one line and
+    exit code 2, before any GPU work."""
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_fp8.py"), "--only", "cast", "--cast-set", "block",
+                          "--cast-widths", "1024,768"], capture_output=True, text=True)
+    assert run.returncode == 2
+    assert "--cast-widths 1024,768: --cast-set block takes the widths of the mlp shapes (1024, 4096, 2048, 8192)" \
+        in run.stderr
