@@ -3,7 +3,7 @@
     gemctl train [--recipe NAME|FILE] [-m] [--dry-run] [overrides...]
     gemctl plan [--world N] [--json] [--recipe NAME|FILE] [overrides...]
     gemctl config show|validate [--recipe NAME|FILE] [overrides...]
-    gemctl recipes list | show NAME | cp NAME DEST
+    gemctl recipes [list] | show NAME | cp NAME DEST
 
 Overrides are Hydra's: ``model=small train.steps=100 data.max_len=500``.
 A bad config or bad input prints one line naming the field and exits with code 2.
@@ -391,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="also write the tables as JSON to this file")
     p.set_defaults(func=cmd_compare)
     p = sub.add_parser("recipes", help="list, show or copy recipes")
-    p.add_argument("action", choices=["list", "show", "cp"])
+    p.add_argument("action", nargs="?", default="list", choices=["list", "show", "cp"],
+                   help="list (the default), show NAME, or cp NAME DEST")
     p.add_argument("name", nargs="?")
     p.add_argument("dest", nargs="?")
     p.set_defaults(func=cmd_recipes)

@@ -99,8 +99,9 @@ def test_config_show_is_yaml():
     assert cfg["precision"]["rules"][-1] == {"match": "heads.*", "format": "fp32", "last_n_layers": None}
 
 
-def test_recipes_list():
-    proc = gemctl("recipes", "list")
+@pytest.mark.parametrize("args", [("recipes", "list"), ("recipes",)])  # list is the default action
+def test_recipes_list(args):
+    proc = gemctl(*args)
     assert proc.returncode == 0, proc.stderr
     assert "cpu_smoke" in proc.stdout
     assert "small_h200" in proc.stdout
