@@ -159,7 +159,10 @@ _COLS_STAGED = [(*cfg, split, _COLS_STAGES) for cfg in _COLS_CANDIDATES for spli
 # cap of two programs' registers an SM (_cols_reg_cap). sm_90 SASS (Triton 3.6), RMSNorm from the
 # run bytes at (256, 64, 8): 9.2 instructions an element in the one masked loop (122 registers),
 # 8.3 on a whole tile with the cap (128 registers, no spills; 163 without it, one program an SM).
-# The RMSNorm column cast sat at 80.4% of copy on the H200 (aa0f69e), at the bar.
+# The RMSNorm column cast sat at 80.4% of copy on the H200 (aa0f69e), at the bar. GPU tier, H100,
+# 2026-12-07 (tree 70ed491): the 16 configs at 1024 and 1000 columns, SiLU's column cast and the
+# bit-exact casts, `pytest -m gpu tests/test_fp8.py -k "silu_matches or split_chunks_gpu or
+# cast_bit_exact_gpu"`, 43 passed; they join autotuning.
 _COLS_WHOLE = [(*cfg, split, 1, 1) for cfg in _COLS_CANDIDATES for split in (0, _COLS_SPLIT)]
 _GPU_CHECKED: set = ({(128, 128, 128, 4, 3, True, 2)} | {(br, w, 0, 0, 1) for br, w in _ROWS_WARP}
                      | set(_ROWS_RING) | set(_ROWS_PIPELINED) | set(_COLS_STAGED) | set(_COLS_WHOLE))
