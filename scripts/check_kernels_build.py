@@ -127,6 +127,12 @@ def kernels():
         yield f8h._cast_rows_warp_kernel, dict(f8_io, NW="*i16"), dict(ACT=act, IN_BF16=True, BIT_CAST=False,
                                                                       BLOCK_R=4, BLOCK_C=1024, ITERS=4, NORM=norm,
                                                                       STAGES=3)
+    # the column casts with the transpose in registers (_COLS_PAIRS): bf16 pairs read as int32,
+    # plain at 16 rows a thread in 4 warps, SiLU at 8 in 8 warps with 4 programs a chunk
+    for act, rows, warps, split in ((0, 16, 4, 1), (1, 8, 8, 4)):
+        yield f8h._cast_cols_pairs_kernel, dict(f8_io, X="*i32"), dict(ACT=act, CHUNK=4096, PARTS=256, PART_BLOCK=64,
+                                                                       ROWS=rows, LANES_R=4, SPLIT=split,
+                                                                       num_warps=warps)
     cast = dict(ACT=1, IN_BF16=True, BIT_CAST=False, CHUNK=4096, BLOCK_R=64, BLOCK_C=64)
     yield f8._cast_cols_kernel, f8_io, cast
     yield f8._cast_cols_amax_kernel, f8_io, dict(cast, PARTS=256, PART_BLOCK=64)  # runs of 16 rows: 4 loads
@@ -234,11 +240,11 @@ def _source(fn, types: dict, consts: dict, attrs=None):
     """What triton.compile takes for ``fn``: a Triton or a Gluon kernel."""
     from triton.compiler import ASTSource
 
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names}  # num_warps: a launch option (_options)
     if getattr(fn, "is_gluon", lambda: False)():
         from triton.experimental.gluon._runtime import GluonASTSource
 
         return GluonASTSource(fn, _signature(fn, types, consts), consts, attrs)
-    consts = {k: v for k, v in consts.items() if k in fn.arg_names}  # num_warps: a launch option (_options)
     return ASTSource(fn=fn, signature=_signature(fn, types, consts), constexprs=consts, attrs=attrs)
 
 

@@ -205,6 +205,41 @@ def test_new_cast_candidates_wait_for_the_gpu_tier(monkeypatch):
     assert common.gpu_checked([(1, 4, 1)], 2, {(1, 4, 1)}) == [(1, 4, 1)]
 
 
+def test_register_transpose_cast_configs(monkeypatch):
+    """The register-transpose column casts (_COLS_PAIRS) are candidates only for what they take
+    (bf16 rows from the row cast's bytes, plain or silu, no norm, 64-column blocks) where the
+    Gluon kernels run, pending until their GPU tier passes; pinned where Gluon cannot run (here: no
+    GPU) they raise ValueError, which the autotuner skips."""
+    seen = []
+
+    def pick(key, cands, run, interp):
+        seen.append(cands() if callable(cands) else cands)
+        return interp
+
+    monkeypatch.setattr(fp8_kernels, "pick_config", pick)
+    monkeypatch.setattr(fp8_kernels, "gluon_runs", lambda name, device: True)
+    monkeypatch.setattr(fp8_kernels, "_PENDING_AUTOTUNE", True)
+    x = torch.randn(256, 128).to(torch.bfloat16)
+    part = torch.zeros(16, 128, dtype=torch.uint8)
+    exact = dict(amax_rows=16, bit_cast=False)  # the hardware conversion (the interpreter's default is the bit cast)
+    fp8_cast_cols(x, 64, part=part, **exact)
+    fp8_cast_cols(x, 64, act="silu", part=part, **exact)
+    fp8_cast_cols(x, 64, **exact)  # two reads
+    fp8_cast_cols(x[:, :96], 64, part=part[:, :96], **exact)  # not 64-column blocks
+    fp8_cast_cols(x.float(), 64, part=part, **exact)  # fp32 rows
+    fp8_cast_cols(x, 64, part=part, norm=(torch.ones(256), torch.ones(128)), **exact)
+    fp8_cast_cols(x, 64, part=part, amax_rows=16, bit_cast=True)
+    has_pairs = [any(fp8_kernels.config_field(c, 6) for c in cands) for cands in seen]
+    assert has_pairs == [True, True, False, False, False, False, False]
+    monkeypatch.setattr(fp8_kernels, "_PENDING_AUTOTUNE", False)
+    seen.clear()
+    fp8_cast_cols(x, 64, part=part, **exact)
+    assert not any(fp8_kernels.config_field(c, 6) for c in seen[0])  # pending
+    monkeypatch.undo()
+    with forced_config({"fp8_cast_cols": fp8_kernels._COLS_PAIRS[0]}), pytest.raises(ValueError, match="sm_90"):
+        fp8_cast_cols(x, 64, part=part, amax_rows=16, bit_cast=False)
+
+
 def test_cast_rows_two_sweeps_for_wide_rows(monkeypatch):
     from gemctl.ops.triton import fp8_gemm as mod
 
@@ -1164,6 +1199,28 @@ def test_cast_cols_split_chunks_gpu(cfg):
     pipelined or whole, the two-read cast too; whole, also 1000 columns (a partial column block)."""
     for cols in (1024, 1000) if len(cfg) > 5 else (1024,):
         _check_cols_config(cfg, _hostile(8192 + 37, cols, torch.bfloat16, device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", fp8_kernels._COLS_PAIRS, ids=lambda c: "_".join(map(str, c)))
+def test_cast_cols_pairs_gpu(cfg):
+    """The register-transpose column casts (_COLS_PAIRS, Gluon) pinned, plain and silu from the row
+    cast's bytes: the bytes of the two-read Triton cast, 8192 + 37 rows (a partial last chunk and
+    tile), at 1024 and 2048 columns, and at 1088 (17 blocks of 64 columns); RMSNorm, 1000 columns
+    or the two-read cast with the config pinned is one ValueError naming what it takes."""
+    for cols in (1024, 1088, 2048):
+        x = _hostile(8192 + 37, cols, torch.bfloat16, device="cuda")
+        for act in (None, "silu"):
+            rows = _rows_outputs(x, (2, 4, 0), act, False, amax_rows=64)
+            want = fp8_cast_cols(x, 4096, act=act)
+            with forced_config({"fp8_cast_cols": cfg}):
+                got = fp8_cast_cols(x, 4096, act=act, part=rows[-1], amax_rows=64)
+            for g, w in zip(got, want):
+                assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), (cols, act)
+    x = _hostile(300, 1000, torch.bfloat16, device="cuda")
+    rows = _rows_outputs(x, (2, 4, 0), None, False, amax_rows=64)
+    with forced_config({"fp8_cast_cols": cfg}), pytest.raises(ValueError, match="register-transpose configs take"):
+        fp8_cast_cols(x, 4096, part=rows[-1], amax_rows=64)
 
 
 def _check_cols_config(cfg, x):

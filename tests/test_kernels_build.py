@@ -26,12 +26,13 @@ def test_kernels_compile_for_sm90():
     # with whole key tiles by TMA) + block attention (8, + forward and backward in (BS, D/2) halves, +
     # the forward rotating in bf16x2, full and half width, + the half-width forward and backward
     # reading work records, + forward and backward with whole blocks by TMA) + MX quantize (5 by rows, 5 down the columns) and RMSNorm->MX (2) + FP8 GEMMs (6: row-wise, silu' epilogue, promoted,
-    # token chunks, 128, 32) and the FP8 casts (21: rows one sweep, with column bytes, with two blocks
+    # token chunks, 128, 32) and the FP8 casts (23: rows one sweep, with column bytes, with two blocks
     # in flight, pipelined by Triton (silu, RMSNorm fused), by atomic max, a row per warp (Gluon:
     # silu, RMSNorm fused; and each with the shared-memory ring), two sweeps, RMSNorm fused, RMSNorm
     # fused with a bf16 weight; columns, from column bytes, pipelined, 4 programs per chunk, RMSNorm
     # recomputed; whole tiles unmasked, plain and RMSNorm recomputed, the
-    # latter also in 8 warps under the register cap) + the RMSNorm backward (1) + the persistent TMA GEMM (2: silu'
+    # latter also in 8 warps under the register cap; the transpose in registers (Gluon), plain and
+    # silu) + the RMSNorm backward (1) + the persistent TMA GEMM (2: silu'
     # epilogue, token-chunk scales) + the Gluon GDPA forward for Hopper (4: 128 keys with and without
     # the look-ahead K/V loads, 32 keys at head_dim 64 with SiLU and with GELU unfolded) and its two
     # timing probes (memory alone, math alone), those of its warp-specialized pick too (2) + its
@@ -40,7 +41,7 @@ def test_kernels_compile_for_sm90():
     # 64-key tiles in 4 stages, 128 in 2, 32 at head_dim 64 with SiLU) + the Gluon block
     # attention backward and forward for Hopper (3 each: D=128 with fp16 rope tables and without
     # rope, D=64 with fp32 tables; the backward also paired, D=128 with fp16 tables)
-    assert len(lines) == 16 + 6 + 6 + 3 + 13 + 16 + 12 + 6 + 21 + 1 + 2 + 4 + 2 + 2 + 3 + 3 + 7, proc.stdout
+    assert len(lines) == 16 + 6 + 6 + 3 + 13 + 16 + 12 + 6 + 23 + 1 + 2 + 4 + 2 + 2 + 3 + 3 + 7, proc.stdout
     # the FP8 column casts at a jagged token count (not a multiple of 16) keep 16-byte vector stores
     stores = [ln for ln in proc.stdout.splitlines() if "jagged R:" in ln]
     assert len(stores) == 5 and all(ln.endswith(": vector") for ln in stores), proc.stdout  # + pipelined, whole tiles

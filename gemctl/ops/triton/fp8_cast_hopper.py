@@ -25,7 +25,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from gemctl.ops.triton.fp8_gemm import _cast_row_block, _load_raw, _norm_weight, _scale_from_amax
+from gemctl.ops.triton.fp8_gemm import (_cast_row_block, _load_raw, _norm_weight, _quantize, _quantize_scaled,
+                                       _scale_factor, _scale_from_amax, _scales_from_byte, _silu_scaled)
 
 # cp.async into shared memory: async_load since Triton 3.7 (async_copy_global_to_shared, the 3.6
 # name, raises there)
@@ -93,3 +94,110 @@ def _copy_block(slot, X, rr, cc, cmask, R, stride_xr, valid):
     one commit group."""
     _async_load(slot, X + rr.to(gl.int64)[:, None] * stride_xr + cc[None, :], mask=(rr < R)[:, None] & cmask & valid)
     async_copy.commit_group()
+
+
+@gluon.constexpr_function
+def _rows_first(rows, lanes_r, warps):
+    """_cast_cols_pairs_kernel's load layout, BlockedLayout([rows, 4], [lanes_r, 32 // lanes_r],
+    [warps, 1], [1, 0]), with each thread's registers ordered along the rows first: the same
+    elements in the same threads, so converting between the two renames registers (no shuffle, no
+    shared memory)."""
+    lanes_c = 32 // lanes_r
+
+    def log2(n):
+        return n.bit_length() - 1
+
+    reg = [[1 << i, 0] for i in range(log2(rows))] + [[0, 1], [0, 2]]
+    lane = [[0, 4 << i] for i in range(log2(lanes_c))] + [[rows << i, 0] for i in range(log2(lanes_r))]
+    warp = [[(rows * lanes_r) << i, 0] for i in range(log2(warps))]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [rows * lanes_r * warps, 4 * lanes_c])
+
+
+@gluon.jit
+def _fold_pair_parts(col, PART, p0, cols, n_part, stride_p, PART_BLOCK: gl.constexpr, layout: gl.constexpr):
+    """fp8_gemm._fold_parts in Gluon (its rows' arange takes a layout): col [PART_BLOCK, pairs]
+    with the run bytes of runs [p0, p0 + PART_BLOCK) at columns ``cols`` folded in by a max."""
+    pp = p0 + gl.arange(0, PART_BLOCK, layout=gl.SliceLayout(1, layout))
+    return gl.maximum(col, gl.load(PART + pp.to(gl.int64)[:, None] * stride_p + cols[None, :],
+                                   mask=(pp < n_part)[:, None], other=0))
+
+
+@gluon.jit
+def _pair_codes(w, s0, n0, s1, n1, ACT: gl.constexpr):
+    """E4M3 codes of the bf16 pairs w (int32: column 2j in the low half, 2j + 1 in the high half),
+    widened by a shift and a mask: (codes of 2j, codes of 2j + 1). s: the columns' 2^shared with
+    SiLU (_silu_scaled), else 2^-shared."""
+    lo = (w << 16).to(gl.float32, bitcast=True)
+    hi = (w & -65536).to(gl.float32, bitcast=True)
+    if ACT == 1:
+        return (_quantize_scaled(_silu_scaled(lo, s0[None, :]), n0[None, :], False),
+                _quantize_scaled(_silu_scaled(hi, s1[None, :]), n1[None, :], False))
+    return _quantize(lo, s0[None, :], n0[None, :], False), _quantize(hi, s1[None, :], n1[None, :], False)
+
+
+@gluon.jit(do_not_specialize=["R", "n_part"])  # per-batch sizes: common.py, "Specialization"
+def _cast_cols_pairs_kernel(
+    X, DATA_T, SCALE, PART, R, R_PAD, n_part, stride_xr, stride_dt, stride_sc, stride_p,
+    ACT: gl.constexpr, CHUNK: gl.constexpr, PARTS: gl.constexpr, PART_BLOCK: gl.constexpr,
+    ROWS: gl.constexpr, LANES_R: gl.constexpr, SPLIT: gl.constexpr,
+):
+    """fp8_gemm._cast_cols_amax_kernel (plain or SiLU, bf16, from the row cast's run bytes) with the
+    transpose in registers. X: the bf16 rows as int32 pairs [R, Cn / 2] (stride_xr in pairs); the
+    grid covers Cn exactly (Cn a multiple of 8 * 32 // LANES_R columns). Each thread holds ROWS
+    consecutive rows x 4 pairs (one 16-byte load a row); the pairs widen by a shift (low value) and
+    a mask (high value), and in _rows_first's layout each column's ROWS codes leave as one store
+    into DATA_T [Cn, R]. The Triton kernel transposes each tile through shared memory (interleave,
+    STS, LDSM, then STSM and LDS on the way out, with block barriers): sm_90 SASS (Triton 3.6) of the
+    whole-tile loop, 8.64 instructions an element with SiLU and 4.78 without, against 7.11 and 3.16
+    here (16 rows, 4 warps; docs/runs/2026-12-07_gluon_cols_register_transpose_probe.py)."""
+    LANES_C: gl.constexpr = 32 // LANES_R
+    PAIRS: gl.constexpr = 4 * LANES_C
+    BLOCK_R: gl.constexpr = ROWS * LANES_R * gl.num_warps()
+    load_l: gl.constexpr = gl.BlockedLayout([ROWS, 4], [LANES_R, LANES_C], [gl.num_warps(), 1], [1, 0])
+    rows_l: gl.constexpr = _rows_first(ROWS, LANES_R, gl.num_warps())
+    part_l: gl.constexpr = gl.BlockedLayout([1, 4], [LANES_R, LANES_C], [gl.num_warps(), 1], [1, 0])
+    g = gl.program_id(1)
+    split = gl.program_id(2)
+    # the chunk's scales of columns 2j and 2j + 1 from the run bytes (two folds)
+    jp = gl.program_id(0) * PAIRS + gl.arange(0, PAIRS, layout=gl.SliceLayout(0, part_l))
+    col0 = gl.zeros((PART_BLOCK, PAIRS), PART.dtype.element_ty, part_l)
+    col1 = gl.zeros((PART_BLOCK, PAIRS), PART.dtype.element_ty, part_l)
+    for p0 in range(g * PARTS, g * PARTS + PARTS, PART_BLOCK):
+        col0 = _fold_pair_parts(col0, PART, p0, 2 * jp, n_part, stride_p, PART_BLOCK, part_l)
+        col1 = _fold_pair_parts(col1, PART, p0, 2 * jp + 1, n_part, stride_p, PART_BLOCK, part_l)
+    byte0, inv0, nan0 = _scales_from_byte(gl.max(col0, axis=0).to(gl.int32))
+    byte1, inv1, nan1 = _scales_from_byte(gl.max(col1, axis=0).to(gl.int32))
+    first = split == 0
+    gl.store(SCALE + (2 * jp).to(gl.int64) * stride_sc + g, byte0.to(gl.uint8), mask=first & (jp >= 0))
+    gl.store(SCALE + (2 * jp + 1).to(gl.int64) * stride_sc + g, byte1.to(gl.uint8), mask=first & (jp >= 0))
+    if ACT == 1:  # SiLU takes the scale in its reciprocal (_silu_scaled)
+        inv0 = _scale_factor(inv0, nan0)
+        inv1 = _scale_factor(inv1, nan1)
+    cols_l: gl.constexpr = gl.SliceLayout(0, rows_l)
+    s0 = gl.convert_layout(inv0, cols_l)
+    s1 = gl.convert_layout(inv1, cols_l)
+    n0 = gl.convert_layout(nan0, cols_l)
+    n1 = gl.convert_layout(nan1, cols_l)
+    start = g * CHUNK + split * (CHUNK // SPLIT)
+    end = gl.minimum(start + CHUNK // SPLIT, R)
+    store_end = gl.minimum(start + CHUNK // SPLIT, R_PAD)
+    rows = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, load_l))
+    jj = gl.program_id(0) * PAIRS + gl.arange(0, PAIRS, layout=gl.SliceLayout(0, load_l))
+    rows_o = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, rows_l))
+    jj_o = gl.program_id(0) * PAIRS + gl.arange(0, PAIRS, layout=cols_l)
+    xp = X + (start + rows).to(gl.int64)[:, None] * stride_xr + jj[None, :]
+    op = DATA_T + (2 * jj_o).to(gl.int64)[None, :] * stride_dt + (start + rows_o)[:, None]
+    step = BLOCK_R * stride_xr.to(gl.int64)
+    for r0 in range(start, end, BLOCK_R):
+        if r0 + BLOCK_R <= end:  # a whole tile: no masks
+            c0, c1 = _pair_codes(gl.convert_layout(gl.load(xp), rows_l), s0, n0, s1, n1, ACT)
+            gl.store(op, c0)
+            gl.store(op + stride_dt, c1)
+        else:  # the range's last tile: rows past end read as 0 (code 0), stores up to store_end
+            w = gl.load(xp, mask=(r0 + rows < end)[:, None] & (jj >= 0)[None, :], other=0)
+            c0, c1 = _pair_codes(gl.convert_layout(w, rows_l), s0, n0, s1, n1, ACT)
+            keep = (r0 + rows_o < store_end)[:, None] & (jj_o >= 0)[None, :]
+            gl.store(op, c0, mask=keep)
+            gl.store(op + stride_dt, c1, mask=keep)
+        xp += step
+        op += BLOCK_R

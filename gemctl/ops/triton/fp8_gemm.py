@@ -164,6 +164,17 @@ _COLS_STAGED = [(*cfg, split, _COLS_STAGES) for cfg in _COLS_CANDIDATES for spli
 # bit-exact casts, `pytest -m gpu tests/test_fp8.py -k "silu_matches or split_chunks_gpu or
 # cast_bit_exact_gpu"`, 43 passed; they join autotuning.
 _COLS_WHOLE = [(*cfg, split, 1, 1) for cfg in _COLS_CANDIDATES for split in (0, _COLS_SPLIT)]
+# (BLOCK_R, BLOCK_C, warps, split, 1, 0, 1): fp8_cast_hopper._cast_cols_pairs_kernel, the plain and
+# SiLU casts from the run bytes on bf16 rows with the transpose in registers (each thread ROWS
+# consecutive rows x 4 column pairs, BLOCK_C = 64: 4 lanes on the rows, 8 on the pairs; ROWS =
+# BLOCK_R / (4 warps)). sm_90 SASS (Triton 3.6, the launch's 16-aligned sizes and strides),
+# instructions an element in the whole-tile / last-tile loop: SiLU 7.2 / 7.4 at 16 rows a thread
+# (168 registers, 4 warps), 7.5 / 7.4 at 8 rows (128), against 8.6 / 9.1 for the Triton cast's
+# (256, 64, 8); plain 3.1 / 3.2 (166 registers) and 3.2 / 3.5 (120) against 4.8 / 5.1. No shared
+# memory or barrier in the loop. Built 2026-12-07 without a GPU: pending until its GPU tier
+# (test_cast_cols_pairs_gpu) passes.
+_COLS_PAIRS = [(br, 64, w, split, 1, 0, 1) for br, w in ((128, 4), (256, 4), (256, 8), (512, 8))
+               for split in (0, _COLS_SPLIT)]
 _GPU_CHECKED: set = ({(128, 128, 128, 4, 3, True, 2)} | {(br, w, 0, 0, 1) for br, w in _ROWS_WARP}
                      | set(_ROWS_RING) | set(_ROWS_PIPELINED) | set(_COLS_STAGED) | set(_COLS_WHOLE))
 _PENDING_AUTOTUNE = False
@@ -925,10 +936,26 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
                          f"with amax_rows={amax_rows}")
     # placeholders the kernels do not read without NORM
     rstd, nw = (norm[0], _weight_arg(norm[1])) if norm is not None else (scale, scale)
+    # what the register-transpose configs (_COLS_PAIRS) take: bf16 pairs read as int32, 64-column blocks
+    pairs_fit = (use_part and norm is None and x.dtype == torch.bfloat16 and not _bit_cast(bit_cast) and c % 64 == 0
+                 and xin.stride(0) % 2 == 0 and xin.data_ptr() % 4 == 0)
     if x.numel():
         def run(cfg):
             br, bc, warps, split = cfg[:4]
             split = split or 1
+            if config_field(cfg, 6):  # the transpose in registers (Gluon)
+                if not pairs_fit:
+                    raise ValueError(f"fp8_cast_cols: the register-transpose configs take bf16 rows, plain or "
+                                     f"silu from the row cast's bytes, no bit cast or norm, columns a multiple of "
+                                     f"{bc} and an even row stride; got {x.dtype}, act {act!r}, {c} columns, "
+                                     f"row stride {xin.stride(0)}, part {'given' if use_part else 'none'}")
+                hopper = gluon_module("fp8_cast_hopper", "fp8_cast_cols", x.device)
+                x32 = xin.view(torch.int32)
+                hopper._cast_cols_pairs_kernel[(c // bc, n_chunks, split)](
+                    x32, data, scale, part, r, r_pad, part.shape[0], x32.stride(0), data.stride(0), scale.stride(0),
+                    part.stride(0), ACT=ACTS[act], CHUNK=chunk, PARTS=parts, PART_BLOCK=min(parts, 64),
+                    ROWS=br // (4 * warps), LANES_R=4, SPLIT=split, num_warps=warps)
+                return
             common = dict(ACT=ACTS[act], IN_BF16=x.dtype == torch.bfloat16, BIT_CAST=_bit_cast(bit_cast), CHUNK=chunk,
                           BLOCK_R=br, BLOCK_C=bc, NORM=norm is not None, STAGES=config_field(cfg, 4) or 1,
                           num_warps=warps)
@@ -946,14 +973,17 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
                 _cast_cols_kernel[grid](xin, data, scale, nw, rstd, r, r_pad, c, xin.stride(0), data.stride(0),
                                         scale.stride(0), **common)
 
-        key = ("fp8_cast_cols", bucket_len(r), bucket_len(c), x.dtype, act, chunk, use_part, norm is not None)
+        # pairs_fit in the key: a register-transpose config tuned at 1024 columns must not serve 1000
+        key = ("fp8_cast_cols", bucket_len(r), bucket_len(c), x.dtype, act, chunk, use_part, norm is not None,
+               pairs_fit)
         def candidates():
             split = [(*cfg, _COLS_SPLIT) for cfg in _COLS_CANDIDATES] if use_part else []
             staged = [cfg for cfg in _COLS_STAGED if use_part or not cfg[3]]  # split: from the row cast's bytes
             # SiLU takes the unmasked path for whole tiles always (stages 1)
             whole = [cfg for cfg in _COLS_WHOLE if (use_part or not cfg[3]) and act is None]
-            return gpu_checked([(*cfg, 0) for cfg in _COLS_CANDIDATES] + split + staged + whole, 3, _GPU_CHECKED,
-                               _PENDING_AUTOTUNE)
+            pairs = _COLS_PAIRS if pairs_fit and gluon_runs("fp8_cast_hopper", x.device) else []
+            return gpu_checked([(*cfg, 0) for cfg in _COLS_CANDIDATES] + split + staged + whole + pairs, 3,
+                               _GPU_CHECKED, _PENDING_AUTOTUNE)
 
         run(pick_config(key, candidates, run, _COLS_INTERPRET))
     return data.view(torch.float8_e4m3fn), scale
