@@ -236,8 +236,15 @@ def test_register_transpose_cast_configs(monkeypatch):
     fp8_cast_cols(x, 64, part=part, **exact)
     assert not any(fp8_kernels.config_field(c, 6) for c in seen[0])  # pending
     monkeypatch.undo()
-    with forced_config({"fp8_cast_cols": fp8_kernels._COLS_PAIRS[0]}), pytest.raises(ValueError, match="sm_90"):
-        fp8_cast_cols(x, 64, part=part, amax_rows=16, bit_cast=False)
+    pinned = fp8_kernels._COLS_PAIRS[0]
+    with forced_config({"fp8_cast_cols": pinned}), pytest.raises(ValueError, match="sm_90"):
+        fp8_cast_cols(x, 64, part=part, amax_rows=16, bit_cast=False)  # takes it; Gluon cannot run here
+    for bad, args in ((pinned, dict(x=x.float())), (pinned, dict(x=x[:, :96], part=part[:, :96])),
+                      (pinned, dict(bit_cast=True)), ((128, 32, 4, 0, 1, 0, 1), {}), ((96, 64, 4, 0, 1, 0, 1), {}),
+                      ((128, 64, 4, 3, 1, 0, 1), {})):  # what it does not take; a shape or split it is not built for
+        call = dict(dict(x=x, part=part, bit_cast=False), **args)
+        with forced_config({"fp8_cast_cols": bad}), pytest.raises(ValueError, match="register-transpose config"):
+            fp8_cast_cols(call.pop("x"), 64, amax_rows=16, **call)
 
 
 def test_cast_rows_two_sweeps_for_wide_rows(monkeypatch):
@@ -1205,18 +1212,36 @@ def test_cast_cols_split_chunks_gpu(cfg):
 @pytest.mark.parametrize("cfg", fp8_kernels._COLS_PAIRS, ids=lambda c: "_".join(map(str, c)))
 def test_cast_cols_pairs_gpu(cfg):
     """The register-transpose column casts (_COLS_PAIRS, Gluon) pinned, plain and silu from the row
-    cast's bytes: the bytes of the two-read Triton cast, 8192 + 37 rows (a partial last chunk and
-    tile), at 1024 and 2048 columns, and at 1088 (17 blocks of 64 columns); RMSNorm, 1000 columns
-    or the two-read cast with the config pinned is one ValueError naming what it takes."""
+    cast's bytes: the bytes of the two-read Triton cast, and of the Triton cast from the same bytes
+    with the padding rows R..R_PAD too, 8192 + 37 rows (a partial last chunk and tile), at 1024
+    and 2048 columns, and at 1088 (17 blocks of 64 columns); a NaN and an Inf make two blocks' scale
+    byte 255 (the Triton cast from the bytes alone then); runs of 16 rows (4 folds of the bytes a
+    chunk) and 64; 1000 columns pinned is one ValueError naming what it takes."""
     for cols in (1024, 1088, 2048):
         x = _hostile(8192 + 37, cols, torch.bfloat16, device="cuda")
         for act in (None, "silu"):
-            rows = _rows_outputs(x, (2, 4, 0), act, False, amax_rows=64)
-            want = fp8_cast_cols(x, 4096, act=act)
-            with forced_config({"fp8_cast_cols": cfg}):
-                got = fp8_cast_cols(x, 4096, act=act, part=rows[-1], amax_rows=64)
-            for g, w in zip(got, want):
-                assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), (cols, act)
+            for amax_rows in (64, 16):
+                rows = _rows_outputs(x, (2, 4, 0), act, False, amax_rows=amax_rows)
+                want = fp8_cast_cols(x, 4096, act=act)
+                want_part = fp8_cast_cols(x, 4096, act=act, part=rows[-1], amax_rows=amax_rows)  # pairs pending
+                with forced_config({"fp8_cast_cols": cfg}):
+                    got = fp8_cast_cols(x, 4096, act=act, part=rows[-1], amax_rows=amax_rows)
+                for g, w, wp in zip(got, want, want_part):
+                    assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), (cols, act, amax_rows)
+                    assert torch.equal(g.view(torch.uint8), wp.view(torch.uint8)), (cols, act, amax_rows)
+                padded = [torch.as_strided(t.view(torch.uint8), (cols, -(-t.shape[1] // 16) * 16), (t.stride(0), 1))
+                          for t in (got[0], want_part[0])]
+                assert torch.equal(*padded), (cols, act, amax_rows)
+    x = _hostile(8192 + 37, 1024, torch.bfloat16, device="cuda")
+    x[5, 3], x[4100, 700] = float("nan"), float("inf")
+    for act in (None, "silu"):
+        rows = _rows_outputs(x, (2, 4, 0), act, False, amax_rows=64)
+        want = fp8_cast_cols(x, 4096, act=act, part=rows[-1], amax_rows=64)
+        with forced_config({"fp8_cast_cols": cfg}):
+            got = fp8_cast_cols(x, 4096, act=act, part=rows[-1], amax_rows=64)
+        assert (want[1].view(torch.uint8) == 255).sum() == 2
+        for g, w in zip(got, want):
+            assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), act
     x = _hostile(300, 1000, torch.bfloat16, device="cuda")
     rows = _rows_outputs(x, (2, 4, 0), None, False, amax_rows=64)
     with forced_config({"fp8_cast_cols": cfg}), pytest.raises(ValueError, match="register-transpose configs take"):

@@ -944,17 +944,22 @@ def fp8_cast_cols(x: torch.Tensor, chunk: int | None = None, *, act: str | None 
             br, bc, warps, split = cfg[:4]
             split = split or 1
             if config_field(cfg, 6):  # the transpose in registers (Gluon)
+                rows = br // (4 * warps)  # a thread's rows: 4 lanes on the rows, 8 on 32 column pairs
+                if bc != 64 or rows < 1 or rows & (rows - 1) or rows * 4 * warps != br or chunk % split:
+                    raise ValueError(f"fp8_cast_cols: a register-transpose config takes 64 columns, rows a power-of-two "
+                                     f"multiple of 4 x warps and a split dividing the chunk; got {cfg} at chunk {chunk}")
                 if not pairs_fit:
                     raise ValueError(f"fp8_cast_cols: the register-transpose configs take bf16 rows, plain or "
                                      f"silu from the row cast's bytes, no bit cast or norm, columns a multiple of "
-                                     f"{bc} and an even row stride; got {x.dtype}, act {act!r}, {c} columns, "
-                                     f"row stride {xin.stride(0)}, part {'given' if use_part else 'none'}")
+                                     f"64, an even row stride and a 4-byte aligned base; got {x.dtype}, act {act!r}, "
+                                     f"{c} columns, row stride {xin.stride(0)}, base address mod 4 "
+                                     f"{xin.data_ptr() % 4}, part {'given' if use_part else 'none'}")
                 hopper = gluon_module("fp8_cast_hopper", "fp8_cast_cols", x.device)
                 x32 = xin.view(torch.int32)
                 hopper._cast_cols_pairs_kernel[(c // bc, n_chunks, split)](
                     x32, data, scale, part, r, r_pad, part.shape[0], x32.stride(0), data.stride(0), scale.stride(0),
                     part.stride(0), ACT=ACTS[act], CHUNK=chunk, PARTS=parts, PART_BLOCK=min(parts, 64),
-                    ROWS=br // (4 * warps), LANES_R=4, SPLIT=split, num_warps=warps)
+                    ROWS=rows, LANES_R=4, SPLIT=split, num_warps=warps)
                 return
             common = dict(ACT=ACTS[act], IN_BF16=x.dtype == torch.bfloat16, BIT_CAST=_bit_cast(bit_cast), CHUNK=chunk,
                           BLOCK_R=br, BLOCK_C=bc, NORM=norm is not None, STAGES=config_field(cfg, 4) or 1,
