@@ -25,8 +25,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from gemctl.ops.triton.fp8_gemm import (_cast_row_block, _load_raw, _norm_weight, _quantize, _quantize_scaled,
-                                       _scale_factor, _scale_from_amax, _scales_from_byte, _silu_scaled)
+from gemctl.ops.triton.fp8_gemm import (_cast_row_block, _fold_runs, _load_raw, _norm_weight, _quantize,
+                                       _quantize_scaled, _scale_factor, _scale_from_amax, _scales_from_byte,
+                                       _silu_scaled)
 
 # cp.async into shared memory: async_load since Triton 3.7 (async_copy_global_to_shared, the 3.6
 # name, raises there)
@@ -114,15 +115,6 @@ def _rows_first(rows, lanes_r, warps):
 
 
 @gluon.jit
-def _fold_pair_parts(col, PART, p0, cols, n_part, stride_p, PART_BLOCK: gl.constexpr, layout: gl.constexpr):
-    """fp8_gemm._fold_parts in Gluon (its rows' arange takes a layout): col [PART_BLOCK, pairs]
-    with the run bytes of runs [p0, p0 + PART_BLOCK) at columns ``cols`` folded in by a max."""
-    pp = p0 + gl.arange(0, PART_BLOCK, layout=gl.SliceLayout(1, layout))
-    return gl.maximum(col, gl.load(PART + pp.to(gl.int64)[:, None] * stride_p + cols[None, :],
-                                   mask=(pp < n_part)[:, None], other=0))
-
-
-@gluon.jit
 def _pair_codes(w, s0, n0, s1, n1, ACT: gl.constexpr):
     """E4M3 codes of the bf16 pairs w (int32: column 2j in the low half, 2j + 1 in the high half),
     widened by a shift and a mask: (codes of 2j, codes of 2j + 1). s: the columns' 2^shared with
@@ -162,14 +154,16 @@ def _cast_cols_pairs_kernel(
     jp = gl.program_id(0) * PAIRS + gl.arange(0, PAIRS, layout=gl.SliceLayout(0, part_l))
     col0 = gl.zeros((PART_BLOCK, PAIRS), PART.dtype.element_ty, part_l)
     col1 = gl.zeros((PART_BLOCK, PAIRS), PART.dtype.element_ty, part_l)
+    runs = gl.arange(0, PART_BLOCK, layout=gl.SliceLayout(1, part_l))
+    every = jp >= 0  # the grid covers the columns exactly
     for p0 in range(g * PARTS, g * PARTS + PARTS, PART_BLOCK):
-        col0 = _fold_pair_parts(col0, PART, p0, 2 * jp, n_part, stride_p, PART_BLOCK, part_l)
-        col1 = _fold_pair_parts(col1, PART, p0, 2 * jp + 1, n_part, stride_p, PART_BLOCK, part_l)
+        col0 = _fold_runs(col0, PART, p0 + runs, 2 * jp, every, n_part, stride_p)
+        col1 = _fold_runs(col1, PART, p0 + runs, 2 * jp + 1, every, n_part, stride_p)
     byte0, inv0, nan0 = _scales_from_byte(gl.max(col0, axis=0).to(gl.int32))
     byte1, inv1, nan1 = _scales_from_byte(gl.max(col1, axis=0).to(gl.int32))
     first = split == 0
-    gl.store(SCALE + (2 * jp).to(gl.int64) * stride_sc + g, byte0.to(gl.uint8), mask=first & (jp >= 0))
-    gl.store(SCALE + (2 * jp + 1).to(gl.int64) * stride_sc + g, byte1.to(gl.uint8), mask=first & (jp >= 0))
+    gl.store(SCALE + (2 * jp).to(gl.int64) * stride_sc + g, byte0.to(gl.uint8), mask=first & every)
+    gl.store(SCALE + (2 * jp + 1).to(gl.int64) * stride_sc + g, byte1.to(gl.uint8), mask=first & every)
     if ACT == 1:  # SiLU takes the scale in its reciprocal (_silu_scaled)
         inv0 = _scale_factor(inv0, nan0)
         inv1 = _scale_factor(inv1, nan1)

@@ -168,7 +168,7 @@ _COLS_WHOLE = [(*cfg, split, 1, 1) for cfg in _COLS_CANDIDATES for split in (0, 
 # SiLU casts from the run bytes on bf16 rows with the transpose in registers (each thread ROWS
 # consecutive rows x 4 column pairs, BLOCK_C = 64: 4 lanes on the rows, 8 on the pairs; ROWS =
 # BLOCK_R / (4 warps)). sm_90 SASS (Triton 3.6, the launch's 16-aligned sizes and strides),
-# instructions an element in the whole-tile / last-tile loop: SiLU 7.2 / 7.4 at 16 rows a thread
+# instructions an element in the whole-tile / last-tile loop: SiLU 7.2 / 7.5 at 16 rows a thread
 # (168 registers, 4 warps), 7.5 / 7.4 at 8 rows (128), against 8.6 / 9.1 for the Triton cast's
 # (256, 64, 8); plain 3.1 / 3.2 (166 registers) and 3.2 / 3.5 (120) against 4.8 / 5.1. No shared
 # memory or barrier in the loop. Built 2026-12-07 without a GPU: pending until its GPU tier
@@ -717,7 +717,12 @@ def _cast_cols_kernel(
 def _fold_parts(col, PART, p0, cc, cmask, n_part, stride_p, PART_BLOCK: tl.constexpr):
     """col [PART_BLOCK, columns] with the run bytes of runs [p0, p0 + PART_BLOCK) folded in by an
     element-wise max (runs past n_part read as 0)."""
-    pp = p0 + tl.arange(0, PART_BLOCK)
+    return _fold_runs(col, PART, p0 + tl.arange(0, PART_BLOCK), cc, cmask, n_part, stride_p)
+
+
+@triton.jit
+def _fold_runs(col, PART, pp, cc, cmask, n_part, stride_p):
+    """_fold_parts with the runs pp given (a Gluon caller makes them in its own layout)."""
     return tl.maximum(col, tl.load(PART + pp.to(tl.int64)[:, None] * stride_p + cc[None, :],
                                    mask=(pp[:, None] < n_part) & cmask[None, :], other=0))
 
