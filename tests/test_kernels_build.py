@@ -149,3 +149,151 @@ def test_a_real_compile_is_timed_by_the_hooks():
     _fill[(1,)](x, VALUE=value)
     torch.cuda.synchronize()
     assert common.compile_seconds() == compiled and torch.all(x == value)
+
+
+def _fake_pick(monkeypatch, workers: str, preload_fails: bool = False):
+    """pick_config on a machine without a GPU as it runs on one: our compile hooks installed, a
+    kernel whose launches ask Triton's jit_cache_hook first (as JITFunction._do_compile does: a
+    true answer skips the compile, and Triton then launches nothing), timing by a stand-in."""
+    import threading
+    import types
+
+    import triton
+    from triton.runtime import _async_compile
+
+    from gemctl.ops.triton import common
+
+    runtime = triton.knobs.runtime
+    monkeypatch.setattr(runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(runtime, "jit_post_compile_hook", None)
+    monkeypatch.setattr(common, "_hooks", False)
+    common._install_compile_hooks()
+    monkeypatch.setattr(common, "INTERPRET", False)
+    monkeypatch.setattr(common, "_config_cache", {})
+    monkeypatch.setattr(common.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(common.torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(common, "_time", lambda fn: (fn(), 1.0)[1])
+    monkeypatch.setenv("GEMCTL_AUTOTUNE_CACHE", "0")
+    monkeypatch.setenv("GEMCTL_AUTOTUNE", "1")
+    monkeypatch.setenv("GEMCTL_COMPILE_WORKERS", workers)
+    seen = types.SimpleNamespace(preloads=[], launches=[])
+
+    class Kernel:
+        def preload(self, data):
+            if preload_fails and data.endswith("64"):
+                raise RuntimeError("not reproducible from its data")
+            mode = _async_compile.active_mode.get()
+            seen.preloads.append((data, mode is not None, threading.current_thread() is threading.main_thread()))
+
+    kernel = types.SimpleNamespace(jit_function=Kernel())
+
+    def run(cfg):
+        # each config launches its tile kernel and a shared epilogue kernel
+        for data in (f"tile{cfg[0]}", "epilogue"):
+            if runtime.jit_cache_hook(key=data, fn=kernel, compile={"specialization_data": data}):
+                continue
+            seen.launches.append((cfg, data))
+            runtime.jit_post_compile_hook(key=data, fn=kernel)
+
+    return common, run, seen
+
+
+def test_candidates_compile_in_parallel_before_timing(monkeypatch):
+    """A key's candidates are launched once with the compiles collected and skipped (nothing runs),
+    each distinct compile is handed to Triton's preload once under AsyncCompileMode (its thread
+    pool compiles them), and only then is each candidate timed, launching as usual."""
+    common, run, seen = _fake_pick(monkeypatch, "4")
+    candidates = [(16,), (32,), (64,)]
+    assert common.pick_config(("fake", 1), candidates, run) == (16,)  # all tie: the first
+    assert sorted(d for d, _, _ in seen.preloads) == ["epilogue", "tile16", "tile32", "tile64"]
+    assert all(async_mode for _, async_mode, _ in seen.preloads)
+    # nothing launched while collecting: the launches are the timing loop's and the finals'
+    assert [cfg for cfg, data in seen.launches if data != "epilogue"][:3] == candidates
+    assert len(seen.launches) == 2 * (3 + 3 * common.FINAL_ROUNDS)
+    assert common._collecting.requests is None and common.pick_config(("fake", 1), candidates, run) == (16,)
+
+
+def test_precompile_off_and_its_failures(monkeypatch):
+    """GEMCTL_COMPILE_WORKERS=1 compiles as the candidates are timed; a compile preload cannot
+    make is left to the timing loop; a kernel still to be tuned inside a collecting launch is not
+    tuned from launches that run nothing; a bad worker count is one line naming the variable."""
+    from gemctl.errors import UserError
+
+    common, run, seen = _fake_pick(monkeypatch, "1")
+    assert common.pick_config(("fake", 2), [(16,), (32,)], run) == (16,)
+    assert not seen.preloads and len(seen.launches) == 2 * (2 + 2 * common.FINAL_ROUNDS)
+
+    common, run, seen = _fake_pick(monkeypatch, "3", preload_fails=True)
+    assert common.pick_config(("fake", 3), [(16,), (64,)], run) == (16,)
+    assert sorted(d for d, _, _ in seen.preloads) == ["epilogue", "tile16"]
+    assert ((64,), "tile64") in seen.launches  # built and timed by the loop instead
+
+    nested_keys = []
+
+    def outer(cfg):  # a launch that first needs another kernel's pick
+        nested_keys.append(cfg)
+        common.pick_config(("inner",), [(1,), (2,)], run)
+        run(cfg)
+
+    common, run, seen = _fake_pick(monkeypatch, "2")
+    assert common.pick_config(("outer",), [(16,), (32,)], outer) == (16,)
+    assert ("inner",) in common._config_cache and ("outer",) in common._config_cache
+    # the inner pick was tuned by a real launch (its timing loop launched), not while collecting
+    assert ((1,), "tile1") in seen.launches and ((2,), "tile2") in seen.launches
+
+    monkeypatch.setenv("GEMCTL_COMPILE_WORKERS", "two")
+    with pytest.raises(UserError, match="GEMCTL_COMPILE_WORKERS='two': expected a whole number"):
+        common.compile_workers()
+    monkeypatch.setenv("GEMCTL_COMPILE_WORKERS", "0")
+    with pytest.raises(UserError):
+        common.compile_workers()
+    monkeypatch.delenv("GEMCTL_COMPILE_WORKERS")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
+    assert common.compile_workers() == 1  # this rank's share of the cores
+
+
+@pytest.mark.gpu
+def test_precompiled_candidates_are_the_kernels_their_launches_build(monkeypatch):
+    """Through Triton itself: a key's candidates compile once each in the thread pool (preload of
+    the collected specialization data, under the cache entry a launch looks up), the timing loop
+    compiles nothing more, and each candidate's kernel computes with its own constexprs."""
+    import time
+
+    import torch
+    import triton
+    import triton.language as tl
+
+    from gemctl.ops.triton import common
+
+    @triton.jit
+    def _stamp(X, n, VALUE: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(X + offs, tl.full((BLOCK,), VALUE, tl.float32) + offs, mask=offs < n)
+
+    runtime = triton.knobs.runtime
+    compiled = []
+    ours = runtime.jit_post_compile_hook
+    monkeypatch.setattr(runtime, "jit_post_compile_hook", lambda *a, **k: compiled.append(k.get("key")) or
+                        (ours(*a, **k) if ours else None))
+    monkeypatch.setenv("GEMCTL_COMPILE_WORKERS", "4")
+    monkeypatch.setenv("GEMCTL_AUTOTUNE", "1")
+    monkeypatch.setenv("GEMCTL_AUTOTUNE_CACHE", "0")
+    handed = []
+    precompile = common._precompile
+    monkeypatch.setattr(common, "_precompile", lambda c, r: handed.append(precompile(c, r)) or handed[-1])
+    value = float(time.time_ns() % 100_000)  # specializations no earlier run compiled
+    x = torch.zeros(128, device="cuda")
+
+    def run(cfg):
+        _stamp[(1,)](x, 128, VALUE=value + cfg[0], BLOCK=cfg[0])
+
+    candidates = [(16,), (32,), (64,), (128,)]
+    assert common.pick_config(("stamp", value), candidates, run) in candidates
+    assert handed == [4] and len(compiled) == 4  # each compiled once, by the pool
+    for (block,) in candidates:
+        x.zero_()
+        run((block,))
+        torch.cuda.synchronize()
+        want = value + block + torch.arange(block, device="cuda", dtype=torch.float32)
+        assert torch.equal(x[:block], want) and not x[block:].any()
+    assert len(compiled) == 4

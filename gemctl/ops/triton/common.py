@@ -10,7 +10,8 @@ picks between tile shapes that sum in different orders, so tuned runs of one see
 last bits and, after a few hundred steps, in NE. Tuned picks persist on disk per kernel module, GPU
 model, CUDA, Triton and device code (the @triton.jit sources, not the host code around them;
 GEMCTL_CACHE_DIR, default ~/.cache/gemctl; GEMCTL_AUTOTUNE_CACHE=0 turns it off), so a later run
-on the same machine kind starts tuned.
+on the same machine kind starts tuned. A key's candidates compile at once on a thread pool before
+any is timed (_precompile; GEMCTL_COMPILE_WORKERS threads, 1 compiles them one by one).
 
 Specialization: Triton compiles one variant of a kernel per specialization of its arguments
 (an integer equal to 1, a multiple of 16 or not; a pointer 16-byte aligned or not). Sizes that
@@ -36,7 +37,9 @@ import os
 import re
 import statistics
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +48,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
+from gemctl.errors import UserError
 from gemctl.ops import host
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -56,6 +60,8 @@ _tuning_s = 0.0  # wall seconds spent timing candidates (compilation included), 
 _tuning_now = False  # pick_config is timing candidates: their compiles are tuning time already
 _compile_s = 0.0  # wall seconds of Triton compiles outside tuning (see compile_seconds)
 _compile_t0: dict = {}  # start time of each compile in progress, by (kernel, specialization key)
+_hooks = False  # our compile hooks are installed (_install_compile_hooks): precompiling can collect
+_collecting = threading.local()  # .requests: the compiles this thread's launches asked for (_precompile)
 _disk: dict = {}  # cache file -> its entries, each file read once per process
 
 
@@ -213,6 +219,13 @@ def _install_compile_hooks() -> None:
     before, after = runtime.jit_cache_hook, runtime.jit_post_compile_hook
 
     def started(*args, **kwargs):
+        requests = getattr(_collecting, "requests", None)
+        if requests is not None:  # _precompile collecting: kept for the parallel compile, none now
+            fn = getattr(kwargs.get("fn"), "jit_function", None)
+            data = (kwargs.get("compile") or {}).get("specialization_data")
+            if fn is not None and data is not None:
+                requests.setdefault(data, fn)
+                return True  # skipped: Triton's launch then returns without running anything
         skip = before(*args, **kwargs) if before is not None else False
         if not skip:  # a skipped compile gets no post-compile call
             _compile_t0[_compile_id(kwargs)] = time.perf_counter()
@@ -228,7 +241,9 @@ def _install_compile_hooks() -> None:
             _compile_s += time.perf_counter() - t0
         return after(*args, **kwargs) if after is not None else None
 
+    global _hooks
     runtime.jit_cache_hook, runtime.jit_post_compile_hook = started, finished
+    _hooks = True
 
 
 if not INTERPRET:
@@ -635,6 +650,67 @@ def _runs(run, cfg) -> bool:
     return True
 
 
+def compile_workers() -> int:
+    """Threads that compile a key's candidates at once before they are timed (_precompile):
+    GEMCTL_COMPILE_WORKERS, default this process's share of the cores (the CPUs it may run on over
+    the node's local ranks, LOCAL_WORLD_SIZE), at most 16; 1 compiles them one by one as they
+    are timed."""
+    value = os.environ.get("GEMCTL_COMPILE_WORKERS", "").strip()
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise UserError(f"GEMCTL_COMPILE_WORKERS={value!r}: expected a whole number of threads, 1 or more")
+        return int(value)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, min(16, cpus // local_ranks))
+
+
+class _Collecting(Exception):
+    """A candidate's launch met a kernel that still has to be tuned while _precompile collected:
+    that kernel is tuned when the candidate is timed, not from launches that run nothing."""
+
+
+def _precompile(candidates, run) -> int:
+    """Compile the kernels every candidate launches, in compile_workers() threads, before any is
+    timed; returns how many compiles were handed out (0: nothing to do in parallel).
+
+    Each candidate is launched once with our jit_cache_hook collecting: a compile Triton would make
+    is recorded (its specialization data) and skipped, and a launch whose compile is skipped runs
+    nothing. The recorded compiles then go through Triton's own JITFunction.preload under
+    AsyncCompileMode, the same compile and cache entry a launch makes, on a thread pool, so the
+    timing loop finds them built. A key's candidates took 1-3 s each to compile for sm_90 on one
+    core (the FP8 GEMMs, Triton 3.6), one after another, most of a first run's tuning time;
+    two threads on two cores compiled four of them in 3.0 s against 4.5 s. A compile that fails is
+    left to the timing loop, which meets the same error and skips that candidate."""
+    workers = compile_workers()
+    if workers < 2 or not _hooks or len(candidates) < 2 or not torch.cuda.is_available():
+        return 0
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:  # Triton before async compiles: one by one, as before
+        return 0
+    _collecting.requests = {}
+    try:
+        for cfg in candidates:
+            try:
+                run(cfg)
+            except Exception:  # an ineligible config, a nested kernel not tuned yet (_Collecting)
+                pass
+        requests = _collecting.requests
+    finally:
+        _collecting.requests = None
+    if len(requests) < 2:
+        return 0
+    with ThreadPoolExecutor(min(workers, len(requests)), thread_name_prefix="gemctl-compile") as pool:
+        with AsyncCompileMode(pool, ignore_errors=True):
+            for data, fn in requests.items():
+                try:
+                    fn.preload(data)
+                except Exception:  # not reproducible from its data: compiled when timed instead
+                    pass
+    return len(requests)
+
+
 def pick_config(key, candidates, run, interpret_config: tuple = _INTERPRET_CONFIG):
     """The fastest candidate for this key, timed once on the first call (not under the interpreter;
     with autotune off (GEMCTL_AUTOTUNE=0, set_autotune(False)) the first candidate that runs, in
@@ -654,6 +730,8 @@ def pick_config(key, candidates, run, interpret_config: tuple = _INTERPRET_CONFI
     cache_key = key if tuned else ("untuned",) + tuple(key)
     if cache_key in _config_cache:
         return _config_cache[cache_key]
+    if getattr(_collecting, "requests", None) is not None:
+        raise _Collecting(key)  # inside another kernel's _precompile: tuned when that one is timed
     if callable(candidates):
         candidates = candidates()
     disk = None
@@ -670,6 +748,8 @@ def pick_config(key, candidates, run, interpret_config: tuple = _INTERPRET_CONFI
     best, timed = None, {}
     _tuning_now = tuned
     try:
+        if tuned:
+            _precompile(candidates, run)
         for cfg in candidates:  # a config may not fit this shape's shared memory: the next one then
             if not tuned:
                 if _runs(run, cfg):
