@@ -126,10 +126,13 @@ def copy_tbps() -> float:
 
 
 def base_meta(**extra) -> dict:
-    """Date, GPU, torch and triton versions, the commit, and ``extra``: what every result file records."""
+    """Date, GPU, torch and triton versions, the commit, the threads that compile autotuning's candidates,
+    and ``extra``: what every result file records."""
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)"
+    from gemctl.ops.triton.common import compile_workers
+
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "torch": torch.__version__,
-            "triton": triton.__version__, "commit": source_commit()}
+            "triton": triton.__version__, "commit": source_commit(), "compile_workers": compile_workers()}
     if os.environ.get("GEMCTL_SM_LIMIT"):  # under scripts/sm_limit.py: the GPU held to that many SMs, in its name too
         meta["sm_limit"] = int(os.environ["GEMCTL_SM_LIMIT"])
         meta["gpu"] = f"{gpu} held to {meta['sm_limit']} SMs (sm_limit.py)"

@@ -54,7 +54,7 @@ from gemctl.ops.triton.fp8_gemm import (  # noqa: E402
     TOKEN_CHUNK, amax_rows_for, fp8_cast_cols, fp8_cast_rows, fp8_gemm, fp8_rmsnorm_cast_rows,
 )
 from gemctl.ops.triton import fp8_gemm as fp8_kernels  # noqa: E402
-from gemctl.ops.triton.common import forced_config  # noqa: E402
+from gemctl.ops.triton.common import forced_config, tuning_seconds  # noqa: E402
 from gemctl.ops.triton.mx_quant import mx_quantize  # noqa: E402
 from gemctl.precision.fp8_linear import GRANULARITIES, Fp8Recipe, fp8_mlp, qdq  # noqa: E402
 
@@ -540,6 +540,7 @@ def main() -> None:
     def write(part: str, rows: list) -> None:  # partial results survive a timeout
         result[part] = rows
         result["configs"] = picked_configs(("fp8_cast_rows", "fp8_cast_cols", "fp8_gemm"))  # what was timed
+        result["tuning_s"] = tuning_seconds()  # autotuning so far, its compiles included
         path.write_text(json.dumps(result, indent=1))
 
     for part in parts:  # in the order given

@@ -418,6 +418,8 @@ def test_result_files_name_the_sm_limit(monkeypatch):
     monkeypatch.delenv("GEMCTL_SM_LIMIT", raising=False)
     meta = bench_common.base_meta(x=1)
     assert "sm_limit" not in meta and "held to" not in meta["gpu"] and meta["x"] == 1
+    monkeypatch.setenv("GEMCTL_COMPILE_WORKERS", "3")
+    assert bench_common.base_meta()["compile_workers"] == 3  # how the run's candidates compiled
     monkeypatch.setenv("GEMCTL_SM_LIMIT", "94")
     meta = bench_common.base_meta()
     assert meta["sm_limit"] == 94 and meta["gpu"].endswith("held to 94 SMs (sm_limit.py)")
