@@ -228,6 +228,15 @@ def test_precompile_off_and_its_failures(monkeypatch):
     assert sorted(d for d, _, _ in seen.preloads) == ["epilogue", "tile16"]
     assert ((64,), "tile64") in seen.launches  # built and timed by the loop instead
 
+    from concurrent.futures import ThreadPoolExecutor
+
+    from triton.runtime._async_compile import AsyncCompileMode
+
+    common, run, seen = _fake_pick(monkeypatch, "3")
+    with ThreadPoolExecutor(1) as pool, AsyncCompileMode(pool):  # another caller's async compiles
+        assert common.pick_config(("fake", 4), [(16,), (32,)], run) == (16,)
+    assert not seen.preloads  # one mode at a time: compiled as timed
+
     nested_keys = []
 
     def outer(cfg):  # a launch that first needs another kernel's pick

@@ -686,8 +686,10 @@ def _precompile(candidates, run) -> int:
     if workers < 2 or not _hooks or len(candidates) < 2 or not torch.cuda.is_available():
         return 0
     try:
-        from triton.runtime._async_compile import AsyncCompileMode
+        from triton.runtime._async_compile import AsyncCompileMode, active_mode
     except ImportError:  # Triton before async compiles: one by one, as before
+        return 0
+    if active_mode.get() is not None:  # someone else's async compiles (one mode at a time)
         return 0
     _collecting.requests = {}
     try:
