@@ -208,8 +208,9 @@ def test_new_cast_candidates_wait_for_the_gpu_tier(monkeypatch):
 def test_register_transpose_cast_configs(monkeypatch):
     """The register-transpose column casts (_COLS_PAIRS) are candidates only for what they take
     (bf16 rows from the row cast's bytes, plain or silu, no norm, 64-column blocks) where the
-    Gluon kernels run, pending until their GPU tier passes; pinned where Gluon cannot run (here: no
-    GPU) they raise ValueError, which the autotuner skips."""
+    Gluon kernels run, autotuned since their GPU tier passed (pending while they are not in
+    _GPU_CHECKED); pinned where Gluon cannot run (here: no GPU) they raise ValueError, which the
+    autotuner skips."""
     seen = []
 
     def pick(key, cands, run, interp):
@@ -234,7 +235,11 @@ def test_register_transpose_cast_configs(monkeypatch):
     monkeypatch.setattr(fp8_kernels, "_PENDING_AUTOTUNE", False)
     seen.clear()
     fp8_cast_cols(x, 64, part=part, **exact)
-    assert not any(fp8_kernels.config_field(c, 6) for c in seen[0])  # pending
+    assert any(fp8_kernels.config_field(c, 6) for c in seen[0])  # GPU tier passed: autotuned
+    monkeypatch.setattr(fp8_kernels, "_GPU_CHECKED", fp8_kernels._GPU_CHECKED - set(fp8_kernels._COLS_PAIRS))
+    seen.clear()
+    fp8_cast_cols(x, 64, part=part, **exact)
+    assert not any(fp8_kernels.config_field(c, 6) for c in seen[0])  # unchecked configs stay pending
     monkeypatch.undo()
     pinned = fp8_kernels._COLS_PAIRS[0]
     with forced_config({"fp8_cast_cols": pinned}), pytest.raises(ValueError, match="sm_90"):
@@ -1223,7 +1228,8 @@ def test_cast_cols_pairs_gpu(cfg):
             for amax_rows in (64, 16):
                 rows = _rows_outputs(x, (2, 4, 0), act, False, amax_rows=amax_rows)
                 want = fp8_cast_cols(x, 4096, act=act)
-                want_part = fp8_cast_cols(x, 4096, act=act, part=rows[-1], amax_rows=amax_rows)  # pairs pending
+                with forced_config({"fp8_cast_cols": (256, 64, 8, 0)}):  # the Triton cast from the same bytes
+                    want_part = fp8_cast_cols(x, 4096, act=act, part=rows[-1], amax_rows=amax_rows)
                 with forced_config({"fp8_cast_cols": cfg}):
                     got = fp8_cast_cols(x, 4096, act=act, part=rows[-1], amax_rows=amax_rows)
                 for g, w, wp in zip(got, want, want_part):

@@ -171,12 +171,17 @@ _COLS_WHOLE = [(*cfg, split, 1, 1) for cfg in _COLS_CANDIDATES for split in (0, 
 # instructions an element in the whole-tile / last-tile loop: SiLU 7.2 / 7.5 at 16 rows a thread
 # (168 registers, 4 warps), 7.5 / 7.4 at 8 rows (128), against 8.6 / 9.1 for the Triton cast's
 # (256, 64, 8); plain 3.1 / 3.2 (166 registers) and 3.2 / 3.5 (120) against 4.8 / 5.1. No shared
-# memory or barrier in the loop. Built 2026-12-07 without a GPU: pending until its GPU tier
-# (test_cast_cols_pairs_gpu) passes.
+# memory or barrier in the loop. GPU tier, H100, 2026-12-07 (tree 7b0a1ba): the 8 configs against
+# the two-read and the from-bytes Triton casts (padding rows, 1024 / 1088 / 2048 columns, 64- and
+# 16-row runs, NaN and Inf blocks), `pytest -m gpu tests/test_fp8.py -k pairs_gpu`, passed; they
+# join autotuning. The same call's pending-included cast bench at [65536, 1024] picked (256, 64, 8,
+# 0, 1, 0, 1) for the plain column cast, 91.0% of the H100's copy (88.5% the day's earlier pick);
+# SiLU's stayed on the Triton (256, 64, 8) at 90.1%.
 _COLS_PAIRS = [(br, 64, w, split, 1, 0, 1) for br, w in ((128, 4), (256, 4), (256, 8), (512, 8))
                for split in (0, _COLS_SPLIT)]
 _GPU_CHECKED: set = ({(128, 128, 128, 4, 3, True, 2)} | {(br, w, 0, 0, 1) for br, w in _ROWS_WARP}
-                     | set(_ROWS_RING) | set(_ROWS_PIPELINED) | set(_COLS_STAGED) | set(_COLS_WHOLE))
+                     | set(_ROWS_RING) | set(_ROWS_PIPELINED) | set(_COLS_STAGED) | set(_COLS_WHOLE)
+                     | set(_COLS_PAIRS))
 _PENDING_AUTOTUNE = False
 _ROWS_IN_REGISTERS = 8192
 _UNROLLED_PART_LOADS = tl.constexpr(8)  # the column cast's loads of run bytes unrolled up to this many
