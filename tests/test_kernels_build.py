@@ -176,7 +176,7 @@ def _fake_pick(monkeypatch, workers: str, preload_fails: bool = False):
     monkeypatch.setenv("GEMCTL_AUTOTUNE_CACHE", "0")
     monkeypatch.setenv("GEMCTL_AUTOTUNE", "1")
     monkeypatch.setenv("GEMCTL_COMPILE_WORKERS", workers)
-    seen = types.SimpleNamespace(preloads=[], launches=[])
+    seen = types.SimpleNamespace(preloads=[], launches=[], events=[], built=set())
 
     class Kernel:
         def preload(self, data):
@@ -184,16 +184,22 @@ def _fake_pick(monkeypatch, workers: str, preload_fails: bool = False):
                 raise RuntimeError("not reproducible from its data")
             mode = _async_compile.active_mode.get()
             seen.preloads.append((data, mode is not None, threading.current_thread() is threading.main_thread()))
+            seen.events.append(("preload", data))
+            seen.built.add(data)
 
     kernel = types.SimpleNamespace(jit_function=Kernel())
 
     def run(cfg):
         # each config launches its tile kernel and a shared epilogue kernel
         for data in (f"tile{cfg[0]}", "epilogue"):
-            if runtime.jit_cache_hook(key=data, fn=kernel, compile={"specialization_data": data}):
-                continue
+            if data not in seen.built:  # Triton asks the hook only for a kernel not built yet
+                if runtime.jit_cache_hook(key=data, fn=kernel, compile={"specialization_data": data}):
+                    continue
+                seen.built.add(data)  # compiled at the launch
+                seen.events.append(("compile", data))
+                runtime.jit_post_compile_hook(key=data, fn=kernel)
             seen.launches.append((cfg, data))
-            runtime.jit_post_compile_hook(key=data, fn=kernel)
+            seen.events.append(("launch", data))
 
     return common, run, seen
 
@@ -207,6 +213,8 @@ def test_candidates_compile_in_parallel_before_timing(monkeypatch):
     assert common.pick_config(("fake", 1), candidates, run) == (16,)  # all tie: the first
     assert sorted(d for d, _, _ in seen.preloads) == ["epilogue", "tile16", "tile32", "tile64"]
     assert all(async_mode for _, async_mode, _ in seen.preloads)
+    # every compile is the pool's, done before the first timed launch; none at a launch
+    assert [e for e, _ in seen.events[:4]] == ["preload"] * 4 and ("compile", "tile16") not in seen.events
     # nothing launched while collecting: the launches are the timing loop's and the finals'
     assert [cfg for cfg, data in seen.launches if data != "epilogue"][:3] == candidates
     assert len(seen.launches) == 2 * (3 + 3 * common.FINAL_ROUNDS)
@@ -226,7 +234,8 @@ def test_precompile_off_and_its_failures(monkeypatch):
     common, run, seen = _fake_pick(monkeypatch, "3", preload_fails=True)
     assert common.pick_config(("fake", 3), [(16,), (64,)], run) == (16,)
     assert sorted(d for d, _, _ in seen.preloads) == ["epilogue", "tile16"]
-    assert ((64,), "tile64") in seen.launches  # built and timed by the loop instead
+    assert ("compile", "tile64") in seen.events and ((64,), "tile64") in seen.launches  # built at its timed launch
+    assert ("compile", "tile16") not in seen.events
 
     from concurrent.futures import ThreadPoolExecutor
 
@@ -236,6 +245,17 @@ def test_precompile_off_and_its_failures(monkeypatch):
     with ThreadPoolExecutor(1) as pool, AsyncCompileMode(pool):  # another caller's async compiles
         assert common.pick_config(("fake", 4), [(16,), (32,)], run) == (16,)
     assert not seen.preloads  # one mode at a time: compiled as timed
+
+    from triton.runtime import _async_compile
+
+    def exit_raising(self, *exc):  # as Triton 3.6's exit when a finalizer raises: the mode stays set
+        raise RuntimeError("a post-compile hook failed")
+
+    common, run, seen = _fake_pick(monkeypatch, "2")
+    monkeypatch.setattr(AsyncCompileMode, "__exit__", exit_raising)
+    assert common.pick_config(("fake", 5), [(16,), (32,)], run) == (16,)
+    assert _async_compile.active_mode.get() is None  # later compiles are not sent to a closed pool
+    monkeypatch.undo()
 
     nested_keys = []
 
@@ -289,7 +309,8 @@ def test_precompiled_candidates_are_the_kernels_their_launches_build(monkeypatch
     monkeypatch.setenv("GEMCTL_AUTOTUNE_CACHE", "0")
     handed = []
     precompile = common._precompile
-    monkeypatch.setattr(common, "_precompile", lambda c, r: handed.append(precompile(c, r)) or handed[-1])
+    monkeypatch.setattr(common, "_precompile",
+                        lambda c, r: handed.append((precompile(c, r), len(compiled))) or handed[-1][0])
     value = float(time.time_ns() % 100_000)  # specializations no earlier run compiled
     x = torch.zeros(128, device="cuda")
 
@@ -298,7 +319,7 @@ def test_precompiled_candidates_are_the_kernels_their_launches_build(monkeypatch
 
     candidates = [(16,), (32,), (64,), (128,)]
     assert common.pick_config(("stamp", value), candidates, run) in candidates
-    assert handed == [4] and len(compiled) == 4  # each compiled once, by the pool
+    assert handed == [(4, 4)] and len(compiled) == 4  # each compiled once, by the pool, before any timing
     for (block,) in candidates:
         x.zero_()
         run((block,))

@@ -704,12 +704,19 @@ def _precompile(candidates, run) -> int:
     if len(requests) < 2:
         return 0
     with ThreadPoolExecutor(min(workers, len(requests)), thread_name_prefix="gemctl-compile") as pool:
-        with AsyncCompileMode(pool, ignore_errors=True):
-            for data, fn in requests.items():
-                try:
-                    fn.preload(data)
-                except Exception:  # not reproducible from its data: compiled when timed instead
-                    pass
+        mode = AsyncCompileMode(pool, ignore_errors=True)
+        try:
+            with mode:
+                for data, fn in requests.items():
+                    try:
+                        fn.preload(data)
+                    except Exception:  # not reproducible from its data: compiled when timed instead
+                        pass
+        except Exception:  # a finalizer raised (another library's post-compile hook): the rest compile when timed
+            pass
+        finally:  # Triton 3.6 leaves the mode set if a finalizer raised: later compiles would go to a closed pool
+            if active_mode.get() is mode:
+                active_mode.set(None)
     return len(requests)
 
 
