@@ -31,6 +31,8 @@ if _threads:
     # The trainer sets its threads from GEMCTL_THREADS (in this process and in torchrun ranks):
     # the worker's share, not the fixed 2 above, or the first in-process train() would raise it.
     os.environ["GEMCTL_THREADS"] = str(_threads)
+    # and the threads that compile a tuned kernel's candidates (gemctl.ops.triton.common.compile_workers)
+    os.environ.setdefault("GEMCTL_COMPILE_WORKERS", str(_threads))
 
 
 def pytest_collection_modifyitems(config, items):
