@@ -59,12 +59,6 @@ class ModelConfig:
     interaction_rank: int = 64
     head_hidden: int = 128  # hidden width of each task head
     kernels: KernelsConfig = field(default_factory=KernelsConfig)  # e.g. model.kernels.gdpa=torch
-    # The history's token rows padded up to a multiple of this, with rows that belong to no
-    # sequence (zero outputs and gradients in the attention ops, left out of FLOPs and MFU). cuBLAS
-    # picks a kernel for every new GEMM shape, ~0.3-1 ms of host time a Linear, and a jagged batch
-    # has a new token count every step; whole multiples repeat. null: 1024 on CUDA, off elsewhere;
-    # 1: off.
-    token_multiple: Optional[int] = None
     moe: MoEConfig = field(default_factory=MoEConfig)
 
 

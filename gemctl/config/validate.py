@@ -59,9 +59,6 @@ def validate(cfg, check_device: bool = True) -> None:
         raise ConfigError("model.head_dim", f"must be a multiple of 8 (kernels tile it), got {m.head_dim}")
     _one_of(m.gdpa_activation, GDPA_ACTIVATIONS, "model.gdpa_activation")
     moe = m.moe
-    if m.token_multiple is not None and m.token_multiple < 1:
-        raise ConfigError("model.token_multiple", f"must be null (1024 on CUDA, off elsewhere) or >= 1 (1: off), "
-                          f"got {m.token_multiple}")
     _positive(cfg, "model.moe.n_experts", allow_zero=True)
     if moe.n_experts and not 1 <= moe.top_k <= moe.n_experts:
         raise ConfigError("model.moe.top_k", f"must be in [1, model.moe.n_experts={moe.n_experts}], got {moe.top_k}")

@@ -7,19 +7,11 @@ r"""The GEM-like model, top level.
     tokens = SequenceTower(tokens)                                   (jagged softmax attention)
     pooled = PMA(learned queries -> tokens)                          (GDPA, few Q, jagged K/V)
     x = Interaction([pooled, non-sequence tokens])  ->  TaskHeads -> logits [B, n_tasks]
-
-The token rows are padded to a multiple of model.token_multiple (1024 on CUDA by default) with
-rows that belong to no sequence: per-token layers (Linear, norms, MLP) compute them, the attention
-ops give them zero outputs and zero gradients, PMA never reads them, so the loss and every
-gradient are those of the unpadded batch. cuBLAS chooses a kernel for every new GEMM shape, and
-that choice costs host time each time a jagged batch brings a new token count (docs/profile.md);
-whole multiples repeat from step to step.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gemctl.model.heads import TaskHeads
@@ -34,7 +26,6 @@ class GemModel(nn.Module):
     def __init__(self, cfg, spec, device: torch.device | None = None, backend: str = "auto"):
         super().__init__()
         self.cfg, self.spec = cfg, spec
-        self.token_multiple = getattr(cfg, "token_multiple", None)
         # Per-op implementation (model.kernels); a backend other than "auto" overrides every op.
         kernels = getattr(cfg, "kernels", None)
         self.backends = {
@@ -73,28 +64,12 @@ class GemModel(nn.Module):
         with profiled("gemctl.embedding"):
             seq_emb, ns_emb = self.sparse(batch)
         ns = self.ns_tokens(ns_emb, batch.dense)  # (B, n_ns, d)
-        x = self.seq_in(pad_token_rows(seq_emb, self.token_multiple))  # (N padded, d)
+        x = self.seq_in(seq_emb)  # (N, d)
         x = self.cross(x, offsets, max_len, ns, self.backends["gdpa"])
         x = self.tower(x, offsets, max_len, self.backends)
         pooled = self.pma(x, offsets, max_len, self.backends["gdpa"])  # (B, P, d)
         z = self.interaction(torch.cat([pooled, ns], dim=1))
         return self.heads(z)
-
-
-DEFAULT_TOKEN_MULTIPLE_CUDA = 1024
-
-
-def token_rows(n: int, multiple: int | None, device: torch.device) -> int:
-    """n token rows padded up to ``multiple`` (None: DEFAULT_TOKEN_MULTIPLE_CUDA on CUDA, none elsewhere)."""
-    if multiple is None:
-        multiple = DEFAULT_TOKEN_MULTIPLE_CUDA if device.type == "cuda" else 1
-    return -(-n // multiple) * multiple
-
-
-def pad_token_rows(x: torch.Tensor, multiple: int | None) -> torch.Tensor:
-    """x [N, ...] with zero rows appended up to token_rows(N) rows."""
-    rows = token_rows(x.shape[0], multiple, x.device)
-    return x if rows == x.shape[0] else F.pad(x, (0, 0) * (x.dim() - 1) + (0, rows - x.shape[0]))
 
 
 def build_model(model_cfg, spec, device=None, backend: str = "auto") -> GemModel:

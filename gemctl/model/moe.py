@@ -44,11 +44,7 @@ class MoEMLP(nn.Module):
         gates, experts = probs.topk(self.top_k, dim=-1)
         return gates / gates.sum(-1, keepdim=True), experts, probs
 
-    def forward(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:  # x [N, d]
-        """``rows``: only the first rows are tokens (the rest pad the token count, gemctl.model.gem):
-        they alone are routed and counted in the balancing loss; the output is zero past them."""
-        if rows is not None and rows < x.shape[0]:
-            return F.pad(self.forward(x[:rows]), (0, 0, 0, x.shape[0] - rows))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [N, d]
         n = x.shape[0]
         gates, experts, probs = self.route(x)
         flat = experts.reshape(-1)  # [N * k]

@@ -8,7 +8,6 @@ from __future__ import annotations
 from torch import nn
 
 from gemctl.model.attention import JaggedSelfAttention
-from gemctl.ops import host
 from gemctl.model.norm import RMSNorm
 
 
@@ -35,8 +34,7 @@ class SequenceLayer(nn.Module):
         )
         self.mlp_norm = RMSNorm(d)
         moe = getattr(cfg, "moe", None)
-        self.moe = moe is not None and bool(moe.n_experts)
-        if self.moe:
+        if moe is not None and moe.n_experts:
             from gemctl.model.moe import MoEMLP
 
             self.mlp = MoEMLP(d, cfg.mlp_ratio * d, moe.n_experts, moe.top_k)
@@ -48,10 +46,7 @@ class SequenceLayer(nn.Module):
         # (gemctl.precision.fp8_linear); it then takes the un-normalized input.
         x = x + self.attn(x if getattr(self.attn.qkv, "norm_fused", False) else self.attn_norm(x), offsets, max_len,
                           backend)
-        h = x if getattr(self.mlp, "norm_fused", False) else self.mlp_norm(x)
-        if self.moe:  # routes the rows of the sequences only, not the padding past them (gem.token_rows)
-            return x + self.mlp(h, rows=host.rows_of(offsets))
-        return x + self.mlp(h)
+        return x + self.mlp(x if getattr(self.mlp, "norm_fused", False) else self.mlp_norm(x))
 
 
 def layer_kinds(cfg) -> list[str]:

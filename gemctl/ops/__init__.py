@@ -1,11 +1,7 @@
 """Public kernel API of gemctl.
 
 Every op takes jagged tensors ``[total_tokens, heads, head_dim]`` with int64 offsets ``[B+1]`` and
-Python-int maximum lengths (computed once on the host). An operand may have more rows than its
-offsets cover (``total_tokens > offsets[-1]``: a caller that pads the token count to a multiple,
-as the model's ``token_multiple`` does); those rows belong to no sequence, and the op's output and
-gradients there are zeros. Their values must be finite: a kernel may multiply them by zero. Fewer
-rows than ``offsets[-1]`` is an error. ``backend`` selects the implementation:
+Python-int maximum lengths (computed once on the host). ``backend`` selects the implementation:
 ``"torch"`` is the plain PyTorch reference (any device, float32/float64-capable, autograd),
 ``"triton"`` the bundled Triton kernel, ``"auto"`` Triton on CUDA and the reference elsewhere.
 When ``"auto"`` wants a Triton kernel that is not available it falls back to the reference and
@@ -23,7 +19,6 @@ import sys
 
 import torch
 
-from gemctl.ops import host
 from gemctl.ops.bias import RelativePositionBias, relative_position_bucket
 from gemctl.ops.ranges import profiled
 from gemctl.ops.reference.attention import check_window, jagged_attention_reference
@@ -109,18 +104,6 @@ def _pick(op: str, backend: str, device: torch.device):
     return kernel
 
 
-def _check_rows(op: str, q, k, v, q_offsets, k_offsets) -> None:
-    """ValueError where an operand has fewer rows than its offsets cover, checked where their host
-    copies tell it without a sync. More is padding (module docstring). Not while torch.compile
-    traces: the offsets are symbolic there."""
-    if torch.compiler.is_compiling():
-        return
-    nq, nk = host.known_rows(q_offsets), host.known_rows(k_offsets)
-    for name, t, n, side in (("q", q, nq, "q_offsets"), ("k", k, nk, "k_offsets"), ("v", v, nk, "k_offsets")):
-        if n is not None and t.shape[0] < n:
-            raise ValueError(f"{op}: {name} has {t.shape[0]} rows, fewer than the {n} that {side} cover")
-
-
 def jagged_attention(
     q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, bias=None, causal=False, scale=None, window=None,
     backend="auto", operand_quant=None,
@@ -168,7 +151,6 @@ def jagged_attention(
             fn = functools.partial(jagged_attention_reference, operand_quant=operand_quant)
     else:
         fn = _pick("jagged_attention", backend, q.device) or jagged_attention_reference
-    _check_rows("jagged_attention", q, k, v, q_offsets, k_offsets)
     with profiled("gemctl.attention.jagged_attention"):
         return fn(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias=bias, causal=causal, scale=scale,
                   window=None if window is None else int(window))
@@ -181,8 +163,8 @@ def gdpa(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, *, activation="gel
     PMA (a fixed number of queries per sample over jagged K/V) and cross-attention (jagged Q over
     a few K/V tokens per sample): fixed-length sides are expressed through offsets.
     """
-    fn = _pick("gdpa", backend, q.device) or gdpa_reference
-    _check_rows("gdpa", q, k, v, q_offsets, k_offsets)
+    kernel = _pick("gdpa", backend, q.device)
+    fn = kernel or gdpa_reference
     with profiled("gemctl.attention.gdpa"):
         return fn(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, activation=activation, scale=scale)
 
@@ -219,6 +201,5 @@ def block_attention(q, k, v, offsets, max_len, *, block_size=64, rope=None, back
     if kernel is None and rope is not None and not isinstance(rope, (tuple, list)):
         raise TypeError("block_attention: the PyTorch reference takes rope=(cos, sin) tables, not a base frequency")
     fn = kernel or block_attention_reference
-    _check_rows("block_attention", q, k, v, offsets, offsets)
     with profiled("gemctl.attention.block_attention"):
         return fn(q, k, v, offsets, max_len, block_size=block_size, rope=rope)

@@ -70,26 +70,3 @@ def cached_plan(offsets: torch.Tensor, key, build):
     if key not in plans:
         plans[key] = build()
     return plans[key]
-
-
-def rows_of(offsets: torch.Tensor) -> int:
-    """The rows that belong to a sequence: the offsets' last entry, from the host copy (no sync).
-    A jagged operand may have more rows than that (a caller's padding to a row count, e.g. the
-    model's token_multiple); those rows belong to no sequence."""
-    return int(host_of(offsets)[-1])
-
-
-def known_rows(offsets: torch.Tensor) -> int | None:
-    """rows_of(offsets) where it costs no sync (CPU offsets, or a registered host copy), else None."""
-    if offsets.device.type != "cpu" and id(offsets) not in _entries:
-        return None
-    return rows_of(offsets)
-
-
-def zero_rows_past(offsets: torch.Tensor, *tensors: torch.Tensor) -> None:
-    """Zero each tensor's rows past ``rows_of(offsets)``, in place: the ops' outputs and gradients
-    on rows that belong to no sequence are zeros, whatever the kernels leave there."""
-    n = rows_of(offsets)
-    for t in tensors:
-        if t.shape[0] > n:
-            t[n:].zero_()

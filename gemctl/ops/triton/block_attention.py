@@ -69,7 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemctl.ops import BLOCK_KERNEL_DIMS, BLOCK_KERNEL_SIZES, host
+from gemctl.ops import BLOCK_KERNEL_DIMS, BLOCK_KERNEL_SIZES
 from gemctl.ops.reference.block import rope_cos_sin, rope_table_dtype
 from gemctl.ops.triton.common import (
     INTERPRET, bucket_len, cdiv, config_field, gluon_module, gluon_runs, gpu_checked, load_tile, pick_config,
@@ -573,7 +573,7 @@ def _launch(kernel, offsets, heads, block_size, cfg, args, descs, dim, rope_mode
 
 def _forward(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
     n, heads, dim = q.shape
-    out = torch.empty_like(q)  # every row of a sequence belongs to one block, which writes it
+    out = torch.empty_like(q)  # every row belongs to one block, which writes it
     lse = torch.empty(n, heads, device=q.device, dtype=torch.float32)
     cos, sin, rope = _rope_args(cos, sin, rope_base, max_len, q)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
@@ -599,7 +599,6 @@ def _forward(q, k, v, cos, sin, offsets, max_len, block_size, rope_base, scale):
               and _hopper_eligible(block_size, rope, cos, sin, q, k, v, out))
     key = ("block_attention_fwd", dim, q.dtype, block_size, _table_key(cos, rope), mode, heads, bucket_len(n), hopper)
     run(pick_config(key, lambda: _tuned(_eligible(_FWD_CANDIDATES, hopper), _FWD_CHECKED), run, _INTERPRET_CONFIG))
-    host.zero_rows_past(offsets, out)  # rows past the last sequence (a caller's padding) belong to no block
     return out, lse
 
 
@@ -630,7 +629,6 @@ def _backward(do, q, k, v, lse, cos, sin, offsets, max_len, block_size, rope_bas
               and _hopper_eligible(block_size, rope, cos, sin, q, k, v, do, dq, dk, dv))
     key = ("block_attention_bwd", dim, q.dtype, block_size, _table_key(cos, rope), mode, heads, bucket_len(n), hopper)
     run(pick_config(key, lambda: _tuned(_eligible(_BWD_CANDIDATES, hopper), _BWD_CHECKED), run, _INTERPRET_CONFIG))
-    host.zero_rows_past(offsets, dq, dk, dv)  # rows past the last sequence belong to no block
     return dq, dk, dv
 
 

@@ -32,7 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from gemctl.ops import host
 from gemctl.ops.triton.common import (
     bucket_len, config_field, gluon_module, gluon_runs, gpu_checked, key_work, load_rows, num_programs, pick_config,
     query_records, query_work, row_descriptors, rows_viewable, store_rows, work_item, zigzag_item,
@@ -580,7 +579,6 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scale):
     key = ("gdpa_fwd", dim, q.dtype, act, bucket_len(max_q_len), bucket_len(max_k_len)) + (("hopper",) if hopper else ())
 
     run(pick_config(key, lambda: _forward_candidates(hopper, max_k_len), run, _INTERPRET_CONFIG))
-    host.zero_rows_past(q_offsets, out)  # rows of no sequence: no work item writes them
     return out
 
 
@@ -588,7 +586,7 @@ def _backward(do, q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scal
     heads, dim = q.shape[1], q.shape[2]
     do = do if do.stride(-1) == 1 else do.contiguous()
     # No zero fills: every key tile (also of sequences without queries) and every query tile is an
-    # item, and each writes its rows; only rows past the last sequence are zeroed after.
+    # item, and each writes its rows.
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1))
     fold = fold_scale(act, scale, q.dtype)
@@ -611,8 +609,6 @@ def _backward(do, q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, act, scal
     run_dkdv(pick_config(("gdpa_dkdv",) + key, lambda: _candidates(_DKDV_CANDIDATES, max_q_len, 0), run_dkdv,
                          _INTERPRET_CONFIG))
     run_dq(pick_config(("gdpa_dq",) + key, lambda: _candidates(_DQ_CANDIDATES, max_k_len, 1), run_dq, _INTERPRET_CONFIG))
-    host.zero_rows_past(q_offsets, dq)  # rows of no sequence (a caller's padding): no item writes them
-    host.zero_rows_past(k_offsets, dk, dv)
     return dq, dk, dv
 
 

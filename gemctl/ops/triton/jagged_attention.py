@@ -766,7 +766,6 @@ def _forward(q, k, v, q_offsets, k_offsets, max_q_len, max_k_len, bias, causal, 
            mx_p)
     run(pick_config(key, lambda: _tuned(_FWD_CANDIDATES[size], 4), run,
                     **({"interpret_config": _MX_INTERPRET} if mx_p else {})))
-    host.zero_rows_past(q_offsets, out)  # rows of no sequence: no work item writes them
     return out, lse, mrow
 
 
@@ -783,8 +782,10 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
     # No zero fills where the kernels write every row: the dQ pass has a program for every query
     # tile (rows that see no key store zeros), the dK/dV pass one for every key tile, those of
     # sequences without queries included (they store zeros). Rows past the offsets' last entry
-    # belong to no sequence: zeroed after the kernels, those rows only.
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # belong to no sequence: zeros then.
+    whole = int(host.host_of(q_offsets)[-1]) == n_q and int(host.host_of(k_offsets)[-1]) == k.shape[0]
+    alloc = torch.empty_like if whole else torch.zeros_like
+    dq, dk, dv = alloc(q), alloc(k), alloc(v)
     bias_d, buckets, bias_max, n_buckets = _bias_tables(bias, heads, q.device)
     nb_pad = max(16, next_pow2(n_buckets))
     qk_scale = scale * LOG2E
@@ -845,8 +846,6 @@ def _backward(do, q, k, v, out, lse, q_offsets, k_offsets, max_q_len, max_k_len,
     dtable = None
     if has_bias:
         dtable = state["dbias"].sum(0)[:, :n_buckets].to(bias.table.dtype)  # fixed-order reduction
-    host.zero_rows_past(q_offsets, dq)
-    host.zero_rows_past(k_offsets, dk, dv)
     return dq, dk, dv, dtable
 
 
