@@ -30,7 +30,6 @@ import torch
 from gemctl.data.loader import TrainLoader
 from gemctl.metrics import mfu as mfu_lib
 from gemctl.metrics.provenance import provenance
-from gemctl.metrics.flops import gem_flops
 from gemctl.metrics.sinks import RunDir
 from gemctl.profile.breakdown import CATEGORIES, breakdown, top_kernels
 from gemctl.train.trainer import kernel_setup_seconds
@@ -92,7 +91,7 @@ def profile(trainer, out_root: str | None = None, console=None, run_dir: str | N
         for _ in range(pcfg.steps):
             batch = next(loader)
             wait += loader.last_wait_s
-            fc = gem_flops(cfg.model, trainer.spec, batch.seq_lengths_cpu())
+            fc = trainer.batch_flops(batch)
             flops += fc.train_total
             attention_flops += 3 * fc.attention_total
             samples += batch.batch_size

@@ -73,8 +73,14 @@ def seed_everything(seed: int, deterministic: bool | None, device: torch.device)
     torch.use_deterministic_algorithms(deterministic, warn_only=deterministic and device.type != "cpu")
 
 
-def autocast_context(device: torch.device, precision_cfg):
-    if device.type == "cuda" and precision_cfg.compute_dtype == "bf16":
+def _plain(node):
+    """A structured config section as its dataclass (plain attribute reads); other values as they are."""
+    return OmegaConf.to_object(node) if OmegaConf.is_config(node) else node
+
+
+def autocast_context(device: torch.device, compute_dtype: str):
+    """bf16 autocast on CUDA for ``precision.compute_dtype`` bf16; nothing otherwise."""
+    if device.type == "cuda" and compute_dtype == "bf16":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -119,6 +125,12 @@ class Trainer:
     def __init__(self, cfg, console=None, run_root: str | None = None, run_dir: str | None = None,
                  ctx: ParallelContext | None = None, source=None):
         self.cfg = cfg
+        # Plain-dataclass copies of the sections that every step reads: an OmegaConf attribute read
+        # costs ~10-20 us of host time, and a step read ~40 of them (gem_flops alone 29) between
+        # its kernels, where the GPU waits for the host (docs/benchmarks/model.md, 2026-12-07).
+        self._model_cfg = _plain(cfg.model)
+        self._train_cfg = _plain(cfg.train)
+        self._compute_dtype = str(cfg.precision.compute_dtype)
         device_type = resolve_device(cfg.train.device).type
         self.ctx = ctx if ctx is not None else init_parallel(cfg, device_type)
         self.console = console if self.ctx.is_main else None
@@ -173,18 +185,19 @@ class Trainer:
         record = torch.profiler.record_function
         self.last_grad_norm = None
         self.model.train()
+        moe, tcfg = self._model_cfg.moe, self._train_cfg
         with record("gemctl.forward"):
-            with autocast_context(self.device, self.cfg.precision):
+            with autocast_context(self.device, self._compute_dtype):
                 logits = self.model(batch)
             loss = compute_loss(logits, batch.labels)
-            aux = self.model.aux_loss() if self.cfg.model.moe.n_experts else None
-            if aux is not None and self.cfg.model.moe.aux_loss_weight:
-                loss = loss + self.cfg.model.moe.aux_loss_weight * aux
+            aux = self.model.aux_loss() if moe.n_experts else None
+            if aux is not None and moe.aux_loss_weight:
+                loss = loss + moe.aux_loss_weight * aux
         self.dense_opt.zero_grad(set_to_none=True)
         self.sparse_opt.zero_grad(set_to_none=True)
         with record("gemctl.backward"):
             loss.backward()
-        if self.cfg.train.nonfinite == "skip":
+        if tcfg.nonfinite == "skip":
             bad = self._first_nonfinite(loss)
             if bad is not None:
                 self.skipped.append({"step": self.step_index + 1, "tensor": bad,
@@ -199,18 +212,21 @@ class Trainer:
                 from gemctl.parallel.expert import clip_grad_norm, sync_expert_grads
 
                 sync_expert_grads(self.expert_params, self.expert_groups)
-                if self.cfg.train.grad_clip > 0:
+                if tcfg.grad_clip > 0:
                     experts = {id(p) for p in self.expert_params}
                     dense = [p for p in self.model.dense_parameters() if id(p) not in experts]
-                    self.last_grad_norm = clip_grad_norm(dense, self.expert_params, self.cfg.train.grad_clip,
+                    self.last_grad_norm = clip_grad_norm(dense, self.expert_params, tcfg.grad_clip,
                                                          self.expert_groups)
-            elif self.cfg.train.grad_clip > 0:
-                self.last_grad_norm = torch.nn.utils.clip_grad_norm_(self.model.dense_parameters(),
-                                                                     self.cfg.train.grad_clip)
+            elif tcfg.grad_clip > 0:
+                self.last_grad_norm = torch.nn.utils.clip_grad_norm_(self.model.dense_parameters(), tcfg.grad_clip)
             self.dense_opt.step()
             self.sparse_opt.step()
             self.schedule.step()
         return loss.detach()
+
+    def batch_flops(self, batch):
+        """gem_flops of this model on the batch's history lengths (host math, no device work)."""
+        return gem_flops(self._model_cfg, self.spec, batch.seq_lengths_cpu())
 
     def _first_nonfinite(self, loss) -> str | None:
         """'loss' or the name of the first parameter with a non-finite gradient (this rank; the
@@ -232,7 +248,7 @@ class Trainer:
         self.model.eval()
         preds, labels = [], []
         for batch in eval_batches(self.source, self.cfg.data, self.device, self.cfg.train.eval_batches):
-            with autocast_context(self.device, self.cfg.precision):
+            with autocast_context(self.device, self._compute_dtype):
                 logits = self.model(batch)
             preds.append(torch.sigmoid(logits.float()).cpu())
             labels.append(batch.labels.cpu())
@@ -265,7 +281,7 @@ class Trainer:
             for batch in batches[:warm]:
                 single.train_step(batch)
             batches = batches[warm:]
-            flops = sum(gem_flops(self.cfg.model, self.spec, b.seq_lengths_cpu()).train_total for b in batches)
+            flops = sum(single.batch_flops(b).train_total for b in batches)
             self._sync()
             setup0 = kernel_setup_seconds()  # first: its first call may import Triton, not step time
             t0 = time.perf_counter()
@@ -301,7 +317,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
-        cfg, tcfg, ctx = self.cfg, self.cfg.train, self.ctx
+        cfg, tcfg, ctx = self.cfg, self._train_cfg, self.ctx
         run = None
         if ctx.is_main:  # one run directory for all ranks; rank 0 writes it
             run = RunDir(Path(self.run_dir)) if self.run_dir else RunDir.create(self.run_root or cfg.run.output_dir, cfg.run.name)
@@ -369,7 +385,7 @@ class Trainer:
                     self.step_index = step
                     pending_ids.append(batch.sample_ids[:8])
                     window.data_wait += loader.last_wait_s
-                    flops = gem_flops(cfg.model, self.spec, batch.seq_lengths_cpu())
+                    flops = self.batch_flops(batch)
                     window.add(batch.batch_size, batch.num_tokens, flops.train_total, flops.attention_total * 3)
                     pending.append(self.train_step(batch))
                     pending_norms.append(self.last_grad_norm)
