@@ -133,3 +133,20 @@ def test_peak_and_mfu_cells_read_on_a_cpu():
     assert Peak(5.0, "measured").describe() == "5.00 TFLOP/s (measured)"
     assert _mfu_cell(0.4567) == "45.67%"
     assert _mfu_cell(1.2252).startswith("122.52% (above 100%") and "metrics.peak_tflops" in _mfu_cell(1.2252)
+
+
+def test_trainer_counts_with_the_one_definition():
+    """The trainer reads its per-step config from plain dataclasses (host time); its FLOP count is
+    gem_flops of the composed config all the same, and a plain (unstructured) node is kept as is."""
+    from omegaconf import OmegaConf
+
+    from gemctl.config.schema import ModelConfig, TrainConfig
+    from gemctl.train.trainer import Trainer, _plain
+
+    cfg, src = _tiny(["model.attention=[full,block:8]"])
+    trainer = Trainer(cfg, source=src)
+    assert isinstance(trainer._model_cfg, ModelConfig) and isinstance(trainer._train_cfg, TrainConfig)
+    batch = src.train_batch(1)
+    assert trainer.batch_flops(batch).forward == flops.gem_flops(cfg.model, src.spec, batch.seq_lengths_cpu()).forward
+    node = OmegaConf.create({"grad_clip": 1.0})
+    assert _plain(node) is node

@@ -74,8 +74,11 @@ def seed_everything(seed: int, deterministic: bool | None, device: torch.device)
 
 
 def _plain(node):
-    """A structured config section as its dataclass (plain attribute reads); other values as they are."""
-    return OmegaConf.to_object(node) if OmegaConf.is_config(node) else node
+    """A structured config section as its dataclass (plain attribute reads); anything else (a plain
+    DictConfig, a namespace) as it is."""
+    if OmegaConf.is_config(node) and OmegaConf.get_type(node) not in (None, dict):
+        return OmegaConf.to_object(node)
+    return node
 
 
 def autocast_context(device: torch.device, compute_dtype: str):
