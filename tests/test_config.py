@@ -486,3 +486,18 @@ def test_unknown_recipe_suggests_the_close_one():
     assert info.value.field == "recipe"
     assert "did you mean" not in str(info.value)
     assert "available: " in str(info.value)
+
+
+@pytest.mark.parametrize("op", ["jagged_attention", "gdpa", "block_attention"])
+def test_triton_kernels_on_the_cpu_need_the_interpreter(op, monkeypatch):
+    """model.kernels.<op>=triton on a CPU run: one line naming the field before anything is made
+    (it used to stop at the first step with a traceback); with TRITON_INTERPRET=1 it is allowed."""
+    overrides = [f"model.kernels.{op}=triton", "train.device=cpu"]
+    if op == "block_attention":
+        overrides.append("model.attention=[block:64]")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    err = _error(overrides)
+    assert err.field == f"model.kernels.{op}" and "needs a CUDA device" in str(err)
+    validate(compose(overrides), check_device=False)  # planning for another machine: not checked
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    validate(compose(overrides))

@@ -44,6 +44,22 @@ def _one_of(value, allowed, path: str) -> None:
         raise ConfigError(path, f"'{value}' is not allowed; allowed: {', '.join(map(str, allowed))}")
 
 
+def _triton_needs_a_gpu(m, device: str) -> None:
+    """model.kernels.<op>=triton on a run that trains on the CPU: the kernels run there only in
+    Triton's interpreter (TRITON_INTERPRET=1, as the tests do); otherwise the first step would stop
+    with a traceback after the run directory was made."""
+    import os
+
+    import torch
+
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()) or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    for op in ("jagged_attention", "gdpa", "block_attention"):
+        if getattr(m.kernels, op) == "triton":
+            raise ConfigError(f"model.kernels.{op}", "'triton' needs a CUDA device and this run trains on the CPU; "
+                              "allowed here: auto, torch (or TRITON_INTERPRET=1: the kernel in Triton's interpreter, slow)")
+
+
 def validate(cfg, check_device: bool = True) -> None:
     """All cross-field checks; ``check_device=False`` skips the visible-CUDA check (planning a
     GPU job from a machine without one)."""
@@ -152,6 +168,8 @@ def validate(cfg, check_device: bool = True) -> None:
 
         if not torch.cuda.is_available():
             raise ConfigError("train.device", "'cuda' requested but no CUDA device is visible; allowed here: auto, cpu")
+    if check_device:
+        _triton_needs_a_gpu(m, t.device)
     _one_of(t.embedding_optimizer, EMBEDDING_OPTIMIZERS, "train.embedding_optimizer")
     _one_of(t.nonfinite, ("stop", "skip"), "train.nonfinite")
     _positive(cfg, "train.checkpoint_every", allow_zero=True)
