@@ -183,7 +183,7 @@ def summary_table(cfg, result) -> Table:
         table.add_row(f"eval AUC ({task})", f"{m['auc']:.4f}")
     for name, base in result.baselines.items():
         table.add_row(f"baseline {name} NE / AUC", f"{base['ne']:.4f} / {base['auc']:.4f}")
-    table.add_row("eval samples", f"{ev.get('samples', 0):,}")
+    table.add_row("eval samples", f"{ev.get('samples', 0):,}" + (" (NE/AUC weighted)" if ev.get("weighted") else ""))
     last = result.losses[-10:]
     table.add_row(f"train loss (mean of the last {len(last)} steps)", f"{sum(last) / len(last):.4f}" if last else "-")
     table.add_row("QPS (samples/s)", f"{perf['qps']:,.1f}")

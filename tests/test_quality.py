@@ -196,3 +196,70 @@ def test_ne_matches_torchrec():
         )
         assert normalized_entropy(preds, labels, weights) == pytest.approx(float(expected), rel=1e-9)
         assert 0.5 < float(expected) < 1.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Sample weights of a batch: the training loss and the eval metrics use them where a source gives them.
+
+
+def test_weighted_loss():
+    from gemctl.train.trainer import compute_loss
+
+    torch.manual_seed(0)
+    logits, labels = torch.randn(6, 2), (torch.rand(6, 2) > 0.5).float()
+    plain = compute_loss(logits, labels)
+    torch.testing.assert_close(compute_loss(logits, labels, torch.ones(6)), plain)
+    w = torch.tensor([0.0, 2.0, 1.0, 0.5, 0.0, 3.0])
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="none")
+    want = sum(float((bce[:, t] * w).sum() / w.sum()) for t in range(2))
+    assert float(compute_loss(logits, labels, w)) == pytest.approx(want, rel=1e-6)
+    assert float(compute_loss(logits, labels, torch.zeros(6))) == 0.0
+
+
+def test_eval_metrics_use_the_batches_weights(monkeypatch):
+    """Weights 0/1 on the eval samples: the weighted NE / AUC / label mean are those of the samples
+    weighted 1 alone."""
+    import dataclasses
+
+    from gemctl.config.compose import compose
+    from gemctl.train.trainer import Trainer
+
+    cfg = compose(["train.eval_batches=2", "data.eval_batch_size=64"])
+    trainer = Trainer(cfg)
+    src = trainer.source
+    batches = list(src.eval_batches())[:2]
+    keep = [torch.arange(b.batch_size) % 3 != 0 for b in batches]
+    weighted = [dataclasses.replace(b, weights=k.float()) for b, k in zip(batches, keep)]
+    monkeypatch.setattr(src, "eval_batches", lambda: iter(weighted))
+    got = trainer.evaluate()
+    assert got["weighted"] is True and got["samples"] == sum(b.batch_size for b in batches)
+    with torch.no_grad():
+        trainer.model.eval()
+        p = torch.cat([torch.sigmoid(trainer.model(b).float()) for b in batches])
+    y = torch.cat([b.labels for b in batches])
+    k = torch.cat(keep)
+    task = src.spec.tasks[0]
+    assert got[task]["ne"] == pytest.approx(normalized_entropy(p[k, 0], y[k, 0]), rel=1e-5)
+    assert got[task]["auc"] == pytest.approx(auc(p[k, 0], y[k, 0]), rel=1e-6)
+    assert got[task]["label_mean"] == pytest.approx(float(y[k, 0].mean()), rel=1e-6)
+
+
+@pytest.mark.parametrize("weights,message", [
+    (lambda b: torch.ones(b, dtype=torch.float64), "must be float32"),
+    (lambda b: torch.ones(b + 1), "of shape"),
+    (lambda b: torch.tensor([1.0] * (b - 1) + [-1.0]), "is not a finite number >= 0"),
+    (lambda b: torch.tensor([float("nan")] + [1.0] * (b - 1)), "row 0 is not a finite number"),
+])
+def test_bad_weights_name_the_field(weights, message):
+    import dataclasses
+
+    from gemctl.config.compose import compose
+    from gemctl.data.batch import validate_batch
+    from gemctl.data.synthetic import SyntheticSource
+    from gemctl.errors import DataError
+
+    src = SyntheticSource(compose([]).data)
+    batch = src.train_batch(0)
+    with pytest.raises(DataError, match=message) as info:
+        validate_batch(dataclasses.replace(batch, weights=weights(batch.batch_size)), src.spec)
+    assert info.value.feature == "weights"

@@ -233,3 +233,11 @@ def validate_batch(batch: JaggedBatch, spec: FeatureSpec) -> None:
             raise DataError(f"labels.{task}", f"label {float(col[row])} in row {row} is not in [0, 1]")
     if batch.sample_ids.dtype != torch.int64 or batch.sample_ids.shape != (b,):
         raise DataError("sample_ids", f"must be int64 of shape [{b}]")
+    if batch.weights is not None:
+        w = batch.weights
+        if w.dtype != torch.float32 or w.shape != (b,):
+            raise DataError("weights", f"must be float32 of shape [{b}], got {w.dtype} {list(w.shape)}")
+        bad = (~torch.isfinite(w) | (w < 0)).nonzero()
+        if bad.numel():
+            row = int(bad[0])
+            raise DataError("weights", f"weight {float(w[row])} in row {row} is not a finite number >= 0")

@@ -88,9 +88,14 @@ def autocast_context(device: torch.device, compute_dtype: str):
     return contextlib.nullcontext()
 
 
-def compute_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum over tasks of the mean binary cross-entropy (float32 logits)."""
-    return F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="none").mean(0).sum()
+def compute_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum over tasks of the mean binary cross-entropy (float32 logits); with the batch's sample
+    ``weights`` [B], the weighted mean (a batch whose weights are all zero adds 0)."""
+    bce = F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="none")  # [B, T]
+    if weights is None:
+        return bce.mean(0).sum()
+    w = weights.float()
+    return ((bce * w[:, None]).sum(0) / w.sum().clamp_min(torch.finfo(torch.float32).tiny)).sum()
 
 
 def _read_steps(losses: torch.Tensor, norms: list) -> tuple[list[float], list[float | None]]:
@@ -192,7 +197,7 @@ class Trainer:
         with record("gemctl.forward"):
             with autocast_context(self.device, self._compute_dtype):
                 logits = self.model(batch)
-            loss = compute_loss(logits, batch.labels)
+            loss = compute_loss(logits, batch.labels, batch.weights)
             aux = self.model.aux_loss() if moe.n_experts else None
             if aux is not None and moe.aux_loss_weight:
                 loss = loss + moe.aux_loss_weight * aux
@@ -249,20 +254,26 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         self.model.eval()
-        preds, labels = [], []
+        preds, labels, weights = [], [], []
         for batch in eval_batches(self.source, self.cfg.data, self.device, self.cfg.train.eval_batches):
             with autocast_context(self.device, self._compute_dtype):
                 logits = self.model(batch)
             preds.append(torch.sigmoid(logits.float()).cpu())
             labels.append(batch.labels.cpu())
+            weights.append(None if batch.weights is None else batch.weights.float().cpu())
         p, y = torch.cat(preds), torch.cat(labels)
+        # sample weights, where the source gives them (all batches or none: a batch without counts 1s)
+        w = None if all(x is None for x in weights) else torch.cat(
+            [torch.ones(len(b)) if x is None else x for x, b in zip(weights, labels)])
         out = {"samples": int(p.shape[0])}
+        if w is not None:
+            out["weighted"] = True
         for t, task in enumerate(self.spec.tasks):
             out[task] = {
-                "ne": normalized_entropy(p[:, t], y[:, t]),
-                "auc": auc(p[:, t], y[:, t]),
-                "log_loss": log_loss(p[:, t], y[:, t]),
-                "label_mean": float(y[:, t].mean()),
+                "ne": normalized_entropy(p[:, t], y[:, t], w),
+                "auc": auc(p[:, t], y[:, t], w),
+                "log_loss": log_loss(p[:, t], y[:, t], w),
+                "label_mean": float(y[:, t].mean() if w is None else (w * y[:, t]).sum() / w.sum()),
             }
         return out
 
