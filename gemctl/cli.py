@@ -208,6 +208,8 @@ def summary_table(cfg, result) -> Table:
     table.add_row("data wait per step", f"{perf['data_wait_ms_per_step']:.2f} ms ({100 * perf['data_wait_fraction']:.1f}%)")
     if "peak_memory_gib" in perf:
         table.add_row("peak GPU memory", f"{perf['peak_memory_gib']:.1f} GiB")
+    if perf.get("peak_host_memory_gib") is not None:
+        table.add_row("peak host memory (RSS)", f"{perf['peak_host_memory_gib']:.2f} GiB")
     table.add_row("timed steps / train wall", f"{perf['timed_steps']} / {perf['train_wall_s']:.1f} s")
     if perf.get("setup_s_in_timed_steps"):
         table.add_row("kernel tuning/compiles in timed steps (left out)", f"{perf['setup_s_in_timed_steps']:.1f} s")

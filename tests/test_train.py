@@ -144,6 +144,59 @@ def test_run_directory_contents(tmp_path):
     assert summary["perf"]["timed_steps"] == 8  # the first 4 steps are left out of throughput
     assert "measured" in summary["perf"]["peak"]  # a CPU has no datasheet peak: labelled measured
     assert 0 < summary["eval"]["ctr"]["auc"] <= 1
+    assert 0 < summary["perf"]["peak_host_memory_gib"] < 64  # the CPU run's peak RSS
+    png = (run / "curves.png").read_bytes()  # loss, MFU and eval NE curves
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_curves_plot_the_runs_records(tmp_path, monkeypatch):
+    """plot_curves draws what it is given: every finite step loss (from first_step), the windows'
+    MFU, and an NE panel only when the run evaluated; a failing plot is said, not raised."""
+    from gemctl.train import curves
+
+    drawn = {}
+
+    class Axes:
+        def __init__(self, i):
+            self.i = i
+
+        def plot(self, x, y, *a, **k):
+            drawn.setdefault(self.i, []).append((list(x), list(y)))
+
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    class Plt:
+        def subplots(self, rows, cols, **k):
+            drawn["panels"] = cols
+            return self, [Axes(i) for i in range(cols)]
+
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    monkeypatch.setattr("gemctl.profile.plots.pyplot", lambda: Plt())
+    records = [{"kind": "train", "step": 4, "loss": 1.0, "local_mfu": 0.1},
+               {"kind": "train", "step": 8, "loss": 0.9, "local_mfu": None, "e2e_mfu": 0.2}]
+    curves.plot_curves([1.2, float("nan"), None, 0.8], records, tmp_path / "c.png", "t", first_step=5)
+    assert drawn["panels"] == 2
+    assert drawn[0][0] == ([5, 8], [1.2, 0.8])  # the non-finite and missing losses left out
+    assert drawn[1][0] == ([4, 8], [10.0, 20.0])  # MFU in %, E2E where Local is absent
+    records.append({"kind": "eval", "step": 8, "ctr": {"ne": 0.9}, "samples": 10})
+    curves.plot_curves([1.0], records, tmp_path / "c.png", "t")
+    assert drawn["panels"] == 3 and drawn[2][0] == ([8], [0.9])
+
+
+def test_a_plot_that_fails_is_said_and_the_run_stands(tmp_path):
+    from rich.console import Console
+
+    from gemctl.config.compose import compose
+    from gemctl.train.trainer import Trainer
+
+    console = Console(record=True, width=200)
+    trainer = Trainer(compose(["train.steps=2"]), console=console)
+    trainer._plot_curves(tmp_path, [1.0], 1)  # no metrics.jsonl there
+    assert "curves.png not written: FileNotFoundError" in console.export_text()
+    assert not (tmp_path / "curves.png").exists()
 
 
 def test_kernel_tuning_and_compiles_are_taken_out_of_step_times(tmp_path, monkeypatch):

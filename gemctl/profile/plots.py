@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -15,7 +16,7 @@ def _pyplot():
 
 
 def plot_breakdown(report: dict, path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     cats = dict(report["categories_s"])
     cats["host overhead"] = report["host_overhead_s"]
     cats["data stall"] = report["data_stall_s"] if report["idle_s"] >= report["data_stall_s"] else report["idle_s"]
@@ -34,7 +35,7 @@ def plot_breakdown(report: dict, path: Path) -> None:
 
 
 def plot_waterfall(report: dict, path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     stages = report["waterfall"]
     if not stages:
         return

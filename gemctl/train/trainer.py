@@ -501,6 +501,8 @@ class Trainer:
         )
         if cuda:
             perf["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        else:
+            perf["peak_host_memory_gib"] = _peak_rss_gib()
         result.perf = perf
         summary = {"eval": result.eval, "baselines": result.baselines, "perf": perf,
                    "provenance": provenance() if run else None, "grad_norm": _norm_stats(result.grad_norms, tcfg.grad_clip),
@@ -511,7 +513,30 @@ class Trainer:
         if run:
             run.write_text("summary.json", json.dumps(summary, indent=2))
         sink.close()
+        if run:
+            self._plot_curves(run.path, result.losses, start + 1)
         return result
+
+    def _plot_curves(self, run_path: Path, losses: list, first_step: int) -> None:
+        """curves.png from this run's metrics.jsonl and per-step losses; a plot that cannot be drawn
+        is said, and the run's results stand."""
+        from gemctl.train.curves import plot_curves
+
+        try:
+            records = [json.loads(line) for line in (run_path / "metrics.jsonl").read_text().splitlines() if line]
+            plot_curves(losses, records, run_path / "curves.png", f"{self.cfg.run.name}: {self.cfg.model.name}, "
+                        f"{self.cfg.data.name} on {mfu_lib.device_name(self.device)}", first_step)
+        except Exception as exc:  # noqa: BLE001 (matplotlib missing or failing must not lose the run)
+            self._say(f"[yellow]curves.png not written: {type(exc).__name__}: {exc}[/yellow]")
+
+
+def _peak_rss_gib() -> float | None:
+    """This process's peak resident memory (Linux reports KiB), None where the OS does not say."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def kernel_setup_seconds() -> float:
