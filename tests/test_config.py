@@ -215,7 +215,7 @@ def test_unknown_group_option_close_match():
     err = _error(["data=synthetics"])
     assert err.field == "data"
     assert "did you mean 'synthetic'" in str(err)
-    assert "allowed: movielens100k, synthetic" in str(err)
+    assert "allowed: movielens100k, parquet, synthetic" in str(err)
 
 
 @pytest.mark.parametrize("prefix", ["", "+"])

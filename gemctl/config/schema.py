@@ -174,9 +174,24 @@ class MovieLensDataConfig:
 
 
 @dataclass
+class ParquetDataConfig:
+    """Your own samples, one Parquet row each (gemctl/data/parquet.py says what each column holds)."""
+
+    train: str = ""  # a file, a directory of *.parquet files, or a glob
+    eval: str = ""
+    # "column:vocabulary size" each, e.g. [item_id:100000,action:8]: history columns (lists of ids)
+    seq_features: List[str] = field(default_factory=list)
+    sparse_features: List[str] = field(default_factory=list)  # "column:vocabulary size": id or id-list columns
+    dense: List[str] = field(default_factory=list)  # float columns
+    labels: List[str] = field(default_factory=lambda: ["label"])  # 0/1 columns, one task each
+    weight: Optional[str] = None  # sample-weight column
+    sample_id: Optional[str] = None  # int64 id column (else the row number)
+
+
+@dataclass
 class DataConfig:
     name: str = "synthetic"
-    source: str = "synthetic"  # synthetic | movielens100k
+    source: str = "synthetic"  # synthetic | movielens100k | parquet
     batch_size: int = 128
     eval_batch_size: int = 512
     max_len: int = 64
@@ -186,6 +201,7 @@ class DataConfig:
     validate: bool = True  # check every batch (ids in range, offsets, labels)
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
     movielens: MovieLensDataConfig = field(default_factory=MovieLensDataConfig)
+    parquet: ParquetDataConfig = field(default_factory=ParquetDataConfig)
 
 
 @dataclass

@@ -24,7 +24,7 @@ class Source(Protocol):
         """Reference predictors on the held-out split: {name: {"ne": .., "auc": ..}} (ctr task)."""
 
 
-SOURCES = ("synthetic", "movielens100k")
+SOURCES = ("synthetic", "movielens100k", "parquet")
 
 
 def build_source(data_cfg, shuffle_cfg=None, world_size: int = 1, rank: int = 0) -> Source:
@@ -41,6 +41,10 @@ def build_source(data_cfg, shuffle_cfg=None, world_size: int = 1, rank: int = 0)
         from gemctl.data.movielens import MovieLensSource
 
         return MovieLensSource(data_cfg, dealer=dealer)
+    if data_cfg.source == "parquet":
+        from gemctl.data.parquet import ParquetSource
+
+        return ParquetSource(data_cfg, dealer=dealer)
     from gemctl.errors import ConfigError
 
     raise ConfigError("data.source", f"'{data_cfg.source}' is not a source; allowed: {', '.join(SOURCES)}")
