@@ -20,8 +20,8 @@ def _nan_at(monkeypatch, call: int):
     """compute_loss returns NaN on its ``call``-th training call (1-based)."""
     real, calls = trainer_mod.compute_loss, {"n": 0}
 
-    def loss(logits, labels):
-        out = real(logits, labels)
+    def loss(logits, labels, weights=None):
+        out = real(logits, labels, weights)
         if torch.is_grad_enabled():
             calls["n"] += 1
             if calls["n"] == call:

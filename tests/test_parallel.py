@@ -147,7 +147,7 @@ def test_layout_matches_single_process_on_two_gpus(tmp_path, monkeypatch, layout
 def test_torchrun_run_directory(tmp_path):
     summary = _torchrun(tmp_path, 2, ["parallel=fsdp", "data.batch_size=8"])
     (run,) = glob.glob(str(tmp_path / "default" / "*"))
-    assert sorted(os.listdir(run)) == ["config.yaml", "metrics.jsonl", "summary.json"]
+    assert sorted(os.listdir(run)) == ["config.yaml", "curves.png", "metrics.jsonl", "summary.json"]  # rank 0's only
     assert summary["eval"]["samples"] == 64
 
 
