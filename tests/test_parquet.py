@@ -110,11 +110,11 @@ def test_ranks_get_disjoint_rows(tmp_path):
 
 
 @pytest.mark.parametrize("change,extra,field,message", [
-    (lambda r: r["actions"].__setitem__(4, r["actions"][4] + [1]), [], "actions", "row 4 has"),
-    (lambda r: r["items"].__setitem__(7, [3, 50]), [], "items", "id 50 in row 7 is outside its vocabulary [0, 50)"),
+    (lambda r: r["actions"].__setitem__(4, r["actions"][4] + [1]), [], "actions", "row 4 of train has"),
+    (lambda r: r["items"].__setitem__(7, [3, 50]), [], "items", "id 50 in row 7 of train is outside its vocabulary [0, 50)"),
     (lambda r: r["user"].__setitem__(2, -1), [], "user", "id -1 in row 2"),
-    (lambda r: r["click"].__setitem__(9, 2.0), [], "click", "label 2.0 in row 9 is not in [0, 1]"),
-    (lambda r: r["w"].__setitem__(5, -1.0), ["data.parquet.weight=w"], "w", "in row 5 is not a finite number >= 0"),
+    (lambda r: r["click"].__setitem__(9, 2.0), [], "click", "label 2.0 in row 9 of train is not in [0, 1]"),
+    (lambda r: r["w"].__setitem__(5, -1.0), ["data.parquet.weight=w"], "w", "in row 5 of train is not a finite number >= 0"),
     (lambda r: r["age"].__setitem__(3, np.nan), [], "age", "non-finite value in row 3"),
     (lambda r: r.pop("buy"), [], "buy", "no such column"),
 ])
@@ -169,3 +169,90 @@ def test_a_short_run_learns_a_learnable_label(tmp_path):
     result = Trainer(cfg, run_root=str(tmp_path / "runs")).fit()
     assert result.eval["click"]["auc"] > 0.9  # the label is the user id's parity
     assert result.baselines["train_rate"]["auc"] == pytest.approx(0.5)
+
+
+def test_column_types_as_they_come(tmp_path):
+    """int32 ids and large_list histories, bool labels, an integer dense column past float32's
+    exact range, and files whose types differ (int32 in one, int64 in the other) read as one split."""
+    rows = _rows(60, 0)
+    t = pa.table(rows)
+    a = t.slice(0, 30).cast(pa.schema([
+        pa.field("items", pa.large_list(pa.int32())), pa.field("actions", pa.list_(pa.int32())),
+        pa.field("user", pa.int32()), pa.field("tags", pa.list_(pa.int64())), pa.field("age", pa.float32()),
+        pa.field("score", pa.int64()), pa.field("click", pa.bool_()), pa.field("buy", pa.float64()),
+        pa.field("w", pa.float32()), pa.field("sid", pa.int64())]))
+    b = t.slice(30)
+    b = b.set_column(b.schema.get_field_index("click"), "click", b.column("click").cast(pa.bool_()))  # bool vs float won't merge
+    (tmp_path / "tr").mkdir()
+    pq.write_table(a, tmp_path / "tr" / "a.parquet")
+    pq.write_table(b, tmp_path / "tr" / "b.parquet")
+    big = dict(_rows(20, 1), score=np.full(20, 20_000_001, dtype=np.int64))
+    pq.write_table(pa.table(big), tmp_path / "eval.parquet")
+    cfg = compose(["data=parquet", f"data.parquet.train={tmp_path / 'tr'}", f"data.parquet.eval={tmp_path / 'eval.parquet'}",
+                   "data.max_len=8", "data.batch_size=16", *COLUMNS])
+    src = ParquetSource(cfg.data)
+    batch = src.train.batch(torch.arange(60))
+    validate_batch(batch, src.spec)
+    for r in (0, 29, 30, 59):
+        lo, hi = batch.seq_offsets[r], batch.seq_offsets[r + 1]
+        assert batch.seq_ids["items"][lo:hi].tolist() == rows["items"][r][-8:]
+        assert batch.labels[r, 0] == float(rows["click"][r])
+    ev = next(src.eval_batches())
+    assert float(ev.dense[0, 1]) == pytest.approx(20_000_001, rel=1e-7)  # rounded to float32, not refused
+
+
+def test_errors_name_the_file_and_its_row(tmp_path):
+    (tmp_path / "tr").mkdir()
+    first, second = _rows(30, 0), _rows(30, 2)
+    second["items"][4] = [99]
+    pq.write_table(pa.table(first), tmp_path / "tr" / "a.parquet")
+    pq.write_table(pa.table(second), tmp_path / "tr" / "b.parquet")
+    pq.write_table(pa.table(_rows(20, 1)), tmp_path / "eval.parquet")
+    cfg = compose(["data=parquet", f"data.parquet.train={tmp_path / 'tr'}", f"data.parquet.eval={tmp_path / 'eval.parquet'}",
+                   "data.max_len=8", "data.batch_size=16", *COLUMNS])
+    with pytest.raises(DataError, match=re.escape(f"id 99 in row 4 of {tmp_path / 'tr' / 'b.parquet'} is outside")):
+        ParquetSource(cfg.data)
+    bad_eval = _rows(20, 1)
+    bad_eval["user"][3] = 10
+    pq.write_table(pa.table(first), tmp_path / "train.parquet")
+    pq.write_table(pa.table(bad_eval), tmp_path / "eval.parquet")
+    with pytest.raises(DataError, match="id 10 in row 3 of eval is outside"):
+        ParquetSource(_cfg(tmp_path).data)
+
+
+@pytest.mark.parametrize("column,value,field,message", [
+    ("sid", [1.5] * 40, "sid", "sample ids must be one integer a row"),
+    ("sid", [[1, 2]] * 40, "sid", "sample ids must be one integer a row"),
+    ("items", list(range(40)), "items", "a history column must hold lists of ids"),
+    ("tags", [["a"]] * 40, "tags", "ids must be integers"),
+])
+def test_wrong_column_types(tmp_path, column, value, field, message):
+    train = dict(_rows(40, 0), **{column: value})
+    _write(tmp_path, train, _rows(20, 1))
+    with pytest.raises(DataError, match=message) as info:
+        ParquetSource(_cfg(tmp_path, ["data.parquet.sample_id=sid"]).data)
+    assert info.value.feature == field
+
+
+def test_an_empty_eval_split_is_refused(tmp_path):
+    _write(tmp_path, _rows(40, 0), {k: v[:0] for k, v in _rows(20, 1).items()})
+    with pytest.raises(ConfigError, match="has no rows") as info:
+        ParquetSource(_cfg(tmp_path).data)
+    assert info.value.field == "data.parquet.eval"
+
+
+def test_weighted_baseline_and_the_source_pickles(tmp_path):
+    import pickle
+
+    train = _rows(100, 0)
+    _write(tmp_path, train, _rows(40, 1))
+    src = ParquetSource(_cfg(tmp_path, ["data.parquet.weight=w"]).data)
+    w, y = torch.tensor(train["w"]), torch.tensor(train["click"])
+    rate = float((w * y).sum() / w.sum())
+    ev = src.eval
+    from gemctl.metrics.quality import normalized_entropy
+
+    want = normalized_entropy(torch.full((ev.rows,), rate), ev.labels[:, 0], ev.weights)
+    assert src.baselines()["train_rate"]["ne"] == pytest.approx(want)
+    copy = pickle.loads(pickle.dumps(src))  # what DataLoader workers get
+    assert torch.equal(copy.train_batch(7).sample_ids, src.train_batch(7).sample_ids)

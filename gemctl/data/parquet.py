@@ -12,12 +12,13 @@ Columns, named in the config:
 - ``sample_id`` (optional): an int64 column; the row number otherwise.
 
 ``data.parquet.train`` and ``data.parquet.eval`` are a file, a directory of ``*.parquet`` files, or
-a glob. Both load into host memory once (pyarrow, ``pip install 'gemctl[parquet]'``); each epoch
-deals a fresh permutation of the training rows (seeded by data.seed, as the other sources), so
-batch k is the same however the run got there (resume, data-loader workers). Bad data stops the
-run with one line naming the column and the first bad row: a missing column, a wrong type, an id
-outside its vocabulary, history columns of unequal length, a label outside [0, 1], a negative or
-non-finite weight.
+a glob. Both load into host memory once (pyarrow, ``pip install 'gemctl[parquet]'``; list columns
+with 64-bit offsets, the files' column types promoted to a common one); each epoch deals a fresh
+permutation of the training rows (seeded by data.seed, as the other sources), so batch k is the
+same however the run got there (resume, data-loader workers). Bad data stops the run with one
+line naming the column and the first bad row (and its file, where a split has several): a missing
+column, a wrong type, a null, an id outside its vocabulary, history columns of unequal length, a
+label outside [0, 1], a negative or non-finite weight, an empty eval split.
 """
 
 from __future__ import annotations
@@ -57,57 +58,77 @@ def _files(spec: str, field: str) -> list[str]:
     return files
 
 
-def _read(files: list[str], columns: list[str], field: str):
+def _read(files: list[str], columns: list[str], split: str):
+    """The files' columns as one table (list columns as large_list: int64 offsets, so a split may
+    hold more than 2^31 events), and a function naming the file and row of a row of the table."""
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
         raise ConfigError("data.source", "'parquet' needs pyarrow: pip install 'gemctl[parquet]' (or pyarrow)") from exc
     import pyarrow as pa
 
-    tables = []
+    tables, starts = [], [0]
     for f in files:
         have = pq.read_schema(f).names
         missing = [c for c in columns if c not in have]
         if missing:
             raise DataError(missing[0], f"no such column in {f} (its columns: {', '.join(have)})")
-        tables.append(pq.read_table(f, columns=columns))
-    return pa.concat_tables(tables).combine_chunks() if len(tables) > 1 else tables[0].combine_chunks()
+        t = pq.read_table(f, columns=columns)
+        t = t.cast(pa.schema([pa.field(x.name, pa.large_list(x.type.value_type)) if pa.types.is_list(x.type) else x
+                              for x in t.schema]))
+        tables.append(t)
+        starts.append(starts[-1] + t.num_rows)
+    try:
+        table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise DataError(f"data.parquet.{split}", f"the files' column types do not agree: {str(exc).splitlines()[0]}") from exc
+
+    def where(row: int) -> str:
+        i = int(np.searchsorted(starts, row, side="right")) - 1
+        return f"row {row - starts[i]} of {files[i]}" if len(files) > 1 else f"row {row} of {split}"
+
+    return table.combine_chunks(), where
 
 
 class _Jagged:
     """One list column: values (torch int64) and per-row offsets; or a scalar column as lists of 1."""
 
-    def __init__(self, table, name: str, vocab: int | None):
+    def __init__(self, table, name: str, vocab: int, where, history: bool = False):
         import pyarrow as pa
 
-        col = table.column(name).combine_chunks() if table.num_rows else None
         rows = table.num_rows
-        if col is None:
+        if not rows:
             self.values, self.offsets = torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
             return
-        if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+        col = table.column(name).combine_chunks()
+        if pa.types.is_large_list(col.type):
             if col.null_count:
-                raise DataError(name, f"null list in row {_first_null(col)}")
+                raise DataError(name, f"null list in {where(_first_null(col))}")
             offsets = np.asarray(col.offsets, dtype=np.int64)
+            offsets = offsets - offsets[0]
             flat = col.flatten()
             values_type = col.type.value_type
+        elif history:
+            raise DataError(name, f"a history column must hold lists of ids, got {col.type}")
         else:
             offsets = np.arange(rows + 1, dtype=np.int64)
             flat = col
             values_type = col.type
-        if vocab is not None and not pa.types.is_integer(values_type):
+        if not pa.types.is_integer(values_type):
             raise DataError(name, f"ids must be integers, got {values_type}")
         if flat.null_count:
-            raise DataError(name, f"null id in row {int(np.searchsorted(offsets, _first_null(flat), 'right')) - 1}")
-        values = torch.from_numpy(np.asarray(flat, dtype=np.int64).copy())
-        self.offsets = torch.from_numpy(offsets - offsets[0])
-        self.values = values
-        if vocab is not None and values.numel():
-            bad = ((values < 0) | (values >= vocab)).nonzero()
+            raise DataError(name, f"null id in {where(int(np.searchsorted(offsets, _first_null(flat), 'right')) - 1)}")
+        raw = np.asarray(flat)
+        if raw.dtype == np.uint64 and raw.size and int(raw.max()) >= 2**63:
+            raise DataError(name, f"ids must be below 2^63, got {int(raw.max())}")
+        self.values = torch.from_numpy(raw.astype(np.int64))  # one copy
+        self.offsets = torch.from_numpy(offsets)
+        if self.values.numel():
+            bad = ((self.values < 0) | (self.values >= vocab)).nonzero()
             if bad.numel():
                 i = int(bad[0])
                 row = int(torch.searchsorted(self.offsets, torch.tensor(i), right=True)) - 1
-                raise DataError(name, f"id {int(values[i])} in row {row} is outside its vocabulary [0, {vocab})")
+                raise DataError(name, f"id {int(self.values[i])} in {where(row)} is outside its vocabulary [0, {vocab})")
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -118,58 +139,72 @@ def _first_null(arr) -> int:
     return int(np.flatnonzero(~np.asarray(arr.is_valid()))[0])
 
 
-def _floats(table, name: str) -> torch.Tensor:
+def _floats(table, name: str, where) -> torch.Tensor:
+    """A number column (float, integer or boolean) as float32 (large integers round)."""
     import pyarrow as pa
 
     col = table.column(name).combine_chunks()
     if not (pa.types.is_floating(col.type) or pa.types.is_integer(col.type) or pa.types.is_boolean(col.type)):
         raise DataError(name, f"must be a number column, got {col.type}")
     if col.null_count:
-        raise DataError(name, f"null value in row {_first_null(col)}")
-    return torch.from_numpy(np.asarray(col.cast(pa.float32()), dtype=np.float32).copy())
+        raise DataError(name, f"null value in {where(_first_null(col))}")
+    return torch.from_numpy(col.to_numpy(zero_copy_only=False).astype(np.float32))
+
+
+def _sample_ids(table, name: str) -> torch.Tensor:
+    """An integer column, one id a row (below 2^63)."""
+    import pyarrow as pa
+
+    col = table.column(name).combine_chunks()
+    if not pa.types.is_integer(col.type):
+        raise DataError(name, f"sample ids must be one integer a row, got {col.type}")
+    if col.null_count:
+        raise DataError(name, f"null sample id in row {_first_null(col)}")
+    raw = np.asarray(col)
+    if raw.dtype == np.uint64 and raw.size and int(raw.max()) >= 2**63:
+        raise DataError(name, f"sample ids must be below 2^63, got {int(raw.max())}")
+    return torch.from_numpy(raw.astype(np.int64))
 
 
 class _Split:
     """One split in host memory, gathered into batches by row positions."""
 
-    def __init__(self, table, pcfg, seq_vocab: dict, sparse_vocab: dict, max_len: int, split: str):
+    def __init__(self, read, pcfg, seq_vocab: dict, sparse_vocab: dict, max_len: int):
+        table, where = read
         self.rows = table.num_rows
-        seq = {n: _Jagged(table, n, v) for n, v in seq_vocab.items()}
+        seq = {n: _Jagged(table, n, v, where, history=True) for n, v in seq_vocab.items()}
         first = next(iter(seq.values()))
         for name, col in seq.items():
             bad = (col.lengths != first.lengths).nonzero()
             if bad.numel():
                 r = int(bad[0])
-                raise DataError(name, f"row {r} has {int(col.lengths[r])} events, {next(iter(seq))} has "
-                                      f"{int(first.lengths[r])}: history columns must be of equal length ({split})")
+                raise DataError(name, f"{where(r)} has {int(col.lengths[r])} events, {next(iter(seq))} has "
+                                      f"{int(first.lengths[r])}: history columns must be of equal length")
         self.seq = seq
         self.seq_end = first.offsets[1:]
         self.seq_start = torch.maximum(first.offsets[:-1], self.seq_end - max_len)  # the latest max_len events
-        self.sparse = {n: _Jagged(table, n, v) for n, v in sparse_vocab.items()}
-        self.dense = (torch.stack([_floats(table, c) for c in pcfg.dense], 1) if len(pcfg.dense)
+        self.sparse = {n: _Jagged(table, n, v, where) for n, v in sparse_vocab.items()}
+        self.dense = (torch.stack([_floats(table, c, where) for c in pcfg.dense], 1) if len(pcfg.dense)
                       else torch.zeros(self.rows, 0))
-        self.labels = torch.stack([_floats(table, c) for c in pcfg.labels], 1)
+        self.labels = (torch.stack([_floats(table, c, where) for c in pcfg.labels], 1) if self.rows
+                       else torch.zeros(0, len(pcfg.labels)))
         for t, c in enumerate(pcfg.labels):
             bad = ((self.labels[:, t] < 0) | (self.labels[:, t] > 1) | self.labels[:, t].isnan()).nonzero()
             if bad.numel():
                 r = int(bad[0])
-                raise DataError(c, f"label {float(self.labels[r, t])} in row {r} is not in [0, 1] ({split})")
+                raise DataError(c, f"label {float(self.labels[r, t])} in {where(r)} is not in [0, 1]")
         bad = (~torch.isfinite(self.dense)).any(1).nonzero() if self.dense.numel() else torch.zeros(0)
         if bad.numel():
             r = int(bad[0])
             c = pcfg.dense[int((~torch.isfinite(self.dense[r])).nonzero()[0])]
-            raise DataError(c, f"non-finite value in row {r} ({split})")
-        self.weights = _floats(table, pcfg.weight) if pcfg.weight else None
+            raise DataError(c, f"non-finite value in {where(r)}")
+        self.weights = _floats(table, pcfg.weight, where) if pcfg.weight else None
         if self.weights is not None:
             bad = (~torch.isfinite(self.weights) | (self.weights < 0)).nonzero()
             if bad.numel():
                 r = int(bad[0])
-                raise DataError(pcfg.weight, f"weight {float(self.weights[r])} in row {r} is not a finite number >= 0 ({split})")
-        if pcfg.sample_id:
-            ids = _Jagged(table, pcfg.sample_id, None)
-            self.ids = ids.values
-        else:
-            self.ids = torch.arange(self.rows, dtype=torch.int64)
+                raise DataError(pcfg.weight, f"weight {float(self.weights[r])} in {where(r)} is not a finite number >= 0")
+        self.ids = _sample_ids(table, pcfg.sample_id) if pcfg.sample_id else torch.arange(self.rows, dtype=torch.int64)
 
     def batch(self, pos: torch.Tensor) -> JaggedBatch:
         def gather(col: _Jagged, starts, ends):
@@ -222,7 +257,9 @@ class ParquetSource:
             raise ConfigError("data.parquet", f"column '{dup[0]}' is named twice")
         self.train, self.eval = (
             _Split(_read(_files(getattr(pcfg, s), f"data.parquet.{s}"), columns, s), pcfg, seq_vocab, sparse_vocab,
-                   max_len, s) for s in ("train", "eval"))
+                   max_len) for s in ("train", "eval"))
+        if not self.eval.rows:
+            raise ConfigError("data.parquet.eval", f"'{pcfg.eval}' has no rows: the run evaluates on them")
         self.spec = FeatureSpec(
             seq_features=seq_vocab,
             sparse_features=sparse_vocab,
@@ -238,7 +275,7 @@ class ParquetSource:
 
     def _epoch_perm(self, epoch: int) -> torch.Tensor:
         if self._perm is None or self._perm[0] != epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
             self._perm = (epoch, torch.randperm(self.train.rows, generator=g))
         return self._perm[1]
 
@@ -265,11 +302,13 @@ class ParquetSource:
             yield self.eval.batch(torch.arange(i, min(i + self.eval_batch_size, self.eval.rows)))
 
     def baselines(self) -> dict[str, dict[str, float]]:
-        """The training label rate as the prediction of every held-out sample (NE 1 by construction
-        when the rates agree; AUC 0.5): the floor any model must beat."""
+        """The training label rate (weighted where the rows are) as the prediction of every held-out
+        sample (NE about 1, AUC 0.5): the floor any model must beat."""
         from gemctl.metrics.quality import auc, normalized_entropy
 
-        rate = float(self.train.labels[:, 0].mean())
+        w = self.train.weights
+        y_tr = self.train.labels[:, 0]
+        rate = float(y_tr.mean() if w is None else (w * y_tr).sum() / w.sum().clamp_min(1e-30))
         y = self.eval.labels[:, 0]
         p = torch.full_like(y, rate)
         return {"train_rate": {"ne": normalized_entropy(p, y, self.eval.weights), "auc": auc(p, y, self.eval.weights)}}
