@@ -118,10 +118,7 @@ class _Jagged:
             raise DataError(name, f"ids must be integers, got {values_type}")
         if flat.null_count:
             raise DataError(name, f"null id in {where(int(np.searchsorted(offsets, _first_null(flat), 'right')) - 1)}")
-        raw = np.asarray(flat)
-        if raw.dtype == np.uint64 and raw.size and int(raw.max()) >= 2**63:
-            raise DataError(name, f"ids must be below 2^63, got {int(raw.max())}")
-        self.values = torch.from_numpy(raw.astype(np.int64))  # one copy
+        self.values = _int64(flat, name, "ids")
         self.offsets = torch.from_numpy(offsets)
         if self.values.numel():
             bad = ((self.values < 0) | (self.values >= vocab)).nonzero()
@@ -151,6 +148,14 @@ def _floats(table, name: str, where) -> torch.Tensor:
     return torch.from_numpy(col.to_numpy(zero_copy_only=False).astype(np.float32))
 
 
+def _int64(arr, name: str, what: str) -> torch.Tensor:
+    """An integer pyarrow array (no nulls) as int64, copied once; uint64 values past int64 refused."""
+    raw = np.asarray(arr)
+    if raw.dtype == np.uint64 and raw.size and int(raw.max()) >= 2**63:
+        raise DataError(name, f"{what} must be below 2^63, got {int(raw.max())}")
+    return torch.from_numpy(raw.astype(np.int64))
+
+
 def _sample_ids(table, name: str) -> torch.Tensor:
     """An integer column, one id a row (below 2^63)."""
     import pyarrow as pa
@@ -160,10 +165,7 @@ def _sample_ids(table, name: str) -> torch.Tensor:
         raise DataError(name, f"sample ids must be one integer a row, got {col.type}")
     if col.null_count:
         raise DataError(name, f"null sample id in row {_first_null(col)}")
-    raw = np.asarray(col)
-    if raw.dtype == np.uint64 and raw.size and int(raw.max()) >= 2**63:
-        raise DataError(name, f"sample ids must be below 2^63, got {int(raw.max())}")
-    return torch.from_numpy(raw.astype(np.int64))
+    return _int64(col, name, "sample ids")
 
 
 class _Split:
