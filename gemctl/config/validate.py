@@ -25,6 +25,7 @@ LAUNCHERS = ("local", "torchrun", "slurm")
 SOURCES = ("synthetic", "movielens100k", "parquet")
 GDPA_ACTIVATIONS = ("gelu", "silu")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
+KERNEL_OPS = ("jagged_attention", "gdpa", "block_attention")  # model.kernels.<op>
 SPARSE_SHARDINGS = ("fsdp", "torchrec")
 _SLURM_SAFE = re.compile(r"[A-Za-z0-9_.,:@%+=/-]+")
 SPARSE_SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
@@ -54,7 +55,7 @@ def _triton_needs_a_gpu(m, device: str) -> None:
 
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()) or os.environ.get("TRITON_INTERPRET") == "1":
         return
-    for op in ("jagged_attention", "gdpa", "block_attention"):
+    for op in KERNEL_OPS:
         if getattr(m.kernels, op) == "triton":
             raise ConfigError(f"model.kernels.{op}", "'triton' needs a CUDA device and this run trains on the CPU; "
                               "allowed here: auto, torch (or TRITON_INTERPRET=1: the kernel in Triton's interpreter, slow)")
@@ -80,7 +81,7 @@ def validate(cfg, check_device: bool = True) -> None:
         raise ConfigError("model.moe.top_k", f"must be in [1, model.moe.n_experts={moe.n_experts}], got {moe.top_k}")
     if moe.aux_loss_weight < 0:
         raise ConfigError("model.moe.aux_loss_weight", f"must be >= 0, got {moe.aux_loss_weight}")
-    for op in ("jagged_attention", "gdpa", "block_attention"):
+    for op in KERNEL_OPS:
         _one_of(getattr(m.kernels, op), KERNEL_BACKENDS, f"model.kernels.{op}")
     kinds = list(m.attention)
     if len(kinds) not in (1, m.num_layers):

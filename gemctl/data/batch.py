@@ -142,6 +142,17 @@ def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gather_spans(starts: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [starts[i], ends[i]) of a flat array, one span after another: (the flat index of every
+    gathered row, the offsets [B+1] of the spans in it). Host tensors; no Python loop."""
+    lengths = ends - starts
+    offsets = offsets_from_lengths(lengths)
+    total = int(offsets[-1])
+    index = torch.arange(total, dtype=torch.int64) + torch.repeat_interleave(
+        starts - offsets[:-1], lengths, output_size=total)
+    return index, offsets
+
+
 # ----------------------------------------------------------------------------------------------
 # Validation: bad data is rejected with the feature name and the first offending row.
 

@@ -34,7 +34,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from gemctl.data.batch import FeatureSpec, JaggedBatch, offsets_from_lengths
+from gemctl.data.batch import FeatureSpec, JaggedBatch, gather_spans, offsets_from_lengths
 from gemctl.errors import ConfigError, UserError
 
 _MISSING = (
@@ -256,20 +256,11 @@ class MovieLensSource:
         """Gather the samples at sorted positions ``pos`` into one batch."""
         starts, ends = self._s_start[pos], self._s_end[pos]
         lengths = ends - starts
-        offsets = offsets_from_lengths(lengths)
-        total = int(offsets[-1])
-        idx = torch.arange(total, dtype=torch.int64) + torch.repeat_interleave(
-            starts - offsets[:-1], lengths, output_size=total
-        )
+        idx, offsets = gather_spans(starts, ends)
         b = pos.numel()
         ones = torch.arange(b + 1, dtype=torch.int64)
         users, targets = self._s_user[pos], self._s_item[pos]
-        glen = self._item_genre_offsets[targets + 1] - self._item_genre_offsets[targets]
-        goffs = offsets_from_lengths(glen)
-        gtotal = int(goffs[-1])
-        gidx = torch.arange(gtotal, dtype=torch.int64) + torch.repeat_interleave(
-            self._item_genre_offsets[targets] - goffs[:-1], glen, output_size=gtotal
-        )
+        gidx, goffs = gather_spans(self._item_genre_offsets[targets], self._item_genre_offsets[targets + 1])
         return JaggedBatch(
             seq_ids={"item_id": self._flat_item[idx], "rating": self._flat_rating[idx]},
             seq_offsets=offsets,

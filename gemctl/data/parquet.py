@@ -30,7 +30,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from gemctl.data.batch import FeatureSpec, JaggedBatch, offsets_from_lengths
+from gemctl.data.batch import FeatureSpec, JaggedBatch, gather_spans
 from gemctl.errors import ConfigError, DataError
 
 
@@ -209,21 +209,13 @@ class _Split:
         self.ids = _sample_ids(table, pcfg.sample_id) if pcfg.sample_id else torch.arange(self.rows, dtype=torch.int64)
 
     def batch(self, pos: torch.Tensor) -> JaggedBatch:
-        def gather(col: _Jagged, starts, ends):
-            lengths = ends - starts
-            offsets = offsets_from_lengths(lengths)
-            total = int(offsets[-1])
-            idx = torch.arange(total, dtype=torch.int64) + torch.repeat_interleave(
-                starts - offsets[:-1], lengths, output_size=total)
-            return col.values[idx], offsets
-
         starts, ends = self.seq_start[pos], self.seq_end[pos]
-        seq_ids, offsets = {}, None
-        for name, col in self.seq.items():
-            seq_ids[name], offsets = gather(col, starts, ends)
+        index, offsets = gather_spans(starts, ends)  # the history columns share their spans
+        seq_ids = {name: col.values[index] for name, col in self.seq.items()}
         sparse_ids, sparse_offsets = {}, {}
         for name, col in self.sparse.items():
-            sparse_ids[name], sparse_offsets[name] = gather(col, col.offsets[:-1][pos], col.offsets[1:][pos])
+            bag, sparse_offsets[name] = gather_spans(col.offsets[:-1][pos], col.offsets[1:][pos])
+            sparse_ids[name] = col.values[bag]
         lengths = ends - starts
         return JaggedBatch(
             seq_ids=seq_ids, seq_offsets=offsets, seq_offsets_cpu=offsets,
