@@ -203,6 +203,11 @@ def summary_table(cfg, result) -> Table:
         table.add_row("Local MFU, Scaling Ratio", "set metrics.scaling_baseline_steps (1-rank baseline)")
     else:
         table.add_row("Local MFU", _mfu_cell(perf["local_mfu"]))
+    if perf.get("activation_checkpoint", "none") != "none":
+        table.add_row("activation checkpointing", perf["activation_checkpoint"])
+        hfu = perf.get("hfu")
+        table.add_row("HFU (recomputation counted)", _mfu_cell(hfu) if hfu is not None
+                      else "not known (torch.compile chooses the recomputation)")
     table.add_row("peak used", perf["peak"])
     table.add_row("attention share of FLOPs", f"{100 * perf['attention_flop_share']:.1f}%")
     table.add_row("data wait per step", f"{perf['data_wait_ms_per_step']:.2f} ms ({100 * perf['data_wait_fraction']:.1f}%)")

@@ -80,6 +80,10 @@
 #             NCU_SASS_TARGET=gdpa (default): GDPA cross-128's forward, the resident Gluon pick and its
 #             math-alone probe; =block: block attention's self-1000 backward (block 64, RoPE), the
 #             Triton pick and the Gluon backward
+#   checkpoint  small_h200 under each activation-checkpointing mode (CKPT_MODES, default none ops full)
+#             at each batch size (CKPT_BATCHES, default 64 256), 30 steps (10 untimed): one multirun
+#             per batch size, its table with step time, MFU, HFU and peak memory per mode (a job that
+#             runs out of memory shows its exit code). CKPT_OVERRIDES adds overrides to every job
 #   tests-multi-gpu  the two-GPU checks (2+ GPUs): FSDP, HSDP and EP+MoE over NCCL against one
 #             process (pytest -m gpu -k two_gpus)
 #   profile-multi-gpu  gemctl profile of small_h200 with FSDP over every GPU (where the step goes
@@ -216,6 +220,17 @@ for stage in "$@"; do
     bench) python3 scripts/bench_jagged_attention.py --out "$OUT/bench_jagged_attention.json" 2>&1 | quiet | tee "$OUT/bench_jagged_attention.log" ;;
     bench-gdpa) python3 scripts/bench_gdpa.py --grids --out "$OUT/bench_gdpa.json" 2>&1 | quiet | tee "$OUT/bench_gdpa.log" ;;
     bench-block) python3 scripts/bench_block_attention.py --out "$OUT/bench_block_attention.json" 2>&1 | quiet | tee "$OUT/bench_block_attention.log" ;;
+    checkpoint)
+      # one multirun per batch size (its table: step time, MFU, HFU, peak memory per mode)
+      for b in ${CKPT_BATCHES:-64 256}; do
+        modes=$(echo "${CKPT_MODES:-none ops full}" | tr ' ' ,)
+        # shellcheck disable=SC2086  # CKPT_OVERRIDES: several overrides
+        python3 -m gemctl train -m --recipe small_h200 run.progress=false run.name=ckpt-b$b train.steps=30 \
+          data.batch_size=$b data.eval_batch_size=64 parallel.activation_checkpoint.mode=$modes ${CKPT_OVERRIDES:-} \
+          2>&1 | quiet | tee "$OUT/checkpoint_b$b.log"
+        d=$(ls -d runs/ckpt-b$b/multirun-* | tail -1)
+        cp "$d/sweep.md" "$OUT/checkpoint_b${b}_sweep.md"; cp "$d/sweep.json" "$OUT/checkpoint_b${b}_sweep.json"
+      done ;;
     ab-gdpa)
       for impl in torch triton; do
         python3 -m gemctl train --recipe small_h200 run.progress=false model.kernels.gdpa=$impl run.name=small_h200-gdpa-$impl 2>&1 | quiet | tee "$OUT/small_h200_gdpa_$impl.log"

@@ -144,6 +144,29 @@ def test_gradient_norm_columns_where_recorded():
     assert "max grad norm" not in markdown_table(["precision"], without)
 
 
+def test_checkpoint_sweep_shows_hfu_and_peak_memory():
+    """A sweep over activation checkpointing shows HFU (where the recomputation is known; budget's
+    is not: '-') and each job's peak GPU memory beside its step time."""
+    ev = {"ctr": {"ne": 0.9, "auc": 0.7}}
+    perf = {"step_time_ms": 10.0, "qps": 100.0, "local_mfu": 0.3, "hfu": 0.3, "activation_checkpoint": "none",
+            "peak_memory_gib": 20.04}
+    results = [
+        {"job": 0, "overrides": ["parallel.activation_checkpoint.mode=none"], "exit_code": 0, "eval": ev, "perf": perf},
+        {"job": 1, "overrides": ["parallel.activation_checkpoint.mode=full"], "exit_code": 0, "eval": ev,
+         "perf": {**perf, "hfu": 0.3812, "activation_checkpoint": "full: 4 of 4 tower layers", "peak_memory_gib": 7.51}},
+        {"job": 2, "overrides": ["parallel.activation_checkpoint.mode=budget"], "exit_code": 0, "eval": ev,
+         "perf": {**perf, "hfu": None, "activation_checkpoint": "budget: ...", "peak_memory_gib": 9.0}},
+    ]
+    lines = markdown_table(["parallel.activation_checkpoint.mode"], comparison_rows(
+        ["parallel.activation_checkpoint.mode"], results)).splitlines()
+    assert lines[0].endswith("| MFU | HFU | peak memory |")
+    assert lines[2].endswith("| 30.00% | - | 20.0 GiB |")
+    assert lines[3].endswith("| 30.00% | 38.12% | 7.5 GiB |")
+    assert lines[4].endswith("| 30.00% | - | 9.0 GiB |")
+    cpu = [{**r, "perf": {k: v for k, v in perf.items() if k != "peak_memory_gib"}} for r in results[:1]]
+    assert "peak memory" not in markdown_table(["x"], comparison_rows(["x"], cpu))
+
+
 def _job(i, precision, seed, ctr_ne, step_ms=10.0, code=0):
     job = {"job": i, "overrides": [f"precision={precision}", f"train.seed={seed}"], "exit_code": code}
     if code == 0:

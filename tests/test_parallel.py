@@ -83,8 +83,13 @@ def _tables(kind: str) -> list[str]:
          "model.moe.top_k=2", "model.moe.aux_loss_weight=0"], 16),
     (4, ["parallel=hsdp", "parallel.dp_shard=2", "parallel.ep=2", "parallel.topology.gpus_per_node=2",
          "model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.aux_loss_weight=0"], 32),
+    # Activation checkpointing inside FSDP2 units (the backward re-gathers for the rerun forward),
+    # and with expert parallelism (the rerun forward's all-to-alls): the single process has none.
+    (2, ["parallel=fsdp", "parallel.activation_checkpoint.mode=full"], 16),
+    (2, ["parallel=fsdp", "parallel.ep=2", "parallel.topology.gpus_per_node=2", "model.moe.n_experts=4",
+         "model.moe.top_k=2", "model.moe.aux_loss_weight=0", "parallel.activation_checkpoint.mode=ops"], 16),
 ], ids=["fsdp-2", "hsdp-2x2", "fsdp-2-compiled", "tables-table_wise", "tables-row_wise", "tables-column_wise", "fsdp-2-moe",
-        "ep-2-moe", "hsdp-2x2-ep-2-moe"])
+        "ep-2-moe", "hsdp-2x2-ep-2-moe", "fsdp-2-checkpoint-full", "ep-2-moe-checkpoint-ops"])
 def test_layout_matches_single_process(tmp_path, nproc, layout, global_batch):
     """Measured max relative loss difference over the 8 steps: 1.2e-7 (FSDP, HSDP, table-wise,
     column-wise), 1.1e-7 (row-wise); the torchrec runs use fbgemm's fused row-wise Adagrad, the
@@ -96,6 +101,8 @@ def test_layout_matches_single_process(tmp_path, nproc, layout, global_batch):
     # the gradient norm before clipping is the global one: every rank's shard (and each expert once)
     _assert_close(dist["grad_norms"], single["grad_norms"])
     perf = dist["perf"]
+    modes = [o.split("=")[1] for o in layout if o.startswith("parallel.activation_checkpoint.mode=")]
+    assert perf["activation_checkpoint"].split(":")[0] == (modes[0] if modes else "none")
     if "parallel.sparse.sharding=torchrec" in layout:
         kind = layout[-1].split("[")[1].rstrip("]")
         assert {t["sharding"] for t in perf["table_plan"].values()} == {kind}

@@ -134,6 +134,23 @@ class SparseParallelConfig:
 
 
 @dataclass
+class ActivationCheckpointConfig:
+    """Activation checkpointing of the sequence tower's layers, step 2 of parallelize
+    (gemctl.parallel.activation). A checkpointed layer keeps less of its forward for the backward
+    and runs part of the forward again there: less memory for some extra time, so a larger batch
+    fits (GEM.md item 6).
+
+    mode: none; full (keep only the layer's input, recompute the whole layer); ops (keep the outputs
+    of the GEMMs and attention kernels, recompute the norms, activations and residual adds);
+    budget (torch.compile's partitioner chooses what to recompute so the compiled layers keep at
+    most ``budget`` of their activation memory; needs parallel.compile=true)."""
+
+    mode: str = "none"  # none | full | ops | budget
+    every: int = 1  # full / ops: checkpoint tower layers 0, every, 2*every, ... (1: every layer)
+    budget: float = 0.5  # budget: share of the activation memory kept, in (0, 1)
+
+
+@dataclass
 class ParallelConfig:
     """Dense data-parallel layout over the world: dp_replicate x dp_shard ranks (2-D FSDP/HSDP).
 
@@ -146,6 +163,7 @@ class ParallelConfig:
     dp_shard: int = 1
     ep: int = 1  # expert-parallel degree: MoE experts split over groups of ep ranks (gemctl.parallel.expert)
     compile: bool = False  # torch.compile every sequence-tower layer (gemctl.parallel.compile)
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     sparse: SparseParallelConfig = field(default_factory=SparseParallelConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
 

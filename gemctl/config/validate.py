@@ -27,6 +27,7 @@ GDPA_ACTIVATIONS = ("gelu", "silu")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 KERNEL_OPS = ("jagged_attention", "gdpa", "block_attention")  # model.kernels.<op>
 SPARSE_SHARDINGS = ("fsdp", "torchrec")
+CHECKPOINT_MODES = ("none", "full", "ops", "budget")  # parallel.activation_checkpoint.mode
 _SLURM_SAFE = re.compile(r"[A-Za-z0-9_.,:@%+=/-]+")
 SPARSE_SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
 
@@ -250,6 +251,21 @@ def resolve_layout(cfg, world: int) -> tuple[int, int]:
     return rep, shard
 
 
+def _check_activation_checkpoint(cfg) -> None:
+    ac = cfg.parallel.activation_checkpoint
+    _one_of(ac.mode, CHECKPOINT_MODES, "parallel.activation_checkpoint.mode")
+    if ac.mode in ("full", "ops") and not 1 <= ac.every <= cfg.model.num_layers:
+        raise ConfigError("parallel.activation_checkpoint.every", f"must be in [1, model.num_layers="
+                          f"{cfg.model.num_layers}] (checkpoint every k-th tower layer), got {ac.every}")
+    if ac.mode == "budget":
+        if not 0 < ac.budget < 1:
+            raise ConfigError("parallel.activation_checkpoint.budget",
+                              f"must be in (0, 1) (the share of activation memory kept), got {ac.budget}")
+        if not cfg.parallel.compile:
+            raise ConfigError("parallel.activation_checkpoint.mode", "'budget' is torch.compile's choice of what to "
+                              "recompute and needs parallel.compile=true; without it use full or ops")
+
+
 def validate_layout(cfg) -> None:
     """Launcher and parallel layout against each other: checked before anything launches."""
     launcher, par = cfg.launcher, cfg.parallel
@@ -281,6 +297,7 @@ def validate_layout(cfg) -> None:
     _positive(cfg, "parallel.topology.gpus_per_node")
     _positive(cfg, "parallel.topology.nodes_per_zone", allow_zero=True)
     _one_of(par.sparse.sharding, SPARSE_SHARDINGS, "parallel.sparse.sharding")
+    _check_activation_checkpoint(cfg)
     if not par.sparse.sharding_types:
         raise ConfigError("parallel.sparse.sharding_types", f"give at least one of {', '.join(SPARSE_SHARDING_TYPES)}")
     for i, kind in enumerate(par.sparse.sharding_types):

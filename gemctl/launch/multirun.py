@@ -119,7 +119,8 @@ def print_tables(console, keys: list[str], rows: list[dict], groups: list[dict])
         console.print(summary_markdown(keys, groups), markup=False, highlight=False, soft_wrap=True)
 
 
-PERF_KEYS = ("step_time_ms", "qps", "model_tflops", "local_mfu", "e2e_mfu", "device")
+PERF_KEYS = ("step_time_ms", "qps", "model_tflops", "local_mfu", "e2e_mfu", "device", "peak_memory_gib", "hfu",
+             "activation_checkpoint")
 
 
 def _value_of(override: str, key: bool = False) -> str:
@@ -144,6 +145,10 @@ def comparison_rows(keys: list[str], results: list[dict]) -> list[dict]:
             perf = r["perf"]
             row["step_time_ms"], row["qps"] = perf.get("step_time_ms"), perf.get("qps")
             row["mfu"] = perf["local_mfu"] if perf.get("local_mfu") is not None else perf.get("e2e_mfu")
+            if perf.get("peak_memory_gib") is not None:  # CUDA runs
+                row["peak_memory_gib"] = perf["peak_memory_gib"]
+            if perf.get("activation_checkpoint") not in (None, "none"):  # None under budget: not known
+                row["hfu"] = perf.get("hfu")
             if r.get("grad_norm"):  # absent in sweeps from before it was recorded, empty without clipping
                 row["grad_norm_max"] = r["grad_norm"].get("grad_norm_max")
                 row["clipped_steps"] = r["grad_norm"].get("clipped_steps")
@@ -159,8 +164,8 @@ def _columns(keys: list[str], rows: list[dict]) -> list[str]:
         for col in row:
             if col.endswith((".ne", ".auc")) and col not in metric_cols:
                 metric_cols.append(col)
-    norms = [c for c in ("grad_norm_max", "clipped_steps") if any(c in row for row in rows)]
-    return ["job", *keys, *metric_cols, "step_time_ms", "qps", "mfu", *norms]
+    extra = [c for c in ("hfu", "peak_memory_gib", "grad_norm_max", "clipped_steps") if any(c in row for row in rows)]
+    return ["job", *keys, *metric_cols, "step_time_ms", "qps", "mfu", *extra]
 
 
 def _cell(col: str, value) -> str:
@@ -172,15 +177,17 @@ def _cell(col: str, value) -> str:
         return f"{value:.1f}"
     if col == "qps":
         return f"{value:,.0f}"
-    if col == "mfu":
+    if col in ("mfu", "hfu"):
         return f"{100 * value:.2f}%"
+    if col == "peak_memory_gib":
+        return f"{value:.1f} GiB"
     if col == "grad_norm_max":
         return f"{value:.3g}"
     return str(value)
 
 
-_HEADERS = {"step_time_ms": "step ms", "qps": "QPS", "mfu": "MFU", "grad_norm_max": "max grad norm",
-            "clipped_steps": "clipped steps"}
+_HEADERS = {"step_time_ms": "step ms", "qps": "QPS", "mfu": "MFU", "hfu": "HFU", "peak_memory_gib": "peak memory",
+            "grad_norm_max": "max grad norm", "clipped_steps": "clipped steps"}
 
 
 def _header(col: str) -> str:

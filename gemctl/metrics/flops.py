@@ -12,6 +12,10 @@ Rules (ARCHITECTURE.md, "MFU accounting"):
 - embedding lookups, norms, activations, biases and the optimizer count 0;
 - backward is 2x forward, so a training step is 3x forward. Recomputation (activation
   checkpointing) is never counted: that would be hardware FLOPs, not model FLOPs.
+
+Hardware FLOPs (HFU) are the model FLOPs plus the forward work activation checkpointing runs again
+(gemctl.parallel.activation): a ``full`` layer's whole forward, the Triton FP8 GEMMs of an ``ops``
+layer; unknown (None) under ``budget``, where torch.compile's partitioner decides.
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ class FlopCount:
     """Forward FLOPs by component; training counts 3x (backward = 2x forward)."""
 
     forward: dict[str, int] = field(default_factory=dict)
+    recompute: int | None = 0  # forward FLOPs activation checkpointing runs again; None: not known
+
 
     def add(self, name: str, flops: int) -> None:
         self.forward[name] = self.forward.get(name, 0) + int(flops)
@@ -79,6 +85,11 @@ class FlopCount:
         return 3 * self.forward_total
 
     @property
+    def hardware_total(self) -> int | None:
+        """Training FLOPs with the recomputation (HFU's numerator); None where it is not known."""
+        return None if self.recompute is None else self.train_total + self.recompute
+
+    @property
     def attention_total(self) -> int:
         return sum(v for k, v in self.forward.items() if k.endswith(".attention"))
 
@@ -88,14 +99,37 @@ class FlopCount:
         return self.attention_total / total if total else 0.0
 
 
-def gem_flops(model_cfg, spec, seq_lengths: torch.Tensor) -> FlopCount:
+def _tower_layer(c, lengths: torch.Tensor, n: int, kind: str) -> dict[str, int]:
+    """Forward FLOPs of one sequence-tower layer by component."""
+    from gemctl.model.attention import parse_attention_kind
+
+    d, inner = c.d_model, c.num_heads * c.head_dim
+    out = {"tower.proj": gemm(n, d, 3 * inner) + gemm(n, inner, d)}
+    moe = getattr(c, "moe", None)
+    if moe is not None and moe.n_experts:  # router + top_k expert MLPs per token (dropless)
+        out["tower.router"] = gemm(n, d, moe.n_experts)
+        out["tower.mlp"] = moe.top_k * 2 * gemm(n, d, c.mlp_ratio * d)
+    else:
+        out["tower.mlp"] = 2 * gemm(n, d, c.mlp_ratio * d)
+    name, block = parse_attention_kind(kind)
+    if name == "block":
+        pairs = block_attention_pairs(lengths, block)
+    elif name == "window":
+        pairs = window_attention_pairs(lengths, block, c.causal)
+    else:
+        pairs = attention_pairs(lengths, lengths, c.causal)
+    out["tower.attention"] = attention(c.num_heads, c.head_dim, pairs)
+    return out
+
+
+def gem_flops(model_cfg, spec, seq_lengths: torch.Tensor, checkpoint=None) -> FlopCount:
     """Forward FLOPs of :class:`gemctl.model.GemModel` on a batch with these history lengths.
 
     ``seq_lengths`` is the host tensor of per-sample lengths ``[B]``; nothing here touches the
     device. Mirrors the model's structure module by module (a test checks every GEMM against
-    torch's FLOP counter on the real model).
+    torch's FLOP counter on the real model). ``checkpoint``: the activation-checkpointing plan
+    (gemctl.parallel.activation.CheckpointPlan), for the recomputed FLOPs.
     """
-    from gemctl.model.attention import parse_attention_kind
     from gemctl.model.sequence import layer_kinds
 
     c = model_cfg
@@ -117,22 +151,17 @@ def gem_flops(model_cfg, spec, seq_lengths: torch.Tensor) -> FlopCount:
     fc.add("cross.proj", gemm(n, d, inner) + gemm(b * n_ns, d, 2 * inner) + gemm(n, inner, d))
     fc.add("cross.attention", attention(h, hd, int(lengths.sum()) * n_ns))
 
+    mode = checkpoint.mode if checkpoint is not None else "none"
     for i, kind in enumerate(layer_kinds(c)):
-        fc.add("tower.proj", gemm(n, d, 3 * inner) + gemm(n, inner, d))
-        moe = getattr(c, "moe", None)
-        if moe is not None and moe.n_experts:  # router + top_k expert MLPs per token (dropless)
-            fc.add("tower.router", gemm(n, d, moe.n_experts))
-            fc.add("tower.mlp", moe.top_k * 2 * gemm(n, d, c.mlp_ratio * d))
-        else:
-            fc.add("tower.mlp", 2 * gemm(n, d, c.mlp_ratio * d))
-        name, block = parse_attention_kind(kind)
-        if name == "block":
-            pairs = block_attention_pairs(lengths, block)
-        elif name == "window":
-            pairs = window_attention_pairs(lengths, block, c.causal)
-        else:
-            pairs = attention_pairs(lengths, lengths, c.causal)
-        fc.add("tower.attention", attention(h, hd, pairs))
+        layer = _tower_layer(c, lengths, n, kind)
+        for name, flops in layer.items():
+            fc.add(name, flops)
+        if mode == "full" and i in checkpoint.layers:
+            fc.recompute += sum(layer.values())
+        elif mode == "ops":
+            fc.recompute += n * checkpoint.gemm_per_token.get(i, 0)
+    if mode == "budget":
+        fc.recompute = None
 
     # PMA: the P learned queries are projected once per step, keys/values per history token.
     fc.add("pma.proj", gemm(p, d, inner) + gemm(n, d, 2 * inner) + gemm(b * p, inner, d))

@@ -411,6 +411,15 @@ def _group_fits(group: int, k: int, n: int) -> bool:
     return group == 0 or (k % group == 0 and n % group == 0)
 
 
+def triton_gemms(recipe: Fp8Recipe, in_features: int, out_features: int, device: torch.device) -> bool:
+    """A Linear of this shape under ``recipe`` runs its GEMMs as Triton kernels on ``device`` (as
+    fp8_linear and fp8_mlp decide per call), rather than emulated through torch's matmul."""
+    from gemctl.ops.triton.common import INTERPRET
+
+    ready = INTERPRET or (device.type == "cuda" and _has_fp8_tensor_cores(device))
+    return ready and _group_fits(recipe.group, in_features, out_features)
+
+
 # ------------------------------------------------------------------------------------------------
 # The MLP block down(silu(up(x))), row-wise, fused producers.
 

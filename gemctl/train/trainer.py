@@ -162,6 +162,9 @@ class Trainer:
         par = parallelize(self.model, self.ctx, cfg, self.device, self.formats)
         self.table_plan, fused_sparse = par.table_plan, par.fused_sparse
         self.expert_groups, self.expert_params = par.expert_groups, par.expert_params
+        self.checkpoint_plan = par.checkpoint
+        if par.checkpoint.active:
+            self._say(f"parallel.activation_checkpoint: {par.checkpoint.describe()}")
         if par.compiled_layers:
             from gemctl.parallel.compile import BACKEND
 
@@ -234,7 +237,7 @@ class Trainer:
 
     def batch_flops(self, batch):
         """gem_flops of this model on the batch's history lengths (host math, no device work)."""
-        return gem_flops(self._model_cfg, self.spec, batch.seq_lengths_cpu())
+        return gem_flops(self._model_cfg, self.spec, batch.seq_lengths_cpu(), self.checkpoint_plan)
 
     def _first_nonfinite(self, loss) -> str | None:
         """'loss' or the name of the first parameter with a non-finite gradient (this rank; the
@@ -327,6 +330,8 @@ class Trainer:
             [window.samples, window.tokens, window.flops, window.attention_flops, window.data_wait], self.device
         )
         out.data_wait = wait / self.ctx.world_size
+        if window.hardware_flops is not None:  # every rank has the same plan: known on all or none
+            out.hardware_flops = self.ctx.sum([window.hardware_flops], self.device)[0]
         return out
 
     # ------------------------------------------------------------------------------------------
@@ -400,7 +405,8 @@ class Trainer:
                     pending_ids.append(batch.sample_ids[:8])
                     window.data_wait += loader.last_wait_s
                     flops = self.batch_flops(batch)
-                    window.add(batch.batch_size, batch.num_tokens, flops.train_total, flops.attention_total * 3)
+                    window.add(batch.batch_size, batch.num_tokens, flops.train_total, flops.attention_total * 3,
+                               flops.hardware_total)
                     pending.append(self.train_step(batch))
                     pending_norms.append(self.last_grad_norm)
                     if ledger is not None:
@@ -492,6 +498,7 @@ class Trainer:
             skipped_steps=self.skipped,
             checkpoint_blocking_s=checkpoint_s,
             table_plan=self.table_plan,
+            activation_checkpoint=self.checkpoint_plan.describe(),
             train_wall_s=train_wall,
             timed_steps=totals.steps,
             setup_s_in_timed_steps=setup_timed,
@@ -551,6 +558,10 @@ def kernel_setup_seconds() -> float:
     return setup_seconds() + compile_seconds()
 
 
+def _plus(a: int | None, b: int | None) -> int | None:
+    return None if a is None or b is None else a + b
+
+
 @dataclass
 class _Window:
     """Throughput accumulators over a span of steps."""
@@ -560,15 +571,17 @@ class _Window:
     tokens: int = 0
     flops: int = 0
     attention_flops: int = 0
+    hardware_flops: int | None = 0  # with activation checkpointing's recomputation; None: not known
     data_wait: float = 0.0
     seconds: float = 0.0
 
-    def add(self, samples: int, tokens: int, flops: int, attention_flops: int) -> None:
+    def add(self, samples: int, tokens: int, flops: int, attention_flops: int, hardware_flops: int | None = None) -> None:
         self.steps += 1
         self.samples += samples
         self.tokens += tokens
         self.flops += flops
         self.attention_flops += attention_flops
+        self.hardware_flops = _plus(self.hardware_flops, hardware_flops)
 
     def merge(self, other: "_Window", seconds: float) -> None:
         self.steps += other.steps
@@ -576,8 +589,14 @@ class _Window:
         self.tokens += other.tokens
         self.flops += other.flops
         self.attention_flops += other.attention_flops
+        self.hardware_flops = _plus(self.hardware_flops, other.hardware_flops)
         self.data_wait += other.data_wait
         self.seconds += seconds
+
+    def _hfu(self, world_size: int, seconds: float, peak) -> float | None:
+        """Hardware FLOPs (recomputation included) / (ranks x time x peak): E2E MFU with activation
+        checkpointing's rerun forward counted; None where the recomputation is not known."""
+        return None if self.hardware_flops is None else mfu_lib.e2e_mfu(self.hardware_flops, world_size, seconds, peak)
 
     def record(self, step: int, seconds: float, peak, world_size: int = 1) -> dict:
         """Rates over the window. With counts summed over ``world_size`` ranks: global QPS and
@@ -599,6 +618,7 @@ class _Window:
                 "local_mfu": None,
                 "e2e_mfu": mfu_lib.e2e_mfu(self.flops, world_size, seconds, peak),
                 "wall_mfu": mfu_lib.mfu(self.flops / world_size, seconds, peak),
+                "hfu": self._hfu(world_size, seconds, peak),
                 "attention_flop_share": self.attention_flops / self.flops if self.flops else 0.0,
                 "data_wait_ms_per_step": 1e3 * self.data_wait / steps,
                 "data_wait_fraction": self.data_wait / seconds,
@@ -613,6 +633,7 @@ class _Window:
             "local_mfu": mfu_lib.mfu(self.flops, compute, peak),
             "e2e_mfu": mfu_lib.e2e_mfu(self.flops, 1, seconds, peak),
             "wall_mfu": mfu_lib.mfu(self.flops, seconds, peak),
+            "hfu": self._hfu(1, seconds, peak),
             "attention_flop_share": self.attention_flops / self.flops if self.flops else 0.0,
             "data_wait_ms_per_step": 1e3 * self.data_wait / steps,
             "data_wait_fraction": self.data_wait / seconds,
