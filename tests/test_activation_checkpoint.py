@@ -200,6 +200,21 @@ def test_checkpointed_layers_compile(tmp_path, monkeypatch, _fresh_dynamo, mode)
         assert compiled.perf["hfu"] is None
 
 
+def test_plan_estimate_follows_the_mode():
+    """gemctl plan's activation estimate: full < ops < none, every=2 between full and none, budget
+    scales the tower's share."""
+    from gemctl.parallel.plan import activation_bytes
+
+    def est(*overrides):
+        return activation_bytes(compose(["model=small", *overrides]), tokens=1e5, batch=64, dtype_bytes=2)
+
+    key = "parallel.activation_checkpoint"
+    none, ops, full = est(), est(f"{key}.mode=ops"), est(f"{key}.mode=full")
+    assert full < ops < none
+    assert full < est(f"{key}.mode=full", f"{key}.every=2") < none
+    assert est(f"{key}.mode=budget", "parallel.compile=true", f"{key}.budget=0.25") < ops
+
+
 @pytest.mark.parametrize("overrides,field", [
     (["parallel.activation_checkpoint.mode=some"], "parallel.activation_checkpoint.mode"),
     (["parallel.activation_checkpoint.mode=full", "parallel.activation_checkpoint.every=0"],

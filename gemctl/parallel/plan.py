@@ -98,13 +98,26 @@ def activation_bytes(cfg, tokens: float, batch: int, dtype_bytes: int) -> int:
     """Estimate of the activations the backward keeps, per rank per step: per token and tower
     layer the norm inputs and outputs, residual and projection outputs (5 d), q, k, v and the
     attention output (4 H D), the MLP's hidden and its activation (2 r d); cross-attention adds
-    about a layer's worth without the MLP; PMA, interaction and heads scale with the batch."""
-    m = cfg.model
+    about a layer's worth without the MLP; PMA, interaction and heads scale with the batch.
+
+    Under parallel.activation_checkpoint a checkpointed layer keeps its input (full: d, plus one
+    layer's worth while the backward reruns it), the outputs of its GEMMs and attention (ops:
+    3 d + 4 H D + r d), or ``budget`` of its activations (budget)."""
+    from gemctl.parallel.activation import checkpointed_layers
+
+    m, ac = cfg.model, cfg.parallel.activation_checkpoint
     hd = m.num_heads * m.head_dim
     per_layer = 5 * m.d_model + 4 * hd + 2 * m.mlp_ratio * m.d_model
+    tower = m.num_layers * per_layer
+    if ac.mode in ("full", "ops"):
+        n = len(checkpointed_layers(m.num_layers, ac.every))
+        kept = m.d_model if ac.mode == "full" else 3 * m.d_model + 4 * hd + m.mlp_ratio * m.d_model
+        tower = (m.num_layers - n) * per_layer + n * kept + (per_layer if ac.mode == "full" else 0)
+    elif ac.mode == "budget":
+        tower = ac.budget * tower
     cross = 3 * m.d_model + 4 * hd
     pooled = batch * (m.pma_queries + 8) * m.d_model * (m.interaction_layers + 4)
-    return int(dtype_bytes * (tokens * (m.num_layers * per_layer + cross) + pooled))
+    return int(dtype_bytes * (tokens * (tower + cross) + pooled))
 
 
 def _ranks_text(ranks: list[int]) -> str:
