@@ -594,8 +594,9 @@ class _Window:
         self.seconds += seconds
 
     def _hfu(self, world_size: int, seconds: float, peak) -> float | None:
-        """Hardware FLOPs (recomputation included) / (ranks x time x peak): E2E MFU with activation
-        checkpointing's rerun forward counted; None where the recomputation is not known."""
+        """Hardware FLOPs (activation checkpointing's rerun forward included) over the time of the
+        MFU reported beside it: one process, its compute time (Local MFU's); across ranks,
+        ranks x step time (E2E MFU's). None where the recomputation is not known."""
         return None if self.hardware_flops is None else mfu_lib.e2e_mfu(self.hardware_flops, world_size, seconds, peak)
 
     def record(self, step: int, seconds: float, peak, world_size: int = 1) -> dict:
@@ -633,7 +634,7 @@ class _Window:
             "local_mfu": mfu_lib.mfu(self.flops, compute, peak),
             "e2e_mfu": mfu_lib.e2e_mfu(self.flops, 1, seconds, peak),
             "wall_mfu": mfu_lib.mfu(self.flops, seconds, peak),
-            "hfu": self._hfu(1, seconds, peak),
+            "hfu": self._hfu(1, compute, peak),
             "attention_flop_share": self.attention_flops / self.flops if self.flops else 0.0,
             "data_wait_ms_per_step": 1e3 * self.data_wait / steps,
             "data_wait_fraction": self.data_wait / seconds,
