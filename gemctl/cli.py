@@ -268,7 +268,8 @@ def plan_tables(plan: dict) -> list[Table]:
         head.add_row(dim, f"{g['count']} x {g['size']}", g["tier"],
                      "; ".join("[" + ", ".join(map(str, x)) + "]" for x in g["examples"]))  # '...' unquoted
     mem = Table(title=f"memory per rank (rank 0), local batch {plan['local_batch']}, "
-                      f"mean history {plan['mean_history_length']:.0f} ({plan['mean_history_length_from']})")
+                      f"mean history {plan['mean_history_length']:.0f} ({plan['mean_history_length_from']}), "
+                      f"activation checkpointing {plan['activation_checkpoint']}")
     mem.add_column("what")
     mem.add_column("bytes", justify="right")
     for k, v in plan["memory_bytes_rank0"].items():

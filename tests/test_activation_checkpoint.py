@@ -215,6 +215,9 @@ def test_plan_estimate_follows_the_mode():
     assert full < ops < none
     assert full < est(f"{key}.mode=full", f"{key}.every=2") < none
     assert est(f"{key}.mode=budget", "parallel.compile=true", f"{key}.budget=0.25") < ops
+    from gemctl.parallel.plan import _checkpoint_text
+
+    assert _checkpoint_text(compose(["model=small", f"{key}.mode=full", f"{key}.every=2"])) == "full, 2 of 4 tower layers"
 
 
 @pytest.mark.parametrize("overrides,field", [

@@ -120,6 +120,16 @@ def activation_bytes(cfg, tokens: float, batch: int, dtype_bytes: int) -> int:
     return int(dtype_bytes * (tokens * (tower + cross) + pooled))
 
 
+def _checkpoint_text(cfg) -> str:
+    """parallel.activation_checkpoint as the plan's memory table names it."""
+    from gemctl.parallel.activation import checkpointed_layers
+
+    ac, layers = cfg.parallel.activation_checkpoint, cfg.model.num_layers
+    if ac.mode in ("full", "ops"):
+        return f"{ac.mode}, {len(checkpointed_layers(layers, ac.every))} of {layers} tower layers"
+    return f"budget {ac.budget:g}" if ac.mode == "budget" else "none"
+
+
 def _ranks_text(ranks: list[int]) -> str:
     if not ranks:
         return "all (data-parallel)"
@@ -260,5 +270,6 @@ def build_plan(cfg, source) -> dict:
         "param_dtype_bytes": param_dtype, "local_batch": cfg.data.batch_size,
         "mean_history_length": mean_len, "mean_history_length_from": len_how,
         "groups": _groups(rep, shard, topo.gpus_per_node, topo.nodes_per_zone),
-        "units": unit_rows, "tables": tables, "memory_bytes_rank0": memory, "communication_per_step": comm,
+        "units": unit_rows, "tables": tables, "memory_bytes_rank0": memory,
+        "activation_checkpoint": _checkpoint_text(cfg), "communication_per_step": comm,
     }
