@@ -272,23 +272,25 @@ def test_bad_checkpoint_config_names_the_field(overrides, field):
         validate(compose(overrides), check_device=False)
 
 
-@pytest.mark.gpu
-def test_checkpointing_lowers_peak_memory_on_gpu():
-    """On CUDA in bf16 with the Triton attention kernels (their outputs are what ops keeps): the
-    forward is the same, the gradients agree to bf16 rounding, and the step's peak memory above the
-    model falls from none to ops to full."""
+def _gpu_modes(overrides: list[str], fp8: bool = False) -> dict:
+    """mode -> (loss, flat gradients, peak bytes above the model, plan) of one forward+backward on
+    CUDA in bf16, the same seed and batch under none, ops and full."""
     from gemctl.train.trainer import autocast_context
 
     cuda = torch.device("cuda")
-    cfg = compose(["model=small", "model.num_layers=4", "data.batch_size=64", "data.max_len=1024", "train.device=cuda"])
+    cfg = compose(["model=small", "train.device=cuda", *overrides])
     src = SyntheticSource(cfg.data)
     batch = src.train_batch(0).to(cuda)
     results = {}
     for mode in ("none", "ops", "full"):
         torch.manual_seed(0)
         model = build_model(cfg.model, src.spec, device=cuda)
+        if fp8:
+            from gemctl.precision.rules import apply_precision
+
+            apply_precision(model, cfg.precision, cfg.model.num_layers, "cuda")
         ac = compose([f"parallel.activation_checkpoint.mode={mode}"]).parallel.activation_checkpoint
-        apply_activation_checkpointing(model, ac, cuda)
+        plan = apply_activation_checkpointing(model, ac, cuda)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -298,14 +300,23 @@ def test_checkpointing_lowers_peak_memory_on_gpu():
         loss.backward()
         torch.cuda.synchronize()
         grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
-        results[mode] = (loss.detach(), grads, torch.cuda.max_memory_allocated() - base)
+        results[mode] = (loss.detach(), grads, torch.cuda.max_memory_allocated() - base, plan)
         del model, logits, loss
-    loss, grads, peak = results["none"]
-    for mode in ("ops", "full"):
+    loss, grads = results["none"][:2]
+    for mode in ("ops", "full"):  # the same forward; gradients within bf16 rounding
         assert torch.equal(results[mode][0], loss), mode
         assert (results[mode][1] - grads).norm() <= 2e-2 * grads.norm(), mode
+    return results
+
+
+@pytest.mark.gpu
+def test_checkpointing_lowers_peak_memory_on_gpu():
+    """On CUDA in bf16 with the Triton attention kernels (their outputs are what ops keeps): the
+    forward is the same, the gradients agree to bf16 rounding, and the step's peak memory above the
+    model falls from none to ops to full."""
+    results = _gpu_modes(["model.num_layers=4", "data.batch_size=64", "data.max_len=1024"])
     print({m: round(r[2] / 2**20, 1) for m, r in results.items()}, "MiB above the model")
-    assert results["full"][2] < results["ops"][2] < peak
+    assert results["full"][2] < results["ops"][2] < results["none"][2]
 
 
 @pytest.mark.gpu
@@ -313,29 +324,6 @@ def test_checkpointing_fp8_layers_on_gpu():
     """The fp8 recipe's Triton GEMMs inside checkpointed layers (their autograd functions rerun
     under ops and full): the same forward, gradients within bf16 rounding. On the CPU the same
     holds bit for bit under the interpreter, too slow for the default tier (~1 minute a mode)."""
-    from gemctl.precision.rules import apply_precision
-    from gemctl.train.trainer import autocast_context
-
-    cuda = torch.device("cuda")
-    cfg = compose(["model=small", "model.num_layers=2", "data.batch_size=32", "data.max_len=512", "precision=fp8",
-                   "train.device=cuda"])
-    src = SyntheticSource(cfg.data)
-    batch = src.train_batch(0).to(cuda)
-    results = {}
-    for mode in ("none", "ops", "full"):
-        torch.manual_seed(0)
-        model = build_model(cfg.model, src.spec, device=cuda)
-        apply_precision(model, cfg.precision, cfg.model.num_layers, "cuda")
-        ac = compose([f"parallel.activation_checkpoint.mode={mode}"]).parallel.activation_checkpoint
-        plan = apply_activation_checkpointing(model, ac, cuda)
-        if mode == "ops":
-            assert all(plan.gemm_per_token[i] > 0 for i in plan.layers)  # the FP8 GEMMs rerun
-        with autocast_context(cuda, "bf16"):
-            loss = compute_loss(model(batch), batch.labels, batch.weights)
-        loss.backward()
-        grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
-        results[mode] = (loss.detach(), grads)
-    loss, grads = results["none"]
-    for mode in ("ops", "full"):
-        assert torch.equal(results[mode][0], loss), mode
-        assert (results[mode][1] - grads).norm() <= 2e-2 * grads.norm(), mode
+    results = _gpu_modes(["model.num_layers=2", "data.batch_size=32", "data.max_len=512", "precision=fp8"], fp8=True)
+    plan = results["ops"][3]
+    assert all(plan.gemm_per_token[i] > 0 for i in plan.layers)  # the FP8 GEMMs rerun
