@@ -72,7 +72,6 @@ class FlopCount:
     forward: dict[str, int] = field(default_factory=dict)
     recompute: int | None = 0  # forward FLOPs activation checkpointing runs again; None: not known
 
-
     def add(self, name: str, flops: int) -> None:
         self.forward[name] = self.forward.get(name, 0) + int(flops)
 

@@ -29,6 +29,7 @@ nothing known for ``budget`` (the partitioner decides inside the compiled graph,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -48,6 +49,17 @@ class CheckpointPlan:
     num_layers: int = 0
     budget: float | None = None
     gemm_per_token: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, ac_cfg, num_layers: int) -> "CheckpointPlan":
+        """The plan ``parallel.activation_checkpoint`` asks for (no model needed: gemctl plan uses
+        it too); ops mode's recomputed GEMMs are filled in when the layers are wrapped."""
+        mode = str(ac_cfg.mode)
+        if mode == "budget":
+            return cls(mode, tuple(range(num_layers)), num_layers, budget=float(ac_cfg.budget))
+        if mode in ("full", "ops"):
+            return cls(mode, checkpointed_layers(num_layers, int(ac_cfg.every)), num_layers)
+        return cls(num_layers=num_layers)
 
     @property
     def active(self) -> bool:
@@ -94,19 +106,15 @@ def checkpoint_forward(forward, mode: str):
     """``forward`` run under non-reentrant activation checkpointing (``mode`` full or ops) while
     autograd records; unchanged under no_grad (evaluation keeps nothing anyway)."""
     checkpoint = torch.utils.checkpoint
+    ops = mode == "ops"
 
-    if mode == "ops":
-        @functools.wraps(forward)
-        def run(*args, **kwargs):
-            if not torch.is_grad_enabled():
-                return forward(*args, **kwargs)
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        if ops:  # the global partial itself in the call: torch.compile traces no other form of it
             return checkpoint.checkpoint(forward, *args, use_reentrant=False, context_fn=_OPS_CONTEXT, **kwargs)
-    else:
-        @functools.wraps(forward)
-        def run(*args, **kwargs):
-            if not torch.is_grad_enabled():
-                return forward(*args, **kwargs)
-            return checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     return run
 
@@ -114,15 +122,13 @@ def checkpoint_forward(forward, mode: str):
 def _recomputed_gemms_per_token(layer: nn.Module, device: torch.device) -> int:
     """Forward GEMM FLOPs per token of ``layer``'s Linears whose GEMMs an ``ops`` checkpoint runs
     again: the FP8 ones where their Triton kernels run (gemctl.precision.fp8_linear)."""
-    if not any(getattr(m, "fp8_recipe", None) is not None for m in layer.modules()):
-        return 0
-    from gemctl.precision.fp8_linear import triton_gemms
-
     flops = 0
     for module in layer.modules():
         recipe = getattr(module, "fp8_recipe", None)
         if recipe is None:
             continue
+        from gemctl.precision.fp8_linear import triton_gemms
+
         linears = [module] if isinstance(module, nn.Linear) else [module.up, module.down]  # a fused FP8 MLP
         flops += sum(2 * lin.in_features * lin.out_features for lin in linears
                      if triton_gemms(recipe, lin.in_features, lin.out_features, device))
@@ -131,20 +137,18 @@ def _recomputed_gemms_per_token(layer: nn.Module, device: torch.device) -> int:
 
 def apply_activation_checkpointing(model, ac_cfg, device: torch.device) -> CheckpointPlan:
     """Checkpoint the tower layers ``ac_cfg`` names (in place); returns the plan."""
-    mode = str(ac_cfg.mode)
     layers = list(model.tower.layers)
-    if mode == "none":
-        return CheckpointPlan(num_layers=len(layers))
-    if mode == "budget":
+    plan = CheckpointPlan.from_config(ac_cfg, len(layers))
+    if plan.mode == "budget":
         import torch._functorch.config as functorch_config
 
-        functorch_config.activation_memory_budget = float(ac_cfg.budget)
-        return CheckpointPlan("budget", tuple(range(len(layers))), len(layers), budget=float(ac_cfg.budget))
-    chosen = checkpointed_layers(len(layers), int(ac_cfg.every))
+        functorch_config.activation_memory_budget = plan.budget
+        return plan
+    if plan.mode == "none":
+        return plan
     per_token = {}
-    for i in chosen:
-        layer = layers[i]
-        layer.forward = checkpoint_forward(layer.forward, mode)
-        if mode == "ops":
-            per_token[i] = _recomputed_gemms_per_token(layer, device)
-    return CheckpointPlan(mode, chosen, len(layers), gemm_per_token=per_token)
+    for i in plan.layers:
+        layers[i].forward = checkpoint_forward(layers[i].forward, plan.mode)
+        if plan.mode == "ops":
+            per_token[i] = _recomputed_gemms_per_token(layers[i], device)
+    return dataclasses.replace(plan, gemm_per_token=per_token)

@@ -103,14 +103,12 @@ def activation_bytes(cfg, tokens: float, batch: int, dtype_bytes: int) -> int:
     Under parallel.activation_checkpoint a checkpointed layer keeps its input (full: d, plus one
     layer's worth while the backward reruns it), the outputs of its GEMMs and attention (ops:
     3 d + 4 H D + r d), or ``budget`` of its activations (budget)."""
-    from gemctl.parallel.activation import checkpointed_layers
-
-    m, ac = cfg.model, cfg.parallel.activation_checkpoint
+    m, ac = cfg.model, _checkpoint_plan(cfg)
     hd = m.num_heads * m.head_dim
     per_layer = 5 * m.d_model + 4 * hd + 2 * m.mlp_ratio * m.d_model
     tower = m.num_layers * per_layer
     if ac.mode in ("full", "ops"):
-        n = len(checkpointed_layers(m.num_layers, ac.every))
+        n = len(ac.layers)
         kept = m.d_model if ac.mode == "full" else 3 * m.d_model + 4 * hd + m.mlp_ratio * m.d_model
         tower = (m.num_layers - n) * per_layer + n * kept + (per_layer if ac.mode == "full" else 0)
     elif ac.mode == "budget":
@@ -120,13 +118,17 @@ def activation_bytes(cfg, tokens: float, batch: int, dtype_bytes: int) -> int:
     return int(dtype_bytes * (tokens * (tower + cross) + pooled))
 
 
+def _checkpoint_plan(cfg):
+    from gemctl.parallel.activation import CheckpointPlan
+
+    return CheckpointPlan.from_config(cfg.parallel.activation_checkpoint, cfg.model.num_layers)
+
+
 def _checkpoint_text(cfg) -> str:
     """parallel.activation_checkpoint as the plan's memory table names it."""
-    from gemctl.parallel.activation import checkpointed_layers
-
-    ac, layers = cfg.parallel.activation_checkpoint, cfg.model.num_layers
+    ac = _checkpoint_plan(cfg)
     if ac.mode in ("full", "ops"):
-        return f"{ac.mode}, {len(checkpointed_layers(layers, ac.every))} of {layers} tower layers"
+        return f"{ac.mode}, {len(ac.layers)} of {ac.num_layers} tower layers"
     return f"budget {ac.budget:g}" if ac.mode == "budget" else "none"
 
 
